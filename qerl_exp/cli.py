@@ -1,0 +1,92 @@
+"""Command-line plumbing shared by `python -m qerl_exp` and the sweep command.
+
+Hydra reports a bad override as a multi-line message or a traceback. Before Hydra starts, we
+compose every job's config ourselves and turn any failure into one line that says what to change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+from qerl_exp.config import ConfigError, register_configs, to_config
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class UsageError(ValueError):
+    """Bad input from the command line or a spec file; the message is the whole report."""
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _explain(exc: BaseException, overrides: list[str]) -> str:
+    """One line for a Hydra/OmegaConf composition error."""
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if "Could not find '" in text or "Could not load '" in text:
+        missing = text.split("'")[1]  # e.g. quant/bogus
+        group, _, choice = missing.rpartition("/")
+        if group and (CONF_DIR / group).is_dir():
+            return f"{group}={choice} is not a preset; choose one of: {', '.join(group_options(group))}"
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None)
+    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else first
+    if "not in struct" in detail and key:
+        return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
+    if key:
+        return f"bad value for '{key}': {detail}"
+    if "Could not override" in first or "Error merging" in first:
+        return f"{first} {detail}".strip()
+    return first
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose the run config for `overrides` (hydra.* overrides are ignored here)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=[o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """The per-job override lists of a Hydra multirun command line (comma and range sweeps)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def validate(overrides: list[str], multirun: bool) -> None:
+    """Compose and validate every job's config; raise `UsageError` with one line on the first bad one."""
+    try:
+        jobs = expand_sweep(overrides) if multirun else [overrides]
+    except Exception as e:  # noqa: BLE001 - the parser's errors are user errors
+        raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
+    for job in jobs:
+        try:
+            to_config(compose_config(job))
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
+            raise UsageError(_explain(e, job)) from None
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,424 @@
+"""Config schemas: the single source of truth for every field a run accepts.
+
+Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
+registered with Hydra's ConfigStore as the schema of its group; the YAML files in `conf/` are
+presets that only set values. `__post_init__` validates, so a bad value fails when the config is
+turned into objects (`to_config`), with a one-line message that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message says which field and what to change."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
+    _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
+
+    Args:
+        max_steps: upper bound on optimizer steps of the warm-up.
+        batch_size: problems per warm-up step.
+        lr: AdamW learning rate of the warm-up.
+        target_accuracy: stop once greedy exact-answer accuracy on a probe set reaches this; kept
+            well below 1 so that RL has something left to learn.
+        eval_every: warm-up steps between probe evaluations.
+    """
+
+    max_steps: int = 3000
+    batch_size: int = 64
+    lr: float = 3e-3
+    target_accuracy: float = 0.3
+    eval_every: int = 100
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, f"model.warmup.max_steps must be >= 1, got {self.max_steps}")
+        _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
+
+
+@dataclass
+class ModelConfig:
+    """The policy's base model.
+
+    Args:
+        name: `tiny` builds the embedded model from the fields below; anything else is a hub id or
+            a local path of a Llama/Qwen2-family checkpoint (loaded only where the weights exist).
+        family: architecture of the embedded model (`qwen2` or `llama`).
+        hidden_size: embedded model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
+        intermediate_size: embedded model MLP width; a multiple of 64.
+        num_layers: decoder blocks of the embedded model.
+        num_heads: attention heads of the embedded model.
+        num_kv_heads: key/value heads of the embedded model (grouped-query attention).
+        dtype: compute dtype of activations and unquantized weights; `auto` is bfloat16 on CUDA
+            and float32 on CPU.
+        cache_dir: where the warmed-up embedded model is cached, keyed by its config.
+        warmup: supervised warm-up of the embedded model.
+    """
+
+    name: str = "tiny"
+    family: str = "qwen2"
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    dtype: str = "auto"
+    cache_dir: str = "~/.cache/qerl_exp"
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+    def __post_init__(self) -> None:
+        _choice("model.family", self.family, ("qwen2", "llama"))
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if self.name == "tiny":
+            for f in ("hidden_size", "intermediate_size"):
+                v = getattr(self, f)
+                _check(v > 0 and v % 64 == 0, f"model.{f} must be a positive multiple of 64, got {v}")
+            _check(self.hidden_size % self.num_heads == 0, "model.hidden_size must divide by model.num_heads")
+            _check(self.num_heads % self.num_kv_heads == 0, "model.num_heads must divide by model.num_kv_heads")
+
+
+QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
+
+
+@dataclass
+class QuantConfig:
+    """How the frozen base weights of the decoder linears are stored.
+
+    Args:
+        format: `none` (model.dtype, e.g. bf16), `nf4` (bitsandbytes NormalFloat4, blocks of 64),
+            `nvfp4` (E2M1 + E4M3 scales per 16 + FP32 tensor scale), `mxfp4` (E2M1 + E8M0 per 32).
+        double_quant: nf4 only: quantize the absmax scales again to 8 bits (QLoRA double quant).
+        targets: decoder linear names to quantize; embeddings, norms and lm_head never are.
+    """
+
+    format: str = "none"
+    double_quant: bool = False
+    targets: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+
+    def __post_init__(self) -> None:
+        _choice("quant.format", self.format, QUANT_FORMATS)
+        _check(not self.double_quant or self.format == "nf4", "quant.double_quant applies only to quant.format=nf4")
+        for t in self.targets:
+            _choice("quant.targets entry", t, DECODER_LINEARS)
+
+
+@dataclass
+class LoraConfig:
+    """Trainable low-rank adapters on the (frozen, possibly quantized) base.
+
+    Args:
+        r: adapter rank.
+        alpha: scaling numerator; the update is scaled by alpha / r.
+        dropout: dropout on the adapter input.
+        targets: module names that get adapters.
+    """
+
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+
+    def __post_init__(self) -> None:
+        _check(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        _check(len(self.targets) > 0, "lora.targets must name at least one module")
+
+
+NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
+
+
+@dataclass
+class NoiseConfig:
+    """Adaptive Quantization Noise (AQN): Gaussian noise on the RMSNorm scales of the sampler.
+
+    Args:
+        schedule: `none`, `fixed` (constant `sigma`), `exp` (paper Eq. 8), `linear`, `cosine`,
+            `log` (stage-wise decays from sigma_start to sigma_end), or `adaptive` (our
+            extension, not the paper's: a controller steering sampler entropy to a target).
+        sigma: the constant sigma of `fixed`, and the initial sigma of `adaptive`.
+        sigma_start: sigma of stage 1 of the decaying schedules.
+        sigma_end: sigma the decaying schedules decay toward.
+        num_stages: K, the number of equal stages the training steps are split into; stage 0 is
+            noise-free.
+        denominator: `paper` interpolates with (k-1)/(K-1), `code` with (k-1)/(K-2) as in the
+            released code, so that its last stage reaches sigma_end exactly.
+        include_final_norm: also perturb the final `model.norm` (the paper does not).
+        resample: `step` draws one noise vector per rollout step (paper), `forward` draws anew
+            for every forward pass of the sampler.
+        apply_to: `sampler` (paper) or `both` (the learner's forward is noisy too, same draw).
+        target: adaptive only: the measured quantity to steer, `entropy` (sampler entropy) or
+            `entropy_gain`.
+        target_value: adaptive only: the set point for `target`, in nats.
+        gain: adaptive only: multiplicative step of sigma per step, log(sigma) moves by
+            gain * (target_value - measured) / max(target_value, 1e-3).
+        sigma_min: adaptive only: lower bound on sigma.
+        sigma_max: adaptive only: upper bound on sigma.
+    """
+
+    schedule: str = "none"
+    sigma: float = 1e-2
+    sigma_start: float = 1e-2
+    sigma_end: float = 5e-4
+    num_stages: int = 10
+    denominator: str = "paper"
+    include_final_norm: bool = False
+    resample: str = "step"
+    apply_to: str = "sampler"
+    target: str = "entropy"
+    target_value: float = 0.5
+    gain: float = 0.5
+    sigma_min: float = 1e-5
+    sigma_max: float = 1e-1
+
+    def __post_init__(self) -> None:
+        _choice("noise.schedule", self.schedule, NOISE_SCHEDULES)
+        _choice("noise.denominator", self.denominator, ("paper", "code"))
+        _choice("noise.resample", self.resample, ("step", "forward"))
+        _choice("noise.apply_to", self.apply_to, ("sampler", "both"))
+        _choice("noise.target", self.target, ("entropy", "entropy_gain"))
+        for f in ("sigma", "sigma_start", "sigma_end", "sigma_min", "sigma_max"):
+            v = getattr(self, f)
+            _check(math.isfinite(v) and v >= 0, f"noise.{f} must be a finite number >= 0, got {v}")
+        if self.schedule in ("exp", "log"):
+            _check(self.sigma_start > 0 and self.sigma_end > 0, f"noise.schedule={self.schedule} needs sigma_start and sigma_end > 0")
+        _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
+        _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
+        _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
+
+
+@dataclass
+class TaskConfig:
+    """The problems the policy learns to solve and how they are scored.
+
+    Args:
+        name: `arith` (synthetic, seeded), `gsm8k` or `math` (local files or the hub).
+        path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
+        difficulty: arith only: number of digits of each operand.
+        ops: arith only: operators to draw from.
+        eval_size: held-out problems used by evaluation.
+        format_reward: reward for a completion in the <think>...</think><answer>...</answer> format.
+        correct_reward: reward for an exactly correct answer.
+    """
+
+    name: str = "arith"
+    path: str = ""
+    difficulty: int = 2
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    eval_size: int = 200
+    format_reward: float = 0.2
+    correct_reward: float = 2.0
+
+    def __post_init__(self) -> None:
+        _choice("task.name", self.name, ("arith", "gsm8k", "math"))
+        _check(1 <= self.difficulty <= 6, f"task.difficulty must be in 1..6, got {self.difficulty}")
+        for op in self.ops:
+            _choice("task.ops entry", op, ("+", "-", "*"))
+        _check(self.eval_size >= 1, "task.eval_size must be >= 1")
+
+
+@dataclass
+class AlgoConfig:
+    """The policy-gradient objective (GRPO or DAPO).
+
+    Args:
+        name: `grpo` or `dapo`; a label recorded with the run, the fields below define the math.
+        group_size: completions drawn per prompt (G); advantages are normalized within a group.
+        eps_low: lower clip of the importance ratio, 1 - eps_low.
+        eps_high: upper clip of the importance ratio, 1 + eps_high (DAPO's clip-higher).
+        loss_agg: `token` averages the loss over all completion tokens of the batch (DAPO);
+            `sequence` averages within each completion, then over completions (GRPO).
+        scale_rewards: divide advantages by the group's reward std (both GRPO and DAPO do).
+        beta: coefficient of the k3 KL penalty to the reference policy; 0 in QeRL. The KL is
+            logged either way.
+        entropy_coef: entropy bonus coefficient; 0 in QeRL, offered as an extension.
+        filter_zero_std: drop groups whose rewards are all equal from the loss (DAPO's dynamic
+            sampling, without refilling).
+        temperature: sampling temperature; log-probs and entropies use logits / temperature.
+        top_p: nucleus sampling threshold (1 disables it).
+        max_new_tokens: completion length cap.
+    """
+
+    name: str = "grpo"
+    group_size: int = 8
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    loss_agg: str = "sequence"
+    scale_rewards: bool = True
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+    filter_zero_std: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _choice("algo.name", self.name, ("grpo", "dapo"))
+        _choice("algo.loss_agg", self.loss_agg, ("token", "sequence"))
+        _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
+        _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
+        _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        _check(self.temperature > 0, f"algo.temperature must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"algo.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class TrainConfig:
+    """The outer loop and the optimizer of the LoRA parameters.
+
+    Args:
+        steps: RL steps (one rollout batch and one policy update each).
+        prompts_per_step: distinct prompts per step; the batch holds prompts_per_step * group_size
+            completions.
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_ratio: fraction of steps of linear LR warm-up, then cosine decay to 0.
+        grad_clip: max global grad norm (0 disables clipping).
+        device: `auto` (CUDA when present), `cpu` or `cuda`.
+        deterministic: ask torch for deterministic kernels.
+    """
+
+    steps: int = 60
+    prompts_per_step: int = 8
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    grad_clip: float = 1.0
+    device: str = "auto"
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0, got {self.lr}")
+        _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        _choice("train.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are sampled.
+
+    Args:
+        engine: `hf` (transformers generate), `fast` (our static-cache CUDA-graph engine) or
+            `auto` (fast on CUDA, hf on CPU).
+    """
+
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
+
+
+@dataclass
+class MonitorConfig:
+    """The noise monitor: compares the sampler with the full-precision reference.
+
+    Args:
+        every: steps between monitor evaluations on the rollout batch; 0 disables the
+            reference model (for models too large to hold twice).
+    """
+
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"monitor.every must be >= 0, got {self.every}")
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking. A `metrics.jsonl` is always written beside the run.
+
+    Args:
+        mode: W&B mode: `offline` (default, no account needed), `online` or `disabled`.
+        project: W&B project.
+        entity: W&B entity (team or user); empty uses the account default.
+        completions_every: steps between W&B tables of sample completions (0 disables).
+    """
+
+    mode: str = "offline"
+    project: str = "qerl-exp"
+    entity: str = ""
+    completions_every: int = 10
+
+    def __post_init__(self) -> None:
+        _choice("tracker.mode", self.mode, ("offline", "online", "disabled"))
+        _check(self.completions_every >= 0, "tracker.completions_every must be >= 0")
+
+
+@dataclass
+class Config:
+    """A whole run. Hydra composes it from `conf/config.yaml` and the group presets.
+
+    Args:
+        seed: seeds python, numpy and torch; every random draw of the run derives from it.
+        run_dir: where the run writes; empty means Hydra's output directory.
+    """
+
+    seed: int = 0
+    run_dir: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "quant": QuantConfig,
+    "lora": LoraConfig,
+    "noise": NoiseConfig,
+    "task": TaskConfig,
+    "algo": AlgoConfig,
+    "tracker": TrackerConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra: `config_schema` for the root, `<group>/schema` per group."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name="schema", node=schema)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Turn a composed DictConfig into validated dataclasses (runs every `__post_init__`).
+
+    Raises:
+        ConfigError: a value is out of range or not one of the valid choices.
+    """
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config), type(obj)
+    return obj
+
+
+def as_dict(cfg: Config) -> dict:
+    """The config as plain nested dicts (for trackers and the run directory)."""
+    return dataclasses.asdict(cfg)

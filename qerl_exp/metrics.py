@@ -1,0 +1,148 @@
+"""Every logged metric, defined once, as pure functions from tensors to `dict[str, float]`.
+
+Names follow TRL's GRPO trainer where one exists (DESIGN.md section 3). The run loop only calls
+these functions; it never builds metric names itself. Token means are over completion tokens
+(`mask == 1`) of the whole batch.
+
+| name | definition |
+| --- | --- |
+| reward | mean total reward per completion |
+| reward_std | mean over groups of the within-group std of total reward |
+| rewards/<fn>/mean | mean of reward function `fn` per completion |
+| frac_reward_zero_std | fraction of groups whose rewards are all equal (no learning signal) |
+| completions/mean_length | mean completion length in tokens (EOS included) |
+| completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
+| clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low |
+| clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high |
+| kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA) |
+| entropy | token mean of the learner's entropy of softmax(logits / T) |
+| sampler/entropy | token mean of the sampler's entropy (quantization and noise included) |
+| entropy_gain | sampler/entropy minus the full-precision reference's entropy on the same tokens |
+| quant/kl | token mean of KL(reference || sampler) over the vocabulary, on the same tokens |
+| sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens |
+| noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
+| perf/rollout_tok_s | completion tokens generated per second of rollout wall time |
+| perf/step_s | wall time of the whole step |
+| mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
+| mem/quantized_linear_bytes | bytes of the quantized linears alone |
+| mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) |
+| loss, grad_norm, lr | the optimized loss, the global grad norm before clipping, the learning rate |
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of softmax(logits) over the last dim; pass logits already divided by T."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference): exp(r) - r - 1, r = ref_logp - logp; >= 0."""
+    r = ref_logp - logp
+    return torch.exp(r) - r - 1
+
+
+def kl_full(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position exact KL(reference || policy) over the vocabulary, from tempered logits."""
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
+
+
+def kl_metric(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return {"kl": token_mean(kl_k3(logp.detach(), ref_logp), mask).item()}
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor], group_size: int) -> dict[str, float]:
+    """Reward statistics of a batch; `rewards[fn]` is `[B]` with each group's rows adjacent."""
+    total = sum(rewards.values())
+    groups = total.view(-1, group_size)
+    out = {
+        "reward": total.mean().item(),
+        "reward_std": groups.std(dim=1).mean().item(),
+        "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
+    }
+    out.update({f"rewards/{name}/mean": r.mean().item() for name, r in rewards.items()})
+    return out
+
+
+def completion_metrics(mask: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
+    return {
+        "completions/mean_length": mask.sum(dim=1).float().mean().item(),
+        "completions/clipped_ratio": (~terminated).float().mean().item(),
+    }
+
+
+def clip_metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float) -> dict[str, float]:
+    """How often the clipped objective bound; `advantages` broadcast over tokens."""
+    low = (ratio < 1 - eps_low) & (advantages < 0)
+    high = (ratio > 1 + eps_high) & (advantages > 0)
+    return {"clip_ratio/low_mean": token_mean(low.float(), mask).item(), "clip_ratio/high_mean": token_mean(high.float(), mask).item()}
+
+
+def monitor_metrics(
+    sampler_logp: torch.Tensor,
+    sampler_entropy: torch.Tensor,
+    sampler_logits: torch.Tensor | None,
+    ref_logits: torch.Tensor,
+    learner_logp: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """The noise monitor: the sampler against the full-precision reference and the learner.
+
+    `ref_logits` and `sampler_logits` are `[B, T, V]` tempered logits on the sampled tokens'
+    positions; `sampler_logits` comes from re-scoring the batch with the sampler (noise on).
+    """
+    ref_entropy = entropy_from_logits(ref_logits)
+    out = {
+        "entropy_gain": (token_mean(sampler_entropy, mask) - token_mean(ref_entropy, mask)).item(),
+        "sampling/logp_gap": token_mean((sampler_logp - learner_logp).abs(), mask).item(),
+    }
+    if sampler_logits is not None:
+        out["quant/kl"] = token_mean(kl_full(ref_logits, sampler_logits), mask).item()
+    return out
+
+
+def entropy_metrics(learner_entropy: torch.Tensor, sampler_entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return {
+        "entropy": token_mean(learner_entropy.detach(), mask).item(),
+        "sampler/entropy": token_mean(sampler_entropy, mask).item(),
+    }
+
+
+def noise_metrics(sigma: float, stage: int) -> dict[str, float]:
+    return {"noise/sigma": sigma, "noise/stage": stage}
+
+
+def perf_metrics(completion_tokens: int, rollout_s: float, step_s: float) -> dict[str, float]:
+    return {"perf/rollout_tok_s": completion_tokens / max(rollout_s, 1e-9), "perf/step_s": step_s}
+
+
+def optim_metrics(loss: float, grad_norm: float, lr: float) -> dict[str, float]:
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+
+def memory_metrics(weights: dict[str, int], device: torch.device) -> dict[str, float]:
+    """`weights` from `qerl_exp.quant.memory_bytes`, plus the peak so far."""
+    return {**weights, "mem/peak_bytes": peak_memory_bytes(device)}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory, or peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -1,0 +1,139 @@
+"""The policy's model: the base (embedded tiny or a real checkpoint), quantized, with LoRA.
+
+`build_models(cfg, task, device)` is the entry point. It returns the policy (quantized base +
+LoRA, the one that samples and learns), the tokenizer, and, when the noise monitor is on, the
+full-precision reference (the unquantized base + a LoRA kept equal to the policy's).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from qerl_exp.config import Config, LoraConfig, ModelConfig
+from qerl_exp.quant import quantize_model
+from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
+
+# Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
+# cached warm-ups made by older code are not reused.
+TINY_RECIPE_VERSION = 1
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def tiny_config(cfg: ModelConfig, vocab_size: int, max_positions: int = 256):
+    """The HF config of the embedded model (Qwen2 or Llama shaped)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+
+
+def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
+    """Hash of everything that determines the warmed-up embedded model."""
+    spec = {
+        "version": TINY_RECIPE_VERSION,
+        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir")},
+        "task": task_fields,
+        "vocab": vocab,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Models:
+    policy: nn.Module
+    tokenizer: CharTokenizer | HFTokenizer
+    reference: nn.Module | None
+    base_info: dict
+
+
+def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype):
+    if cfg.model.name == "tiny":
+        from qerl_exp.warmup import load_or_warm_up
+
+        tokenizer = CharTokenizer()
+        model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
+        return model.to(device=device, dtype=dtype), tokenizer, info
+    from transformers import AutoModelForCausalLM
+
+    try:
+        tokenizer = HFTokenizer(cfg.model.name)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=dtype)
+    except OSError as e:
+        raise ValueError(
+            f"model.name={cfg.model.name!r} could not be loaded (no local path or cached hub weights): "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    return model.to(device), tokenizer, {"source": cfg.model.name}
+
+
+def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Wrap `model` with trainable LoRA adapters; everything else is frozen."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from qerl_exp.quant import register_peft_layers
+
+    register_peft_layers()
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
+    return get_peft_model(model, peft_cfg)
+
+
+def sync_lora(src: nn.Module, dst: nn.Module) -> None:
+    """Copy the LoRA weights of `src` into `dst` (same adapter layout)."""
+    src_params = {n: p for n, p in src.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for n, p in dst.named_parameters():
+            if "lora_" in n:
+                p.copy_(src_params[n])
+
+
+def build_models(cfg: Config, task, device: torch.device) -> Models:
+    """Base model -> (reference copy) -> quantized policy -> LoRA on both.
+
+    Args:
+        cfg: the whole run config.
+        task: the built task (the embedded model warms up on it).
+        device: where the models live.
+
+    Returns:
+        `Models` with the policy, tokenizer, optional reference, and facts about the base.
+    """
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    base, tokenizer, info = _load_base(cfg, task, device, dtype)
+    base.requires_grad_(False)
+    reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
+    policy = add_lora(quantize_model(base, cfg.quant, dtype), cfg.lora)
+    if reference is not None:
+        reference = add_lora(reference, cfg.lora)
+        reference.requires_grad_(False)
+        sync_lora(policy, reference)
+    return Models(policy=policy, tokenizer=tokenizer, reference=reference, base_info=info)

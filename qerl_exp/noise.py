@@ -1,0 +1,164 @@
+"""Adaptive Quantization Noise (AQN): where the noise goes, and how large it is at each step.
+
+Placement (paper, DESIGN.md 2.2): for each decoder block, one Gaussian vector z ~ N(0, sigma^2 I)
+is added to the scale (gamma) of `input_layernorm`, which feeds q, k and v, and another to
+`post_attention_layernorm`, which feeds gate and up. o_proj and down_proj get none; the final
+norm gets none unless `noise.include_final_norm`. This equals row-wise multiplicative noise on the
+quantized weights: (z / gamma + 1) * RMSNorm(x).
+
+Schedules (`sigma_at`), with K = num_stages stages of equal length, stage k = floor(step * K / steps):
+- `none`: sigma = 0.  `fixed`: sigma = `noise.sigma` at every step.
+- decaying schedules: stage 0 is noise-free; stage k >= 1 uses t = (k - 1) / D, with
+  D = K - 1 (`denominator: paper`, Eq. 8) or K - 2 (`code`, so the last stage reaches sigma_end):
+  - `exp`:    sigma_start * (sigma_end / sigma_start) ** t                       (paper Eq. 8)
+  - `linear`: sigma_start + (sigma_end - sigma_start) * t
+  - `cosine`: sigma_end + (sigma_start - sigma_end) * (1 + cos(pi * t)) / 2
+  - `log`:    sigma_start - (sigma_start - sigma_end) * ln(1 + 9 t) / ln(10)   (falls fast, then flattens)
+  The paper's Fig. 15 names linear, cosine and logarithmic decays without formulas; these are ours.
+- `adaptive` (our extension, not the paper's method): a bounded controller. It starts at
+  `noise.sigma` and after each step moves log(sigma) by gain * (target - measured) / target,
+  where measured is the step's `sampler/entropy` (or `entropy_gain`), clamped to
+  [sigma_min, sigma_max]. Too little entropy raises sigma, too much lowers it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from qerl_exp.config import NoiseConfig
+
+
+def stage_of(step: int, total_steps: int, num_stages: int) -> int:
+    """The stage (0..K-1) of a 0-based step when `total_steps` are split into K equal stages."""
+    return min(step * num_stages // total_steps, num_stages - 1)
+
+
+def decay(cfg: NoiseConfig, t: float) -> float:
+    """The decaying schedule's sigma at progress t in [0, 1] from sigma_start to sigma_end."""
+    a, b = cfg.sigma_start, cfg.sigma_end
+    if cfg.schedule == "exp":
+        return a * (b / a) ** t
+    if cfg.schedule == "linear":
+        return a + (b - a) * t
+    if cfg.schedule == "cosine":
+        return b + (a - b) * (1 + math.cos(math.pi * t)) / 2
+    if cfg.schedule == "log":
+        return a - (a - b) * math.log1p(9 * t) / math.log(10)
+    raise ValueError(f"noise.schedule={cfg.schedule!r} is not a decaying schedule")
+
+
+def sigma_at(cfg: NoiseConfig, step: int, total_steps: int) -> tuple[float, int]:
+    """`(sigma, stage)` of the open-loop schedules at a 0-based step (adaptive: its start)."""
+    stage = stage_of(step, total_steps, cfg.num_stages)
+    if cfg.schedule == "none":
+        return 0.0, stage
+    if cfg.schedule in ("fixed", "adaptive"):
+        return cfg.sigma, stage
+    if stage == 0:
+        return 0.0, 0
+    denominator = cfg.num_stages - 1 if cfg.denominator == "paper" else cfg.num_stages - 2
+    return decay(cfg, (stage - 1) / denominator), stage
+
+
+class Schedule:
+    """The sigma of each step; for `adaptive`, also the controller state (`state_dict`)."""
+
+    def __init__(self, cfg: NoiseConfig, total_steps: int):
+        self.cfg, self.total_steps = cfg, total_steps
+        self.sigma = cfg.sigma  # adaptive controller state
+
+    def __call__(self, step: int) -> tuple[float, int]:
+        sigma, stage = sigma_at(self.cfg, step, self.total_steps)
+        return (self.sigma, stage) if self.cfg.schedule == "adaptive" else (sigma, stage)
+
+    def observe(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Feed the step's metrics to the controller; returns its state to log."""
+        if self.cfg.schedule != "adaptive":
+            return {}
+        measured = metrics.get("sampler/entropy" if self.cfg.target == "entropy" else "entropy_gain")
+        if measured is None or not math.isfinite(measured):
+            return {"noise/target_error": float("nan")}
+        error = self.cfg.target_value - measured
+        step = self.cfg.gain * error / max(abs(self.cfg.target_value), 1e-3)
+        self.sigma = min(max(self.sigma * math.exp(step), self.cfg.sigma_min), self.cfg.sigma_max)
+        return {"noise/target_error": error}
+
+    def state_dict(self) -> dict:
+        return {"sigma": self.sigma}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sigma = float(state["sigma"])
+
+
+def noisy_norms(model: nn.Module, include_final_norm: bool) -> list[tuple[str, nn.Module]]:
+    """The RMSNorms that receive AQN, in model order."""
+    found = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        in_block = ".layers." in f".{name}"
+        if in_block and leaf in ("input_layernorm", "post_attention_layernorm"):
+            found.append((name, module))
+        elif include_final_norm and not in_block and leaf == "norm" and hasattr(module, "weight"):
+            found.append((name, module))
+    if not found:
+        raise ValueError("no input_layernorm/post_attention_layernorm found: AQN needs a Llama/Qwen2-family model")
+    return found
+
+
+class AQN:
+    """Adds the current draw to the norm scales inside `applied()`, and restores them bit for bit.
+
+    Args:
+        model: the sampling policy.
+        cfg: the noise config (placement options).
+        seed: seeds the noise generator (its own stream, so noise never shifts sampling RNG).
+    """
+
+    def __init__(self, model: nn.Module, cfg: NoiseConfig, seed: int):
+        self.cfg = cfg
+        self.norms = noisy_norms(model, cfg.include_final_norm)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.sigma = 0.0
+        self.draws: list[torch.Tensor] = []
+
+    def draw(self, sigma: float) -> None:
+        """A fresh noise vector per norm, shared by every completion of the rollout step."""
+        self.sigma = sigma
+        self.draws = [
+            (torch.randn(m.weight.shape, generator=self.generator) * sigma).to(m.weight.device, m.weight.dtype)
+            for _, m in self.norms
+        ]
+
+    @contextmanager
+    def applied(self, model: nn.Module | None = None):
+        """Noise on inside the block; with `resample=forward`, a new draw before each forward of `model`."""
+        if self.sigma == 0.0:
+            yield
+            return
+        clean = [m.weight.detach().clone() for _, m in self.norms]
+        handle = None
+
+        def perturb():
+            with torch.no_grad():
+                for (_, m), c, z in zip(self.norms, clean, self.draws):
+                    m.weight.copy_(c).add_(z)
+
+        def redraw(*_):
+            self.draw(self.sigma)
+            perturb()
+
+        if self.cfg.resample == "forward" and model is not None:
+            handle = model.register_forward_pre_hook(redraw)
+        try:
+            perturb()
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+            with torch.no_grad():
+                for (_, m), c in zip(self.norms, clean):
+                    m.weight.copy_(c)

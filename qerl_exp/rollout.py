@@ -1,0 +1,125 @@
+"""Rollouts: sample G completions per prompt from the sampling policy.
+
+The sampler is the policy as it stands (quantized base + LoRA), with AQN applied by the caller
+around `sample`. Two engines share one contract (`Rollout`): HF `generate` (any device) and our
+static-cache CUDA-graph engine (`qerl_exp.engine`, CUDA only); `rollout.engine=auto` picks the
+fast one on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qerl_exp.config import AlgoConfig
+from qerl_exp.metrics import entropy_from_logits
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    completion_ids: torch.Tensor  # [B, T] right-padded after EOS
+    completion_mask: torch.Tensor  # [B, T] 1 up to and including EOS
+    sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
+    sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
+    terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
+    texts: list[str]  # decoded completions
+
+
+def encode_prompts(prompts: list[str], tokenizer, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `[B, P]` ids and mask for prompt texts."""
+    bos = getattr(tokenizer, "bos_id", None)
+    rows = [([bos] if bos is not None else []) + tokenizer.encode(p) for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask `[B, T]` that is 1 up to and including the first EOS, and `[B]` whether EOS came."""
+    is_eos = completion_ids == eos_id
+    terminated = is_eos.any(dim=1)
+    # Positions strictly after the first EOS are masked out.
+    after = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~after).long(), terminated
+
+
+class HFSampler:
+    """Sampling through `transformers` `generate` (the reference engine; works on CPU)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @torch.no_grad()
+    def generate(self, ids, mask, algo: AlgoConfig):
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=algo.temperature,
+            top_p=algo.top_p, top_k=0, max_new_tokens=algo.max_new_tokens,
+            eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        completion = out.sequences[:, ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        return completion, logp, entropy_from_logits(logits)
+
+
+class FastSampler:
+    """Sampling through our CUDA-graph engine (`qerl_exp.engine.FastEngine`)."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int):
+        from qerl_exp.engine import FastEngine
+
+        self.engine = FastEngine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        self.tokenizer = tokenizer
+
+    def generate(self, ids, mask, algo: AlgoConfig):
+        out = self.engine.generate(
+            ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
+            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+        )
+        return out.completion_ids, out.logprobs, out.entropy
+
+
+def make_sampler(engine: str, model, tokenizer, device: torch.device, max_batch_size: int, max_seq_len: int):
+    """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere)."""
+    if engine == "auto":
+        engine = "fast" if device.type == "cuda" else "hf"
+    if engine == "fast":
+        if device.type != "cuda":
+            raise ValueError("rollout.engine=fast needs a CUDA device; use rollout.engine=hf (or auto) on CPU")
+        return FastSampler(model, tokenizer, max_batch_size, max_seq_len)
+    return HFSampler(model, tokenizer)
+
+
+def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device) -> Rollout:
+    """Draw `algo.group_size` completions for each prompt text.
+
+    Args:
+        sampler: from `make_sampler`.
+        tokenizer: the policy's tokenizer.
+        prompts: rendered prompt texts, one per problem.
+        algo: sampling settings (group size, temperature, top-p, length cap).
+        device: where the batch lives.
+
+    Returns:
+        A `Rollout` with `len(prompts) * group_size` rows, each group's rows adjacent.
+    """
+    repeated = [p for p in prompts for _ in range(algo.group_size)]
+    ids, mask = encode_prompts(repeated, tokenizer, device)
+    completion, logp, entropy = sampler.generate(ids, mask, algo)
+    cmask, terminated = completion_mask(completion, tokenizer.eos_id)
+    completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_id))
+    texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion.cpu(), cmask.cpu())]
+    return Rollout(
+        prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
+        sampler_logp=logp * cmask, sampler_entropy=entropy * cmask, terminated=terminated, texts=texts,
+    )

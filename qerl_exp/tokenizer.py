@@ -1,0 +1,75 @@
+"""Tokenizers behind one small interface: the embedded character-level one, and HF's.
+
+The run loop needs only: `encode`, `decode`, `pad_id`, `eos_id` and `render_prompt` (turning a
+task's question into the model's prompt text: plain text for the embedded model, the chat
+template with the task's system prompt for instruct checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# The reasoning/answer tags are single tokens, so the embedded model spends its capacity on the
+# arithmetic rather than on spelling tags.
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789+-*/=.,()$%:?! \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+class CharTokenizer:
+    """Character-level tokenizer with atomic tags; unknown characters raise, never vanish."""
+
+    def __init__(self, chars: str = CHARS):
+        self.vocab = list(SPECIALS) + list(TAGS) + list(dict.fromkeys(chars))
+        self.index = {tok: i for i, tok in enumerate(self.vocab)}
+        self.pad_id, self.bos_id, self.eos_id = (self.index[s] for s in SPECIALS)
+        self._split = re.compile("|".join(re.escape(t) for t in TAGS) + r"|.", re.DOTALL)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.index[piece] for piece in self._split.findall(text)]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the embedded tokenizer's vocabulary") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if i not in (self.pad_id, self.bos_id, self.eos_id))
+
+    def render_prompt(self, question: str, system_prompt: str) -> str:
+        # The embedded model has no chat template; it learned the format during warm-up.
+        return question
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"vocab": self.vocab}))
+
+
+class HFTokenizer:
+    """Adapter around a `transformers` tokenizer of an instruct checkpoint."""
+
+    def __init__(self, name_or_path: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(name_or_path)
+        self.eos_id = self.tok.eos_token_id
+        self.bos_id = None  # the chat template adds what the model expects
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def render_prompt(self, question: str, system_prompt: str) -> str:
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def save(self, path: Path) -> None:
+        self.tok.save_pretrained(path.parent / "tokenizer")

@@ -1,0 +1,136 @@
+"""The embedded default model: built from a config, warmed up on the task, cached on disk.
+
+Nothing is downloaded: the tiny Qwen2/Llama-shaped model is trained by supervised learning on the
+task's worked solutions until its greedy accuracy reaches `model.warmup.target_accuracy` (so RL
+starts with clearly non-zero reward and room to improve). The result is cached under
+`model.cache_dir`, keyed by a hash of everything that determines it; a file lock keeps parallel
+runs from warming up the same model twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from qerl_exp.config import ModelConfig, TaskConfig
+from qerl_exp.tasks import Problem
+from qerl_exp.tokenizer import CharTokenizer
+
+WARMUP_SEED = 1234  # the base model is a fixed artifact, independent of the run's seed
+
+
+def reference_completion(problem: Problem) -> str:
+    """The completion the warm-up imitates, in the paper's format."""
+    return f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
+
+
+def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: CharTokenizer):
+    """The warmed-up embedded model (float32, CPU) and facts about its warm-up.
+
+    Args:
+        cfg: the model config (`name=tiny`).
+        task_cfg: the task config; its fields that shape the problems are part of the cache key.
+        task: the built task whose problems the model learns from.
+        tokenizer: the embedded tokenizer.
+
+    Returns:
+        `(model, info)`, info holding the cache key, path, warm-up steps and accuracy.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from qerl_exp.model import tiny_cache_key, tiny_config
+
+    task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
+    key = tiny_cache_key(cfg, task_fields, tokenizer.vocab)
+    root = Path(os.path.expanduser(cfg.cache_dir))
+    path = root / f"tiny-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"tiny-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "warmup.json").exists():
+            model = _build(cfg, len(tokenizer))
+            info = _warm_up(model, cfg, task, tokenizer)
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
+            model.save_pretrained(tmp)
+            (tmp / "warmup.json").write_text(json.dumps(info, indent=2))
+            shutil.rmtree(path, ignore_errors=True)  # a half-written dir from a killed process
+            os.replace(tmp, path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    info = json.loads((path / "warmup.json").read_text())
+    return model, {**info, "cache_key": key, "path": str(path)}
+
+
+def _build(cfg: ModelConfig, vocab_size: int):
+    from transformers import AutoModelForCausalLM
+
+    from qerl_exp.model import tiny_config
+
+    torch.manual_seed(WARMUP_SEED)
+    return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size), dtype=torch.float32)
+
+
+def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `[B, L]` inputs and labels (-100 outside the completion)."""
+    seqs, labels = [], []
+    for p in problems:
+        prompt = [tokenizer.bos_id] + tokenizer.encode(p.question)
+        completion = tokenizer.encode(reference_completion(p)) + [tokenizer.eos_id]
+        seqs.append(prompt + completion)
+        labels.append([-100] * len(prompt) + completion)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_id)
+    lab = torch.full((len(seqs), width), -100)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+    return ids, lab
+
+
+@torch.no_grad()
+def greedy_accuracy(model, task, tokenizer: CharTokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
+    """Fraction of `problems` whose greedy completion earns the correctness reward."""
+    from qerl_exp.rollout import encode_prompts
+
+    prompts = [tokenizer.render_prompt(p.question, "") for p in problems]
+    ids, mask = encode_prompts(prompts, tokenizer)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+    )
+    texts = [tokenizer.decode(row.tolist()) for row in out[:, ids.shape[1]:]]
+    correct = task.rewards["correct"]
+    return float(np.mean([correct(t, p) > 0 for t, p in zip(texts, problems)]))
+
+
+def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
+    w = cfg.warmup
+    rng = np.random.default_rng(WARMUP_SEED)
+    probe = task.sample(128, np.random.default_rng(WARMUP_SEED + 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.01)
+    start, accuracy, step = time.time(), 0.0, 0
+    bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (embedded model, cached after)", unit="step")
+    for step in bar:
+        model.train()
+        ids, labels = _batch(task.sample(w.batch_size, rng), tokenizer)
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_id).long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % w.eval_every == 0:
+            model.eval()
+            accuracy = greedy_accuracy(model, task, tokenizer, probe)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
+            if accuracy >= w.target_accuracy:
+                break
+    bar.close()
+    model.eval()
+    return {"steps": step, "greedy_accuracy": accuracy, "loss": float(loss.item()), "seconds": time.time() - start}
