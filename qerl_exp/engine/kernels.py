@@ -1,0 +1,663 @@
+"""Weight-only 4-bit kernels and fused decode ops (Triton), each with a torch twin.
+
+The torch twins define what every kernel computes and run anywhere (CPU tests, prefill, machines
+without Triton); the Triton kernels are the fast path for decode shapes (M = 1..256 rows).
+
+Kernel weight layout ("k32"), built once per linear at engine-build time from the model's own
+packed data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales are kept:
+- `codes` uint8 [K/32, N, 16]: for k-group g, output row n and byte j, the low element is
+  W[n, 32g + j] and the high element W[n, 32g + 16 + j]. A tile of BLOCK_N rows of one group is one
+  contiguous run of BLOCK_N * 16 bytes, and each half-byte feeds one K=16 tensor-core dot.
+- NVFP4: the two E2M1 nibbles are bit-permuted so that each becomes an FP8 E4M3 number with one
+  mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose value is e2m1 * 2^-6
+  (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal, so the conversion is exact).
+  `scales` float8_e4m3fn [K/16, N] (transposed block scales), `out_scale` = tensor scale.
+- NF4: plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone at
+  build time), `lut` the 16 NF4 levels.
+Storage: 4.5 bits per weight for both (bitsandbytes' own NF4 with double quant: 4.127).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if not torch.cuda.is_available():  # without a GPU, Triton kernels can only run interpreted (tests)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # CPU builds of torch ship without Triton; everything below has a torch twin.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FORMATS = ("bf16", "nvfp4", "nf4")
+_FMT_ID = {"bf16": 0, "nvfp4": 1, "nf4": 2}
+X_PRESCALE = 1.0 / 16.0  # activations are scaled by this before an fp16 dot (range headroom)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts (build time) and their torch reference decoders
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedWeight:
+    """A 4-bit weight [n, k] in the kernel layout (see the module docstring).
+
+    Args:
+        fmt: "nvfp4" or "nf4".
+        codes: uint8 [k // 32, n, 16].
+        scales: nvfp4: float8_e4m3fn [k // 16, n]; nf4: float32 [k // 64, n].
+        out_scale: multiplies every output (the NVFP4 tensor scale; 1.0 for NF4).
+        n: output features.
+        k: input features.
+        lut: NF4 levels, float32 [16]; None for NVFP4.
+    """
+
+    fmt: str
+    codes: Tensor
+    scales: Tensor
+    out_scale: float
+    n: int
+    k: int
+    lut: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self) -> Tensor:
+        """The weight as float32 [n, k], decoded exactly as the kernel decodes it."""
+        return dequantize_packed(self)
+
+
+def e2m1_to_float(nibbles: Tensor) -> Tensor:
+    """Decode E2M1 nibbles (sign << 3 | magnitude index) to float32."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
+    mag = table[(nibbles & 7).long()]
+    return torch.where((nibbles & 8) != 0, -mag, mag)
+
+
+def nvfp4_dequantize(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float) -> Tensor:
+    """Dequantize the NVFP4 storage layout of `qerl_exp.quant` to float32 [out, in].
+
+    Args:
+        codes: uint8 [out, in // 2]; element 2j in the low nibble, 2j + 1 in the high nibble.
+        block_scales: float8_e4m3fn [out, in // 16].
+        tensor_scale: fp32 scalar.
+    """
+    n = codes.shape[0]
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)
+    scale = block_scales.float().repeat_interleave(16, dim=1)
+    return e2m1_to_float(nib) * scale * float(tensor_scale)
+
+
+def quantize_nvfp4_reference(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Round-to-nearest NVFP4 packing in the storage layout (DESIGN.md 2.1), for tests and benches.
+
+    The harness' own quantizer is `qerl_exp.quant`; this twin only has to produce valid data.
+
+    Returns:
+        (codes uint8 [out, in // 2], block_scales float8_e4m3fn [out, in // 16], tensor_scale fp32 [])
+    """
+    w = weight.float()
+    n, k = w.shape
+    if k % 16:
+        raise ValueError(f"in_features={k} is not a multiple of 16")
+    amax = w.abs().amax()
+    s_t = (amax / (6.0 * 448.0)).clamp_min(torch.finfo(torch.float32).tiny)
+    blocks = w.reshape(n, k // 16, 16)
+    s_b = (blocks.abs().amax(-1) / (6.0 * s_t)).to(torch.float8_e4m3fn)
+    denom = (s_b.float() * s_t).unsqueeze(-1)
+    v = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
+    a = v.abs().clamp(max=6.0)
+    grid = torch.tensor(E2M1_VALUES, device=w.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    idx = torch.zeros_like(a, dtype=torch.uint8)
+    for i, m in enumerate(mids.tolist()):  # ties go to the even index (mantissa bit 0)
+        up = (a > m) | ((a == m) & ((i + 1) % 2 == 0))
+        idx += up.to(torch.uint8)
+    nib = (idx | ((v < 0) & (idx > 0)).to(torch.uint8) << 3).reshape(n, k)
+    codes = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    return codes, s_b.contiguous(), s_t.float().reshape(())
+
+
+def _to_k32(nib: Tensor, fmt: str) -> Tensor:
+    """nibbles uint8 [n, k] -> kernel codes uint8 [k // 32, n, 16]."""
+    n, k = nib.shape
+    if k % 32:
+        raise ValueError(f"in_features={k} must be a multiple of 32 for the 4-bit kernels")
+    g = nib.reshape(n, k // 32, 2, 16)
+    lo, hi = g[:, :, 0, :], g[:, :, 1, :]
+    if fmt == "nvfp4":
+        byte = ((lo >> 3) << 7) | ((lo & 7) << 2) | ((hi >> 3) << 5) | (((hi >> 2) & 1) << 6) | (hi & 3)
+    else:
+        byte = lo | (hi << 4)
+    return byte.permute(1, 0, 2).contiguous()
+
+
+def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float) -> PackedWeight:
+    """Convert the NVFP4 storage layout ([out, in // 2] codes, [out, in // 16] scales) to the kernel layout."""
+    n = codes.shape[0]
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)
+    k = nib.shape[1]
+    return PackedWeight(
+        fmt="nvfp4",
+        codes=_to_k32(nib, "nvfp4"),
+        scales=block_scales.t().contiguous(),
+        out_scale=float(tensor_scale),
+        n=n,
+        k=k,
+    )
+
+
+def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int = 64) -> PackedWeight:
+    """Kernel layout of a bitsandbytes NF4 weight, recovered from its own dequantization.
+
+    Reading the codes back from `dequantize_4bit`'s output (nearest NF4 level of W / absmax) makes
+    this independent of bitsandbytes' byte order and of its CPU repacking.
+
+    Args:
+        weight_deq: bitsandbytes' dequantized weight [n, k].
+        absmax: float32 absmax per block of `blocksize` consecutive elements (double quant undone).
+        lut: the 16 NF4 levels (quant_state.code).
+        blocksize: elements per absmax; must be 64 (the kernel reads one absmax per two k-groups).
+    """
+    if blocksize != 64:
+        raise ValueError(f"NF4 blocksize {blocksize} is not supported by the kernel (needs 64)")
+    n, k = weight_deq.shape
+    am = absmax.float().reshape(n, k // 64)
+    ratio = weight_deq.float().reshape(n, k // 64, 64) / am.unsqueeze(-1).clamp_min(1e-30)
+    levels = lut.float().to(weight_deq.device)
+    nib = (ratio.unsqueeze(-1) - levels).abs().argmin(-1).to(torch.uint8).reshape(n, k)
+    zero_idx = int((levels.abs()).argmin())
+    nib = torch.where((am == 0).repeat_interleave(64, dim=1), torch.full_like(nib, zero_idx), nib)
+    return PackedWeight(
+        fmt="nf4",
+        codes=_to_k32(nib, "nf4"),
+        scales=am.t().contiguous(),
+        out_scale=1.0,
+        n=n,
+        k=k,
+        lut=levels.contiguous(),
+    )
+
+
+def dequantize_packed(pw: PackedWeight) -> Tensor:
+    """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
+    c = pw.codes  # [G, n, 16]
+    if pw.fmt == "nvfp4":
+        lo = (c & 0x9C).view(torch.float8_e4m3fn).float()
+        hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).view(torch.float8_e4m3fn).float()
+        vals = torch.stack([lo, hi], dim=2) * 64.0  # [G, n, 2, 16] e2m1 values
+        scale = pw.scales.float().t().reshape(pw.n, -1, 2)  # [n, G, 2]
+        w = vals.permute(1, 0, 2, 3) * scale.unsqueeze(-1)
+        return w.reshape(pw.n, pw.k) * pw.out_scale
+    lut = pw.lut.to(c.device)
+    vals = torch.stack([lut[(c & 15).long()], lut[(c >> 4).long()]], dim=2)  # [G, n, 2, 16]
+    w = vals.permute(1, 0, 2, 3).reshape(pw.n, pw.k // 64, 64)
+    return (w * pw.scales.t().unsqueeze(-1)).reshape(pw.n, pw.k) * pw.out_scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _norm_shrink_kernel(
+        x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm,
+        M, K, r, eps, KCHUNK,
+        NORM: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # h = RMSNorm(x) * g (HF rounding), written to h; t[:, s*R + j] += h @ A_s[j]^T over this
+        # program's K chunk (split-K with fp32 atomics; t is zeroed once per decode step).
+        ACT = x_ptr.dtype.element_ty
+        pid_k = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        if NORM:
+            ss = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                ss += tl.sum(x * x, 1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        jj = tl.arange(0, RT)
+        seg = jj // R
+        j_ok = (seg < NSEG) & ((jj % R) < r)
+        a_row = tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(ACT))
+        a_row = a_row + (jj % R) * K
+        acc = tl.zeros((BLOCK_M, RT), tl.float32)
+        for k0 in range(pid_k * KCHUNK, pid_k * KCHUNK + KCHUNK, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
+                gam = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0)
+                x = (gam[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
+                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
+                         mask=m_ok[:, None] & k_ok[None, :])
+            a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(x, a, acc)
+        tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
+                      mask=m_ok[:, None] & j_ok[None, :])
+
+    @triton.jit
+    def _seg_ptrs(tab_ptr, seg, FMT: tl.constexpr):
+        # (codes, scales, rows) of segment `seg` for a 4-bit format
+        code_ptr = tl.load(tab_ptr + seg * 8 + 0).to(tl.pointer_type(tl.uint8))
+        if FMT == 1:
+            sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.uint8))
+        else:
+            sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.float32))
+        return code_ptr, sc_ptr, tl.load(tab_ptr + seg * 8 + 4)
+
+    @triton.jit
+    def _load_w_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
+        # One k-group (32 inputs) of BLOCK_N weight rows, dequantized: (w_lo, w_hi), each [BN, 16].
+        c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
+        if FMT == 1:
+            s_lo = tl.load(sc_ptr + (2 * g) * nrows + rows).to(tl.float8e4nv, bitcast=True)
+            s_hi = tl.load(sc_ptr + (2 * g + 1) * nrows + rows).to(tl.float8e4nv, bitcast=True)
+            s_lo = (s_lo.to(tl.float32) * 64.0).to(DT)
+            s_hi = (s_hi.to(tl.float32) * 64.0).to(DT)
+            lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT)
+            hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT)
+            w_lo = lo * s_lo[:, None]
+            w_hi = hi * s_hi[:, None]
+        else:
+            am = tl.load(sc_ptr + (g // 2) * nrows + rows)
+            w_lo = (tl.load(lut_ptr + (c & 15)) * am[:, None]).to(DT)
+            w_hi = (tl.load(lut_ptr + (c >> 4)) * am[:, None]).to(DT)
+        return w_lo, w_hi
+
+    @triton.jit
+    def _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r,
+                   R: tl.constexpr, ACT: tl.constexpr):
+        # scaling * (t_seg @ B_seg[rows]^T): [BM, BN] fp32; t is rounded to the model dtype first,
+        # as peft's lora_A output is.
+        rr = tl.arange(0, R)
+        b_ptr = tl.load(tab_ptr + seg * 8 + 2).to(tl.pointer_type(ACT))
+        tt = tl.load(t_ptr + offs_m[:, None] * stride_tm + seg * R + rr[None, :],
+                     mask=m_ok[:, None] & (rr[None, :] < r), other=0.0).to(ACT)
+        bb = tl.load(b_ptr + rows[None, :] * r + rr[:, None], mask=rr[:, None] < r, other=0.0)
+        return tl.dot(tt, bb) * tl.load(fsc_ptr + seg * 2)
+
+    @triton.jit
+    def _linear_kernel(
+        x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
+        out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
+        an_ptr, tn_ptr, stride_tnm,
+        M, N, K, N1, N2, r, r_next,
+        FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr,
+        R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # out[:, n] = x @ W_seg[n - start_seg]^T * out_scale + bias + lora (+ residual), one launch
+        # for up to three segments (q, k, v); GLU: out = silu(gate) * up with gate = segment 0 and
+        # up = segment 1, both over the same N columns, and optionally the shrink of `out` for the
+        # next LoRA (t_next += out_tile @ A_next[:, tile]^T).
+        ACT = out_ptr.dtype.element_ty
+        if F16:
+            DT = tl.float16
+        else:
+            DT = ACT
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        n0 = pid_n * BLOCK_N
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        if GLU or NSEG == 1:
+            seg = n0 * 0
+            start = n0 * 0
+        elif NSEG == 2:
+            seg = (n0 >= N1).to(tl.int32)
+            start = tl.where(n0 >= N1, N1, 0)
+        else:
+            seg = (n0 >= N1).to(tl.int32) + (n0 >= N2).to(tl.int32)
+            start = tl.where(n0 >= N2, N2, tl.where(n0 >= N1, N1, 0))
+        rows = offs_n - start
+        seg2 = seg + 1  # GLU: the up projection
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if FMT == 0:
+            w_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(ACT))
+            if GLU:
+                w2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(ACT))
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + rows[None, :] * K + offs_k[:, None])
+                acc = tl.dot(x, w, acc)
+                if GLU:
+                    w2 = tl.load(w2_ptr + rows[None, :] * K + offs_k[:, None])
+                    acc2 = tl.dot(x, w2, acc2)
+        else:
+            jj = tl.arange(0, 16)
+            c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
+            if GLU:
+                c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
+            for g0 in range(0, K // 32, UNROLL):
+                for u in tl.static_range(UNROLL):
+                    g = g0 + u
+                    xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
+                    x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
+                    x_hi = tl.load(xp + 16, mask=m_ok[:, None], other=0.0)
+                    if F16:
+                        x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
+                        x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                    w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
+                    acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+                    acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+                    if GLU:
+                        v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
+                        acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
+                        acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
+        y = acc * tl.load(fsc_ptr + seg * 2 + 1)
+        if HAS_BIAS:
+            bias_ptr = tl.load(tab_ptr + seg * 8 + 3).to(tl.pointer_type(ACT))
+            y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        if HAS_LORA:
+            y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT)
+        if GLU:
+            y2 = acc2 * tl.load(fsc_ptr + seg2 * 2 + 1)
+            if HAS_LORA:
+                y2 += _lora_tile(tab_ptr, fsc_ptr, seg2, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT)
+            gt = y.to(ACT).to(tl.float32)
+            y = (gt * tl.sigmoid(gt)).to(ACT).to(tl.float32) * y2.to(ACT).to(tl.float32)
+        if HAS_RES:
+            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None], other=0.0)
+            y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
+        out = y.to(ACT)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
+        if SHRINK_NEXT:
+            rn = tl.arange(0, R_NEXT)
+            a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0)
+            part = tl.dot(out, a)
+            tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], part,
+                          mask=m_ok[:, None] & (rn[None, :] < r_next))
+
+    @triton.jit
+    def _rope_cache_kernel(
+        qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
+        kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs,
+        HQ, HKV, D: tl.constexpr, HALF: tl.constexpr,
+    ):
+        # One (sequence, head) per program; heads [0, HQ) are queries (rotated, written to q),
+        # [HQ, HQ + HKV) keys (rotated, into the cache at `slot`), the rest values (copied).
+        ACT = qkv_ptr.dtype.element_ty
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        src = qkv_ptr + b * stride_qm + h * D
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        slot = tl.load(slot_ptr)
+        if h < HQ + HKV:
+            pos = tl.load(pos_ptr + b)
+            c1 = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+            c2 = tl.load(cos_ptr + pos * D + HALF + d).to(tl.float32)
+            s1 = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+            s2 = tl.load(sin_ptr + pos * D + HALF + d).to(tl.float32)
+            f1 = x1.to(tl.float32)
+            f2 = x2.to(tl.float32)
+            # HF: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
+            y1 = ((f1 * c1).to(ACT).to(tl.float32) + (-f2 * s1).to(ACT).to(tl.float32)).to(ACT)
+            y2 = ((f2 * c2).to(ACT).to(tl.float32) + (f1 * s2).to(ACT).to(tl.float32)).to(ACT)
+            if h < HQ:
+                dst = q_ptr + (b * HQ + h) * D
+            else:
+                dst = kc_ptr + b * stride_cb + (h - HQ) * stride_ch + slot * stride_cs
+            tl.store(dst + d, y1)
+            tl.store(dst + HALF + d, y2)
+        else:
+            dst = vc_ptr + b * stride_cb + (h - HQ - HKV) * stride_ch + slot * stride_cs
+            tl.store(dst + d, x1)
+            tl.store(dst + HALF + d, x2)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A small zero tensor for unused kernel arguments (made once, never inside a graph capture)."""
+    key = (str(device), dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(64, dtype=dtype, device=device)
+    return _DUMMIES[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,
+                a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None) -> None:
+    """Triton: h_out = RMSNorm(x) * gamma (if gamma given) and t_out += h @ A_s^T per segment.
+
+    Args:
+        x: [M, K] activations. gamma: [K] norm scale or None (no norm: the shrink reads x).
+        h_out: [M, K] output of the norm (None when gamma is None).
+        a_tab: int64 [nseg] addresses of the LoRA A matrices ([r, K] each), or None (no LoRA).
+        t_out: fp32 [M, >= nseg * R] accumulator, R = padded rank; must be zeroed by the caller.
+    """
+    m, k = x.shape
+    if a_tab is None:  # norm only: one split, dummy LoRA
+        nseg, r = 1, 0
+    R = _pow2(r)
+    RT = _pow2(nseg * R)
+    block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m_blocks = triton.cdiv(m, block_m)
+    chunks = k // block_k
+    split = 1 if a_tab is None else max(1, min(chunks, 32 // m_blocks))
+    while chunks % split:
+        split -= 1
+    dummy = _dummy(x.device, x.dtype)
+    _norm_shrink_kernel[(split, m_blocks)](
+        x, x.stride(0), gamma if gamma is not None else dummy,
+        h_out if h_out is not None else dummy, h_out.stride(0) if h_out is not None else 0,
+        a_tab if a_tab is not None else _dummy(x.device, torch.int64),
+        t_out if t_out is not None else _dummy(x.device, torch.float32), t_out.stride(0) if t_out is not None else 0,
+        m, k, r, eps, (chunks // split) * block_k,
+        NORM=gamma is not None, NSEG=nseg, R=R, RT=RT, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+@dataclass
+class LinearPlan:
+    """Device tables and constants of one fused linear launch (built once per linear group)."""
+
+    fmt: str
+    nseg: int
+    glu: bool
+    n: int
+    k: int
+    n1: int
+    n2: int
+    tab: Tensor  # int64 [nseg, 8]: codes-or-weight, scales, lora_B, bias, rows
+    fsc: Tensor  # float32 [nseg, 2]: lora scaling, output scale
+    fsc_f16: Tensor  # the same with the output scale times 16 (undoes the fp16 dot's prescale)
+    lut: Tensor | None
+    has_bias: bool
+    r: int
+    seg_gcd: int
+
+
+def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
+                  sms: int = 132) -> dict:
+    """Tile sizes for the fused linear kernel at M rows (heuristic, tuned on the H200)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    m_blocks = -(-m // block_m)
+    block_n = 16
+    for bn in (128, 64, 32):
+        if seg_gcd % bn == 0 and (n // bn) * m_blocks >= 2 * sms:
+            block_n = bn
+            break
+    groups = k // 32
+    unroll = 4 if groups % 4 == 0 else 2 if groups % 2 == 0 else 1
+    if fmt == "bf16":
+        block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=unroll, num_warps=4, num_stages=3)
+
+
+def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
+                 residual: Tensor | None = None, a_next: Tensor | None = None,
+                 t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
+                 config: dict | None = None) -> Tensor:
+    """Triton: out = x @ W^T (+ bias, LoRA from the shrink t, residual; GLU; next shrink).
+
+    Args:
+        plan: the group's device tables (`make_plan`).
+        x: [M, K] activations (model dtype). out: [M, N] (GLU: N = intermediate size).
+        t: fp32 [M, nseg * R] LoRA shrink of x, or None when the group has no LoRA.
+        residual: [M, N] added after rounding the linear's output (may alias out).
+        a_next / t_next / r_next: GLU only: the down projection's LoRA A [r_next, N] and its fp32
+            accumulator, fed with this launch's output tiles.
+        f16: fp16 tensor-core dot for 4-bit formats (activations pre-scaled by 1/16).
+    """
+    m = x.shape[0]
+    cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu)
+    R = _pow2(plan.r)
+    grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
+    dummy = _dummy(out.device, out.dtype)
+    f16 = bool(f16 and plan.fmt != "bf16")
+    fsc = plan.fsc_f16 if f16 else plan.fsc
+    _linear_kernel[grid](
+        x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,
+        out, out.stride(0),
+        residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
+        t if t is not None else fsc, t.stride(0) if t is not None else 0,
+        a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
+        t_next.stride(0) if t_next is not None else 0,
+        m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
+        FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
+        HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
+        R=R, R_NEXT=_pow2(r_next), F16=f16, **cfg,
+    )
+    return out
+
+
+def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
+               k_cache: Tensor, v_cache: Tensor, hq: int, hkv: int, d: int) -> None:
+    """Triton: rotate q and k of one decode token per sequence; write k, v into the cache at `slot`.
+
+    Args:
+        qkv: [B, (hq + 2 hkv) * d] fused projection output. cos/sin: [S_max, d] tables.
+        pos: int [B] rotary position per sequence. slot: int [1] cache index of this token.
+        q_out: [B, hq, d]. k_cache / v_cache: [B_max, hkv, S_max, d] (batch rows 0..B-1 used).
+    """
+    b = qkv.shape[0]
+    _rope_cache_kernel[(b, hq + 2 * hkv)](
+        qkv, qkv.stride(0), cos, sin, pos, slot, q_out,
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        hq, hkv, D=d, HALF=d // 2, num_warps=1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch twins (semantics; CPU and prefill path)
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
+    """HF Llama/Qwen2 RMSNorm, rounding exactly where HF rounds."""
+    xf = x.float()
+    hn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return gamma * hn
+
+
+def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF rotary embedding: x [..., d] with cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype) -> Tensor:
+    """A usable [n, k] weight: the referenced tensor itself, or the 4-bit one dequantized."""
+    if isinstance(w, PackedWeight):
+        return dequantize_packed(w).to(dtype)
+    return w
+
+
+def linear_ref(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None) -> Tensor:
+    """x @ W^T + b in the activation dtype (cuBLAS on CUDA); 4-bit weights are dequantized first."""
+    return F.linear(x, weight_of(w, x.dtype), bias)
+
+
+def nf4_lut(device: torch.device | str = "cpu") -> Tensor:
+    """The 16 NF4 levels (QLoRA), float32."""
+    levels = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+    return torch.tensor(levels, dtype=torch.float32, device=device)
+
+
+def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_scale: list,
+              r: int, glu: bool, device: torch.device) -> LinearPlan:
+    """Build the device tables for one fused linear launch over 1-3 segments (or GLU gate/up).
+
+    The tables hold the addresses of the model's own tensors (bf16 weights, LoRA B, biases) and of
+    the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
+    nseg = len(weights)
+    sizes = [w.n if isinstance(w, PackedWeight) else w.shape[0] for w in weights]
+    k = weights[0].k if isinstance(weights[0], PackedWeight) else weights[0].shape[1]
+    tab = torch.zeros(nseg, 8, dtype=torch.int64)
+    fsc = torch.zeros(nseg, 2, dtype=torch.float32)
+    lut = None
+    for s, w in enumerate(weights):
+        if isinstance(w, PackedWeight):
+            tab[s, 0] = w.codes.data_ptr()
+            tab[s, 1] = w.scales.data_ptr()
+            fsc[s, 1] = w.out_scale
+            lut = w.lut
+        else:
+            tab[s, 0] = w.data_ptr()
+            fsc[s, 1] = 1.0
+        tab[s, 4] = sizes[s]
+        if lora_b is not None:
+            tab[s, 2] = lora_b[s].data_ptr()
+            fsc[s, 0] = lora_scale[s]
+        if biases[s] is not None:
+            tab[s, 3] = biases[s].data_ptr()
+    n = sizes[0] if glu else sum(sizes)
+    gcd = 0
+    for sz in sizes:
+        gcd = math.gcd(gcd, sz)
+    return LinearPlan(
+        fmt=fmt, nseg=nseg, glu=glu, n=n, k=k,
+        n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,
+        tab=tab.to(device), fsc=fsc.to(device), fsc_f16=(fsc * torch.tensor([1.0, 16.0])).to(device), lut=lut.to(device) if lut is not None else None,
+        has_bias=any(b is not None for b in biases), r=r if lora_b is not None else 0, seg_gcd=gcd,
+    )
