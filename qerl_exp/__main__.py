@@ -11,12 +11,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from qerl_exp.cli import CONF_DIR, UsageError, fail, validate
+from qerl_exp.cli import CONF_DIR, UsageError, fail, quiet_third_party_logs, validate
 from qerl_exp.config import GROUPS, register_configs, to_config
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
+    quiet_third_party_logs()
     from qerl_exp.train import run
 
     hc = HydraConfig.get()
@@ -26,7 +27,7 @@ def main(cfg: DictConfig) -> float:
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
         summary = run(to_config(cfg), run_dir, choices=choices, group=group)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
         (run_dir / "error.txt").write_text(traceback.format_exc())
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} (traceback in {run_dir}/error.txt)"
         if multirun:  # let Hydra record the failure and go on with the sibling jobs

@@ -7,6 +7,7 @@ compose every job's config ourselves and turn any failure into one line that say
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -31,9 +32,9 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
     """One line for a Hydra/OmegaConf composition error."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    if "Could not find '" in text or "Could not load '" in text:
-        missing = text.split("'")[1]  # e.g. quant/bogus
-        group, _, choice = missing.rpartition("/")
+    missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
+    if missing:
+        group, _, choice = missing.group(1).rpartition("/")  # e.g. quant/bogus
         if group and (CONF_DIR / group).is_dir():
             return f"{group}={choice} is not a preset; choose one of: {', '.join(group_options(group))}"
     cause = exc
@@ -41,7 +42,7 @@ def _explain(exc: BaseException, overrides: list[str]) -> str:
         cause = cause.__cause__
     key = getattr(cause, "full_key", None)
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else first
-    if "not in struct" in detail and key:
+    if key and ("not in struct" in detail or re.search(r"Key '[^']+' not in '", detail)):
         return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
     if key:
         return f"bad value for '{key}': {detail}"
@@ -85,6 +86,16 @@ def validate(overrides: list[str], multirun: bool) -> None:
             raise UsageError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
             raise UsageError(_explain(e, job)) from None
+
+
+def quiet_third_party_logs() -> None:
+    """Hide import-time chatter of optional backends (torchao, bitsandbytes' CPU kernels hub)."""
+    import logging
+    import warnings
+
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "transformers.modeling_utils"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def fail(message: str, code: int = 2) -> None:

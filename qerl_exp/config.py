@@ -255,6 +255,9 @@ class AlgoConfig:
         temperature: sampling temperature; log-probs and entropies use logits / temperature.
         top_p: nucleus sampling threshold (1 disables it).
         max_new_tokens: completion length cap.
+        tis_cap: truncated importance sampling: weight each token's loss by
+            min(pi_learner / pi_sampler, tis_cap) to correct for a sampler that differs from the
+            learner (e.g. `rollout.quant`); 0 disables it.
     """
 
     name: str = "grpo"
@@ -269,8 +272,10 @@ class AlgoConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
+    tis_cap: float = 0.0
 
     def __post_init__(self) -> None:
+        _check(self.tis_cap >= 0, f"algo.tis_cap must be >= 0, got {self.tis_cap}")
         _choice("algo.name", self.name, ("grpo", "dapo"))
         _choice("algo.loss_agg", self.loss_agg, ("token", "sequence"))
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
@@ -322,12 +327,18 @@ class RolloutConfig:
     Args:
         engine: `hf` (transformers generate), `fast` (our static-cache CUDA-graph engine) or
             `auto` (fast on CUDA, hf on CPU).
+        quant: `none`: the sampler is the policy itself (QeRL). Otherwise a format (`nvfp4`,
+            `mxfp4`, `nf4`): the sampler is a separate copy of the model whose linears hold
+            base + LoRA merged and quantized to that format, re-quantized after every update
+            (the "NVFP4 rollouts only" strategy; the learner keeps quant.format).
     """
 
     engine: str = "auto"
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
+        _choice("rollout.quant", self.quant, QUANT_FORMATS)
 
 
 @dataclass
@@ -373,6 +384,16 @@ class Config:
     Args:
         seed: seeds python, numpy and torch; every random draw of the run derives from it.
         run_dir: where the run writes; empty means Hydra's output directory.
+        model: the base model (`ModelConfig`).
+        quant: the storage of the frozen base (`QuantConfig`).
+        lora: the trainable adapters (`LoraConfig`).
+        noise: AQN placement and schedule (`NoiseConfig`).
+        task: problems and rewards (`TaskConfig`).
+        algo: the RL objective (`AlgoConfig`).
+        train: loop length and optimizer (`TrainConfig`).
+        rollout: the sampling engine (`RolloutConfig`).
+        monitor: the full-precision reference (`MonitorConfig`).
+        tracker: W&B settings (`TrackerConfig`).
     """
 
     seed: int = 0

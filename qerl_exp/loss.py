@@ -58,6 +58,7 @@ def policy_loss(
     algo: AlgoConfig,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate (+ beta * k3 KL - entropy_coef * entropy), aggregated per `algo.loss_agg`.
 
@@ -69,6 +70,8 @@ def policy_loss(
         algo: the objective's settings.
         ref_logp: `[B, T]` reference-policy log-probs; needed when `algo.beta > 0`.
         entropy: `[B, T]` learner entropies (with grad); needed when `algo.entropy_coef > 0`.
+        sampler_logp: `[B, T]` sampler log-probs of the sampled tokens; needed when
+            `algo.tis_cap > 0` (truncated importance weights min(pi_old / pi_sampler, cap)).
 
     Returns:
         The scalar loss and its clip metrics.
@@ -78,6 +81,8 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - algo.eps_low, 1 + algo.eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    if algo.tis_cap > 0:
+        per_token = per_token * torch.exp(old_logp - sampler_logp).clamp(max=algo.tis_cap)
     if algo.beta > 0:
         per_token = per_token + algo.beta * kl_k3(logp, ref_logp)
     if algo.entropy_coef > 0:

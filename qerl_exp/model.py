@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from qerl_exp.config import Config, LoraConfig, ModelConfig
+from qerl_exp.config import Config, LoraConfig, ModelConfig, QuantConfig
 from qerl_exp.quant import quantize_model
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
 
@@ -69,9 +69,13 @@ def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str
 
 @dataclass
 class Models:
+    """The models of a run. `sampler` is `policy` itself unless `rollout.quant` asks for a
+    separately quantized copy (then refresh it with `requantize_sampler` after each update)."""
+
     policy: nn.Module
     tokenizer: CharTokenizer | HFTokenizer
     reference: nn.Module | None
+    sampler: nn.Module
     base_info: dict
 
 
@@ -100,9 +104,6 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from qerl_exp.quant import register_peft_layers
-
-    register_peft_layers()
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
     return get_peft_model(model, peft_cfg)
 
@@ -131,9 +132,41 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     base, tokenizer, info = _load_base(cfg, task, device, dtype)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
+    sampler = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
     policy = add_lora(quantize_model(base, cfg.quant, dtype), cfg.lora)
     if reference is not None:
         reference = add_lora(reference, cfg.lora)
         reference.requires_grad_(False)
         sync_lora(policy, reference)
-    return Models(policy=policy, tokenizer=tokenizer, reference=reference, base_info=info)
+    if sampler is not None:
+        requantize_sampler(policy, sampler, QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets), dtype)
+    return Models(policy=policy, tokenizer=tokenizer, reference=reference, sampler=sampler or policy, base_info=info)
+
+
+@torch.no_grad()
+def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig, dtype: torch.dtype) -> None:
+    """Quantize the policy's current weights (base + LoRA, merged) into the sampler's linears.
+
+    Args:
+        policy: the peft-wrapped learner (its base must be unquantized).
+        sampler: a plain copy of the base model whose targeted linears get replaced.
+        quant: the sampler's format and targets.
+        dtype: the compute dtype.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from qerl_exp.quant import decoder_linears, quantize_linear
+
+    learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
+    for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
+        src = learner[path]
+        base = src.get_base_layer() if isinstance(src, LoraLayer) else src
+        weight = base.weight.detach().float()
+        if isinstance(src, LoraLayer):
+            for adapter in src.active_adapters:
+                weight = weight + src.get_delta_weight(adapter).float()
+        merged = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device, dtype=dtype)
+        merged.weight.copy_(weight)
+        if base.bias is not None:
+            merged.bias.copy_(base.bias)
+        setattr(parent, attr, quantize_linear(merged, quant, dtype))

@@ -21,9 +21,9 @@ import torch
 
 from qerl_exp import metrics as M
 from qerl_exp.checkpoint import rng_state, save
-from qerl_exp.config import Config, as_dict
+from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.loss import completion_logits, group_advantages, policy_loss, token_logp
-from qerl_exp.model import build_models, resolve_device, sync_lora
+from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
 from qerl_exp.rollout import make_sampler, sample
@@ -111,10 +111,13 @@ def run(
     task = build_task(cfg.task)
     models = build_models(cfg, task, device)
     policy, tok, reference = models.policy, models.tokenizer, models.reference
+    separate_sampler = models.sampler is not policy
+    sampler_quant = QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets)
+    dtype = resolve_dtype(cfg.model.dtype, device)
     algo, G = cfg.algo, cfg.algo.group_size
     batch = cfg.train.prompts_per_step * G
-    sampler = make_sampler(cfg.rollout.engine, policy, tok, device, batch, max_seq_len=512)
-    aqn = AQN(policy, cfg.noise, seed=cfg.seed + 1)
+    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device, batch, max_seq_len=512)
+    aqn = AQN(models.sampler, cfg.noise, seed=cfg.seed + 1)
     schedule = Schedule(cfg.noise, cfg.train.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -135,9 +138,9 @@ def run(
             # Rollout: the sampler is the policy with this step's noise draw in its norm scales.
             sigma, stage = schedule(step)
             aqn.draw(sigma)
-            policy.eval()
+            models.sampler.eval()
             t_roll = time.perf_counter()
-            with aqn.applied(policy):
+            with aqn.applied(models.sampler):
                 rollout = sample(sampler, tok, prompts, algo, device)
             rollout_s = time.perf_counter() - t_roll
 
@@ -163,15 +166,18 @@ def run(
 
             step_metrics: dict[str, float] = {}
             if reference is not None and step % cfg.monitor.every == 0:
-                step_metrics.update(_monitor(policy, reference, aqn, rollout, logp.detach(), algo.temperature))
+                step_metrics.update(_monitor(policy, models.sampler, reference, aqn, rollout, logp.detach(), algo.temperature))
 
-            loss, clip = policy_loss(logp, logp.detach(), advantages, loss_mask, algo, ref_logp=ref_logp, entropy=entropy)
+            loss, clip = policy_loss(logp, logp.detach(), advantages, loss_mask, algo, ref_logp=ref_logp,
+                                     entropy=entropy, sampler_logp=rollout.sampler_logp)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
             lr = lr_sched.get_last_lr()[0]
             opt.step()
             lr_sched.step()
+            if separate_sampler:
+                requantize_sampler(policy, models.sampler, sampler_quant, dtype)
 
             step_metrics.update(M.reward_metrics(rewards, G))
             step_metrics.update(M.completion_metrics(mask, rollout.terminated))
@@ -195,7 +201,7 @@ def run(
             "step": cfg.train.steps, "optimizer": opt.state_dict(), "lr_scheduler": lr_sched.state_dict(),
             "noise": schedule.state_dict(), "rng": rng_state(data_rng),
         })
-        summary = {**summarize(history), "warmup": models.base_info.get("greedy_accuracy", float("nan"))}
+        summary = {**summarize(history), "warmup/greedy_accuracy": models.base_info.get("greedy_accuracy", float("nan"))}
         tracker.finish(summary)
         return summary
     except BaseException:
@@ -204,12 +210,12 @@ def run(
 
 
 @torch.no_grad()
-def _monitor(policy, reference, aqn: AQN, rollout, learner_logp: torch.Tensor, temperature: float) -> dict[str, float]:
+def _monitor(policy, sampler, reference, aqn: AQN, rollout, learner_logp: torch.Tensor, temperature: float) -> dict[str, float]:
     """Reference (full-precision base + the same LoRA) vs the sampler, on the rollout batch."""
     sync_lora(policy, reference)
     reference.eval()
     ref_logits = completion_logits(reference, rollout, temperature)
     with aqn.applied():
-        sampler_logits = completion_logits(policy, rollout, temperature)
+        sampler_logits = completion_logits(sampler, rollout, temperature)
     return M.monitor_metrics(rollout.sampler_logp, rollout.sampler_entropy, sampler_logits, ref_logits,
                              learner_logp, rollout.completion_mask)

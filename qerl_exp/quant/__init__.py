@@ -5,6 +5,11 @@ One handler per format, all with the same two methods:
 `linear_bytes(module) -> int` (everything the format stores for that layer). `quantize_model`
 walks the decoder blocks and swaps in the quantized layers; embeddings, norms and lm_head stay
 in the compute dtype.
+
+Formats: `nf4` (bitsandbytes, optionally with double quant) here; `nvfp4` and `mxfp4` in
+`qerl_exp.quant.fp4` (our own packing; `docs/quant.md` has the layout). Every quantized layer is an
+`nn.Linear` subclass whose `weight` is its packed data, so peft attaches LoRA to it with a plain
+`LoraConfig` (nothing to register).
 """
 
 from __future__ import annotations
@@ -76,23 +81,34 @@ def _handler(cfg: QuantConfig, compute_dtype: torch.dtype):
     raise ValueError(f"quant.format={cfg.format!r} has no handler; valid: none, nf4, nvfp4, mxfp4")
 
 
-def register_peft_layers() -> None:
-    """Teach peft to put LoRA on our own quantized layers (it knows bitsandbytes' already)."""
-    try:
-        from qerl_exp.quant import fp4
-    except ImportError:  # the FP4 formats are not built yet
-        return
-    fp4.register_peft()
+def register_peft_layers(lora_config=None):
+    """Kept for callers that expect a registration step: none is needed.
+
+    bitsandbytes' `Linear4bit` and our `FP4Linear` are both `nn.Linear` subclasses whose `weight`
+    is their packed data; peft's bitsandbytes and default dispatchers take them as they are.
+
+    Args:
+        lora_config: ignored (a `peft.LoraConfig` or None).
+
+    Returns:
+        `lora_config`, unchanged.
+    """
+    return lora_config
 
 
-def decoder_linears(model: nn.Module, targets: list[str]) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, module) for each targeted linear inside the decoder blocks."""
+def decoder_linears(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """(name, parent, attribute, module) for each targeted linear inside the decoder blocks."""
     found = []
     for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
         if attr in targets and ".layers." in f".{parent_name}.":
-            found.append((model.get_submodule(parent_name), attr, module))
+            found.append((name, model.get_submodule(parent_name), attr, module))
     return found
+
+
+def quantize_linear(linear: nn.Linear, cfg: QuantConfig, compute_dtype: torch.dtype) -> nn.Module:
+    """One frozen quantized layer holding `linear`'s weights in `cfg.format`."""
+    return _handler(cfg, compute_dtype).quantize_linear(linear)
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtype) -> nn.Module:
@@ -109,7 +125,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
     if cfg.format == "none":
         return model
     handler = _handler(cfg, compute_dtype)
-    for parent, attr, linear in decoder_linears(model, cfg.targets):
+    for _, parent, attr, linear in decoder_linears(model, cfg.targets):
         setattr(parent, attr, handler.quantize_linear(linear))
     return model
 
@@ -125,7 +141,8 @@ def memory_bytes(model: nn.Module) -> dict[str, int]:
         nbytes = None
         if isinstance(module, bnb.nn.Linear4bit):
             nbytes = _NF4.linear_bytes(module)
-        elif hasattr(module, "quantized_bytes"):
+        # Looked up on the class: peft's wrappers forward unknown attributes to their base layer.
+        elif callable(getattr(type(module), "quantized_bytes", None)):
             nbytes = module.quantized_bytes()
         if nbytes is not None:
             quantized += nbytes

@@ -1,0 +1,66 @@
+"""Advantages and the clipped policy-gradient loss against hand computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_exp.config import AlgoConfig
+from qerl_exp.loss import aggregate, group_advantages, policy_loss
+from qerl_exp.rollout import completion_mask
+
+
+def test_group_advantages_normalize_within_each_group():
+    r = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    adv = group_advantages(r, group_size=3, scale=True)
+    assert adv[:3].tolist() == pytest.approx([-1 / 1.0001, 0.0, 1 / 1.0001], rel=1e-4)
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]
+    assert group_advantages(r, 3, scale=False)[:3].tolist() == [-1.0, 0.0, 1.0]
+
+
+def test_token_and_sequence_aggregation_differ_as_documented():
+    per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert aggregate(per_token, mask, "token").item() == pytest.approx(8 / 5)  # DAPO: all tokens equal
+    assert aggregate(per_token, mask, "sequence").item() == pytest.approx((1 + 4) / 2)  # GRPO: all sequences equal
+
+
+def test_policy_loss_clips_like_ppo():
+    algo = AlgoConfig(eps_low=0.2, eps_high=0.28, loss_agg="token")
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[0.5, 1.1, 1.5, 1.0]])).requires_grad_()
+    adv = torch.tensor([1.0])
+    loss, clip = policy_loss(logp, old, adv, torch.ones(1, 4), algo)
+    # positive advantage: ratio capped at 1.28 from above; below, the unclipped term is the max
+    want = -(0.5 + 1.1 + 1.28 + 1.0) / 4
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert clip["clip_ratio/high_mean"] == pytest.approx(0.25)
+    loss.backward()
+    assert logp.grad[0, 2].item() == 0.0  # clipped token gets no gradient
+    assert logp.grad[0, 0].item() != 0.0
+
+
+def test_on_policy_gradient_equals_reinforce_with_advantages():
+    """With old = logp.detach(), the gradient is -A * dlogp / N per token (token aggregation)."""
+    algo = AlgoConfig(loss_agg="token")
+    logp = torch.randn(2, 3).requires_grad_()
+    adv = torch.tensor([0.5, -2.0])
+    loss, _ = policy_loss(logp, logp.detach(), adv, torch.ones(2, 3), algo)
+    loss.backward()
+    assert torch.allclose(logp.grad, -adv[:, None].expand(2, 3) / 6)
+
+
+def test_kl_term_only_with_beta():
+    logp = torch.zeros(1, 2)
+    ref = torch.full((1, 2), -1.0)
+    base, _ = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig())
+    with_kl, _ = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig(beta=0.5), ref_logp=ref)
+    assert base.item() == 0.0
+    assert with_kl.item() == pytest.approx(0.5 * (torch.exp(torch.tensor(-1.0)) + 1 - 1).item())
+
+
+def test_completion_mask_keeps_tokens_through_the_first_eos():
+    ids = torch.tensor([[5, 6, 2, 7, 2], [5, 5, 5, 5, 5]])
+    mask, terminated = completion_mask(ids, eos_id=2)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert terminated.tolist() == [True, False]

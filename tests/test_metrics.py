@@ -1,0 +1,96 @@
+"""Each metric definition against a direct computation written out here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qerl_exp import metrics as M
+
+
+def _naive_entropy(logits_row):
+    z = [math.exp(v) for v in logits_row]
+    s = sum(z)
+    return -sum((p / s) * math.log(p / s) for p in z)
+
+
+def test_entropy_from_logits_matches_the_definition():
+    logits = torch.randn(3, 4, 7)
+    got = M.entropy_from_logits(logits)
+    for i in range(3):
+        for j in range(4):
+            assert got[i, j].item() == pytest.approx(_naive_entropy(logits[i, j].tolist()), rel=1e-5)
+    uniform = M.entropy_from_logits(torch.zeros(1, 1, 16))
+    assert uniform.item() == pytest.approx(math.log(16), rel=1e-6)
+
+
+def test_token_mean_ignores_masked_positions():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert M.token_mean(x, mask).item() == pytest.approx(2.0)
+    assert M.token_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_k3_kl_is_nonnegative_and_unbiased_for_the_true_kl():
+    torch.manual_seed(0)
+    p_logits, q_logits = torch.randn(5), torch.randn(5)
+    p, q = torch.softmax(p_logits, 0), torch.softmax(q_logits, 0)
+    samples = torch.multinomial(p, 200_000, replacement=True)
+    est = M.kl_k3(p.log()[samples], q.log()[samples])
+    assert (est >= 0).all()
+    true_kl = (p * (p.log() - q.log())).sum().item()
+    assert est.mean().item() == pytest.approx(true_kl, rel=0.05)
+
+
+def test_full_kl_matches_the_sum_over_the_vocabulary():
+    ref, pol = torch.randn(2, 3, 6), torch.randn(2, 3, 6)
+    got = M.kl_full(ref, pol)
+    p, q = torch.softmax(ref, -1), torch.softmax(pol, -1)
+    assert torch.allclose(got, (p * (p / q).log()).sum(-1), atol=1e-6)
+    assert torch.allclose(M.kl_full(ref, ref), torch.zeros(2, 3), atol=1e-6)
+
+
+def test_reward_metrics():
+    rewards = {"format": torch.tensor([0.2, 0.2, 0.0, 0.2, 0.2, 0.2]), "correct": torch.tensor([2.0, 0.0, 0.0, 2.0, 2.0, 2.0])}
+    got = M.reward_metrics(rewards, group_size=3)
+    totals = [2.2, 0.2, 0.0, 2.2, 2.2, 2.2]
+    assert got["reward"] == pytest.approx(sum(totals) / 6)
+    import statistics
+
+    assert got["reward_std"] == pytest.approx((statistics.stdev(totals[:3]) + statistics.stdev(totals[3:])) / 2)
+    assert got["frac_reward_zero_std"] == 0.5
+    assert got["rewards/format/mean"] == pytest.approx(1.0 / 6)
+    assert got["rewards/correct/mean"] == pytest.approx(8.0 / 6)
+
+
+def test_completion_and_clip_metrics():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    got = M.completion_metrics(mask, torch.tensor([True, False]))
+    assert got == {"completions/mean_length": 3.5, "completions/clipped_ratio": 0.5}
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 9.0], [0.5, 1.0, 1.5, 1.0]])
+    adv = torch.tensor([[-1.0] * 4, [1.0] * 4])
+    clip = M.clip_metrics(ratio, adv, mask, eps_low=0.2, eps_high=0.28)
+    assert clip["clip_ratio/low_mean"] == pytest.approx(1 / 7)  # row 0, the 0.5 (9.0 is masked)
+    assert clip["clip_ratio/high_mean"] == pytest.approx(1 / 7)  # row 1, the 1.5
+
+
+def test_monitor_metrics_against_direct_computation():
+    torch.manual_seed(1)
+    B, T, V = 2, 3, 5
+    ref_logits, sampler_logits = torch.randn(B, T, V), torch.randn(B, T, V)
+    tokens = torch.randint(0, V, (B, T))
+    sampler_logp = torch.log_softmax(sampler_logits, -1).gather(-1, tokens[..., None])[..., 0]
+    learner_logp = sampler_logp - 0.1
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    sampler_entropy = M.entropy_from_logits(sampler_logits)
+    got = M.monitor_metrics(sampler_logp, sampler_entropy, sampler_logits, ref_logits, learner_logp, mask)
+    keep = mask.bool()
+    h = lambda l: -(torch.softmax(l, -1) * torch.log_softmax(l, -1)).sum(-1)  # noqa: E731
+    assert got["entropy_gain"] == pytest.approx((h(sampler_logits)[keep].mean() - h(ref_logits)[keep].mean()).item(), rel=1e-5)
+    assert got["sampling/logp_gap"] == pytest.approx(0.1, rel=1e-5)
+    p = torch.softmax(ref_logits, -1)
+    kl = (p * (torch.log_softmax(ref_logits, -1) - torch.log_softmax(sampler_logits, -1))).sum(-1)
+    assert got["quant/kl"] == pytest.approx(kl[keep].mean().item(), rel=1e-5)
+    assert got["quant/kl"] >= 0

@@ -1,0 +1,72 @@
+"""End-to-end: the command line runs the QeRL loop and leaves a complete run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_RUN, qerl
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+REQUIRED = [
+    "reward", "reward_std", "rewards/format/mean", "rewards/correct/mean", "frac_reward_zero_std",
+    "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean",
+    "kl", "entropy", "sampler/entropy", "entropy_gain", "quant/kl", "sampling/logp_gap", "noise/sigma",
+    "noise/stage", "perf/rollout_tok_s", "perf/step_s", "mem/weights_bytes", "mem/quantized_linear_bytes",
+    "mem/peak_bytes", "loss", "grad_norm", "lr",
+]
+
+
+def test_single_run_writes_metrics_summary_wandb_and_adapter(tmp_path):
+    run_dir = tmp_path / "run"
+    out = qerl(*TINY_RUN, "tracker.mode=offline", "train.steps=3", f"run_dir={run_dir}", "noise=fixed")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for name in REQUIRED:
+        assert all(name in r for r in rows), name
+    assert all(r["noise/sigma"] == pytest.approx(1e-2) for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["reward/final"] == pytest.approx(rows[-1]["reward"])
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run file"
+    assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").exists()
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["choices"]["noise"] == "fixed" and config["seed"] == 0
+
+
+def test_finished_run_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    assert qerl(*TINY_RUN, "train.steps=1", f"run_dir={run_dir}").returncode == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    out = qerl(*TINY_RUN, "train.steps=1", f"run_dir={run_dir}")
+    assert out.returncode != 0
+    assert "holds a finished run" in out.stderr.strip().splitlines()[-1]
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_multirun_makes_one_run_dir_per_job(tmp_path):
+    out = qerl("-m", "noise=adaptive,fixed", *TINY_RUN, "tracker.mode=offline", "train.steps=2",
+               f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert [p.name for p in jobs] == ["0_bf16_adaptive_s0", "1_bf16_fixed_s0"]
+    for job in jobs:
+        assert len(_rows(job)) == 2
+        assert len(list((job / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_same_seed_reproduces_metrics(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        assert qerl(*TINY_RUN, "train.steps=2", "monitor.every=0", f"run_dir={d}").returncode == 0
+    drop = ("perf/", "mem/peak")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]  # noqa: E731
+    assert strip(_rows(a)) == strip(_rows(b))
