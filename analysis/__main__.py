@@ -1,0 +1,79 @@
+"""`python -m analysis PATH... --out DIR`: the strategy table and the paper's figures from runs.
+
+PATH: run directories, parents of run directories (searched recursively), globs, or offline W&B
+run files (`run-*.wandb`). Writes into DIR:
+  table.md, table.csv, table.tex   the strategy table (analysis/table.py)
+  figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
+  runs.md                          every run used, skipped (with the reason) or left out
+
+Example:
+    python -m analysis multirun/strategies --out docs
+    python -m analysis 'runs/**/run-*.wandb' --out /tmp/report
+    python -m analysis --wandb-project me/qerl-exp --out /tmp/report
+    python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analysis import figures, table
+from analysis.runs import load
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("paths", nargs="*", help="run directories, their parents, globs, or run-*.wandb files")
+    p.add_argument("--out", required=True, type=Path, help="output directory (created if needed)")
+    p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
+    p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
+    p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
+    p.add_argument("--smooth", type=int, default=1, metavar="K",
+                   help="moving average over K steps on reward curves (default 1: none)")
+    return p
+
+
+def _runs_report(loaded, notes: list[str]) -> str:
+    lines = ["# Runs", "", "## Used", "", "| run | strategy | seed | steps | source |", "|---|---|---|---|---|"]
+    for r in sorted(loaded.runs, key=lambda r: (r.strategy or "~", str(r.seed), r.source)):
+        lines.append(f"| {r.name} | {r.strategy or '-'} | {r.seed} | {len(r.history)} | `{r.source}` |")
+    lines += ["", "## Skipped (missing or partial metrics, unreadable, unfinished)", ""]
+    lines += [f"- `{src}`: {why}" for src, why in loaded.skipped] or ["- none"]
+    lines += ["", "## Notes", ""]
+    lines += [f"- {n}" for n in (*loaded.notes, *notes)] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.paths and not args.wandb_project:
+        _parser().error("give at least one PATH or --wandb-project")
+    loaded = load(args.paths, wandb_project=args.wandb_project)
+    for src, why in loaded.skipped:
+        print(f"skipped {src}: {why}", file=sys.stderr)
+    if not loaded.runs:
+        print("error: no complete runs to analyse", file=sys.stderr)
+        return 1
+    rows, notes = table.build(loaded.runs)
+    written = table.write(rows, args.out)
+    written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)
+    if args.optuna_storage:
+        paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures")
+        written += paths
+        notes += optuna_notes
+    else:
+        notes.append("no --optuna-storage: Optuna figures skipped")
+    (args.out / "runs.md").write_text(_runs_report(loaded, notes))
+    written.append(args.out / "runs.md")
+    print(table.to_markdown(rows).split("\n\n")[0])
+    print(f"\n{len(loaded.runs)} runs used, {len(loaded.skipped)} skipped (see {args.out / 'runs.md'})")
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The paper's figures from runs: curves over RL steps, mean over seeds and a +-1 s.d. band.
+
+| file stem | what | paper |
+| --- | --- | --- |
+| fig4_reward | reward vs step, one curve per strategy of the table | Fig. 4 |
+| fig5_entropy | sampler entropy vs step, one curve per strategy | Fig. 5 |
+| fig8_aqn | reward vs step with AQN (the anchor's schedule) and without, per anchor | Fig. 8 |
+| fig9_15_schedules | reward vs step per noise schedule, and each schedule's sigma | Figs. 9, 15 |
+| fig10_lora_rank | reward vs step per LoRA rank, per anchor | Fig. 10 |
+| fig16_17_lr | reward vs step per learning rate, per anchor | Figs. 16, 17 |
+| optuna_history, optuna_importance | a sweep's objective per trial, and parameter importances | - |
+
+Ablation figures compare runs one factor at a time around an anchor: the nvfp4_lora (QeRL) runs
+and the full_precision runs. A curve groups the runs whose settings equal the anchor's except
+for the factor studied; runs that differ in anything else are not drawn. Every file is written
+as PNG and PDF.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from analysis.runs import Run, flatten, settings
+from analysis.stats import mean, stdev
+from analysis.table import select
+
+ANCHORS = ("nvfp4_lora", "full_precision")
+BAND_NOTE = "line: mean over seeds; band: +-1 s.d. across seeds"
+
+
+@dataclass
+class Curve:
+    """One line of a figure: the per-step mean and s.d. of a metric over a group's runs."""
+
+    label: str
+    steps: list[int]
+    mean: list[float]
+    std: list[float]
+    n: int
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over `window` points (the first points average what exists)."""
+    if window <= 1:
+        return values
+    return [mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def curve(label: str, runs: list[Run], metric: str, smooth: int = 1) -> Curve:
+    """Mean and s.d. over `runs` of `metric`, at the steps every run logged it."""
+    per_run = []
+    for r in runs:
+        steps, values = r.series(metric)
+        per_run.append(dict(zip(steps, _smooth(values, smooth))))
+    common = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    columns = [[d[s] for d in per_run] for s in common]
+    return Curve(label, common, [mean(c) for c in columns],
+                 [stdev(c) if len(c) > 1 else 0.0 for c in columns], len(runs))
+
+
+# --------------------------------------------------------------------------- run grouping
+
+
+def _anchor_settings(runs: list[Run], name: str, vary: tuple[str, ...]) -> dict | None:
+    """The most common settings (ignoring `vary`) of the runs labelled `name`."""
+    mine = [tuple(sorted((k, repr(v)) for k, v in settings(r, vary).items())) for r in runs if r.strategy == name]
+    return dict(Counter(mine).most_common(1)[0][0]) if mine else None
+
+
+def ablation(runs: list[Run], anchor: str, vary: tuple[str, ...]) -> dict[str, list[Run]]:
+    """Runs equal to the `anchor` strategy's runs except in the `vary` keys, grouped and labelled.
+
+    Args:
+        runs: complete, labelled runs.
+        anchor: a strategy preset name.
+        vary: config key prefixes that may differ (e.g. `("noise",)`, `("train.lr",)`).
+
+    Returns:
+        {label: runs}, labels naming the values of the `vary` keys that differ between groups.
+    """
+    ref = _anchor_settings(runs, anchor, vary)
+    if ref is None:
+        return {}
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        if {k: repr(v) for k, v in settings(r, vary).items()} != ref:
+            continue
+        flat = flatten(r.config)
+        key = tuple(sorted((k, repr(v)) for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in vary)))
+        groups.setdefault(key, []).append(r)
+    return _labelled(groups)
+
+
+def _labelled(groups: dict[tuple, list[Run]]) -> dict[str, list[Run]]:
+    """Name each group by the keys whose values differ between groups (`schedule=exp, ...`)."""
+    if len(groups) == 1:
+        (key, members), = groups.items()
+        return {_short(dict(key)): members}
+    dicts = {key: dict(key) for key in groups}
+    varying = [k for k in sorted(set().union(*dicts.values())) if len({d.get(k) for d in dicts.values()}) > 1]
+    out = {}
+    for key, members in groups.items():
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={dicts[key].get(k, 'n/a').strip(chr(39))}" for k in varying)
+        out[label] = members
+    return dict(sorted(out.items()))
+
+
+def _short(d: dict) -> str:
+    main = [k for k in ("noise.schedule", "lora.r", "train.lr", "quant.format") if k in d]
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={d[k].strip(chr(39))}" for k in main) or "all runs"
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False) -> None:
+    for c in curves:
+        if not c.steps:
+            continue
+        (line,) = ax.plot(c.steps, c.mean, label=f"{c.label} (n={c.n})", lw=1.6)
+        lo = [m - s for m, s in zip(c.mean, c.std)]
+        hi = [m + s for m, s in zip(c.mean, c.std)]
+        ax.fill_between(c.steps, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+    if log:
+        positive = [v for c in curves for v in c.mean if v > 0]
+        ax.set_yscale("symlog", linthresh=min(positive) if positive else 1e-6)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if any(c.steps for c in curves):
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no runs for this panel", ha="center", va="center", transform=ax.transAxes)
+
+
+def _save(fig, out_dir: Path, stem: str, suptitle: str) -> list[Path]:
+    fig.suptitle(suptitle, fontsize=11)
+    fig.text(0.99, 0.01, BAND_NOTE, ha="right", va="bottom", fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=150)
+    _plt().close(fig)
+    return paths
+
+
+def _reward_label(smooth: int) -> str:
+    return "reward" + (f" (moving avg. over {smooth} steps)" if smooth > 1 else "")
+
+
+def _single_note(groups: dict) -> str:
+    return " (only one setting in these runs)" if len(groups) == 1 else ""
+
+
+def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
+    """Figs. 4 and 5: reward and sampler entropy per strategy (the table's runs)."""
+    plt = _plt()
+    groups, _ = select(runs)
+    paths = []
+    for stem, metric, ylabel, fig_no in (
+        ("fig4_reward", "reward", _reward_label(smooth), "Fig. 4"),
+        ("fig5_entropy", "sampler/entropy", "sampler token entropy (nats)", "Fig. 5"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        curves = [curve(name, members, metric, smooth if metric == "reward" else 1) for name, members in groups.items()]
+        _draw(ax, curves, ylabel, f"{metric} per strategy")
+        paths += _save(fig, out_dir, stem, f"{ylabel.split(' (')[0].capitalize()} vs step by strategy (paper {fig_no})")
+    return paths
+
+
+def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, ...], title: str,
+                    keep=None, smooth: int = 1) -> list[Path]:
+    """Reward vs step per value of `vary`, one panel per anchor (QeRL and full precision)."""
+    plt = _plt()
+    panels = []
+    for anchor in ANCHORS:
+        groups = ablation(runs, anchor, vary)
+        if keep is not None:
+            groups = {k: v for k, v in groups.items() if keep(anchor, v[0])}
+        if groups:
+            panels.append((anchor, groups))
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.2 * max(1, len(panels)), 4.2), squeeze=False)
+    for ax, (anchor, groups) in zip(axes[0], panels):
+        curves = [curve(label, members, "reward", smooth) for label, members in groups.items()]
+        _draw(ax, curves, _reward_label(smooth), f"around {anchor}{_single_note(groups)}")
+    if not panels:
+        _draw(axes[0][0], [], _reward_label(smooth), "no anchor runs (nvfp4_lora or full_precision)")
+    return _save(fig, out_dir, stem, title)
+
+
+def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
+    """Figs. 9 and 15: reward per noise schedule around QeRL, and each schedule's sigma."""
+    plt = _plt()
+    groups = ablation(runs, ANCHORS[0], ("noise",))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.4, 4.2))
+    note = _single_note(groups) if groups else " (no nvfp4_lora runs)"
+    _draw(left, [curve(k, v, "reward", smooth) for k, v in groups.items()], _reward_label(smooth),
+          f"reward per noise schedule around {ANCHORS[0]}{note}")
+    _draw(right, [curve(k, v, "noise/sigma") for k, v in groups.items()], "AQN sigma (symlog scale)",
+          "sigma per step (stage 0 is noise-free)", log=True)
+    return _save(fig, out_dir, "fig9_15_schedules", "Noise schedules: reward (paper Fig. 9) and sigma (paper Fig. 15)")
+
+
+def _aqn_pair(anchor: str, run: Run) -> bool:
+    """Fig. 8 keeps the anchor's own schedule and `none` (AQN off)."""
+    schedule = run.get("noise.schedule")
+    return schedule == "none" or schedule == "exp"
+
+
+def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
+    """Write every run-based figure into `out_dir` (PNG and PDF); return the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = strategy_figures(runs, out_dir, smooth)
+    paths += ablation_figure(runs, out_dir, "fig8_aqn", ("noise",), "AQN on vs off (paper Fig. 8)",
+                             keep=_aqn_pair, smooth=smooth)
+    paths += schedule_figure(runs, out_dir, smooth)
+    paths += ablation_figure(runs, out_dir, "fig10_lora_rank", ("lora",), "LoRA rank (paper Fig. 10)", smooth=smooth)
+    paths += ablation_figure(runs, out_dir, "fig16_17_lr", ("train.lr",),
+                             "Learning-rate robustness (paper Figs. 16-17)", smooth=smooth)
+    return paths
+
+
+# --------------------------------------------------------------------------- optuna
+
+
+def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple[list[Path], list[str]]:
+    """The optimization history and the parameter importances of an Optuna study.
+
+    Args:
+        storage: an Optuna storage URL (e.g. `sqlite:///sweeps.db`, `postgresql://...`).
+        study_name: the study; None picks the only study in the storage.
+        out_dir: where `optuna_history.*` and `optuna_importance.*` go.
+
+    Returns:
+        (written paths, notes on what could not be drawn).
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if study_name is None:
+        names = optuna.study.get_all_study_names(storage)
+        if len(names) != 1:
+            return [], [f"storage holds {len(names)} studies ({', '.join(names)}); pass --optuna-study"]
+        study_name = names[0]
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None]
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    if not done:
+        return [], [f"study {study_name} has no complete trials"]
+    plt = _plt()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.scatter([t.number for t in done], [t.value for t in done], s=18, label="complete trial")
+    best, best_line = -math.inf if maximize else math.inf, []
+    for t in done:
+        best = max(best, t.value) if maximize else min(best, t.value)
+        best_line.append(best)
+    ax.step([t.number for t in done], best_line, where="post", color="C3", label="best so far")
+    for t in pruned:
+        ax.axvline(t.number, color="0.8", lw=0.8, zorder=0)
+    ax.set_xlabel("trial number")
+    ax.set_ylabel("objective value")
+    ax.set_title(f"{study_name}: {len(done)} complete, {len(pruned)} pruned (grey lines)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths = _save(fig, out_dir, "optuna_history", "Optuna optimization history")
+    notes = []
+    if len(done) < 2 or not done[0].params:
+        notes.append(f"study {study_name}: parameter importance needs two complete trials with parameters")
+        return paths, notes
+    importances = optuna.importance.get_param_importances(study)
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(importances) + 1.5))
+    names = list(importances)[::-1]
+    ax.barh(names, [importances[n] for n in names], label="fANOVA importance")
+    ax.set_xlabel("importance (fraction of objective variance)")
+    ax.set_ylabel("parameter")
+    ax.set_title(f"{study_name}: parameter importance", fontsize=10)
+    ax.legend(fontsize=8)
+    paths += _save(fig, out_dir, "optuna_importance", "Optuna parameter importance")
+    return paths, notes
