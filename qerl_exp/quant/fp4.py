@@ -26,10 +26,12 @@ up to 2^-6: the two differ only for blocks whose largest value is below ~1/30000
 A tensor whose largest value is below ~3e-35 has a subnormal fp32 tensor scale and is quantized
 more coarsely than the format otherwise allows (still finite).
 
-LoRA through peft: `FP4Linear` is not an `nn.Linear` (it has no dense weight), so peft's default
-dispatcher does not take it. `register_lora_layers(lora_config)` registers `FP4LoraLinear` (peft's
-own LoRA `Linear`, unchanged forward) for it through `LoraConfig._register_custom_module`; call it on
-the config before `peft.get_peft_model`.
+LoRA through peft: `FP4Linear` subclasses `nn.Linear` the way bitsandbytes' `Linear4bit` does (its
+`weight` is the packed data, here the uint8 codes; it never calls `nn.Linear.__init__`, so no dense
+weight exists). peft's default dispatcher therefore wraps it in its standard LoRA `Linear` with any
+plain `LoraConfig`: the base output plus `B(A(x)) * scaling`. Nothing needs registering, and a
+saved adapter reloads the same way. Merging the adapter into the base, and variants that read the
+dense base weight (DoRA, PiSSA, ...), fail loudly (they meet uint8 codes of half the width).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.lora.layer import Linear as _LoraLinear
 from torch import nn
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -230,7 +231,7 @@ def _blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
 _PACKED = ("codes", "block_scales", "tensor_scale")
 
 
-class FP4Linear(nn.Module):
+class FP4Linear(nn.Linear):
     """A frozen linear layer whose weight is stored only as NVFP4/MXFP4 packed data.
 
     `forward(x)` is `x @ W_hat.T + bias` computed in `x.dtype`, W_hat decoded on the fly (no dense
@@ -243,7 +244,7 @@ class FP4Linear(nn.Module):
     """
 
     def __init__(self, weight: FP4Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a dense weight
         self.format = weight.format
         self.out_features, self.in_features = weight.shape
         self.register_buffer("codes", weight.codes)
@@ -271,14 +272,14 @@ class FP4Linear(nn.Module):
         return cls(QUANTIZERS[fmt](linear.weight), bias)
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The packed codes, uint8 [out, in // 2] (as `Linear4bit.weight` is its packed data)."""
+        return self.codes
+
+    @property
     def weight_fp4(self) -> FP4Tensor:
         """The packed weight as an `FP4Tensor` (shares the buffers)."""
         return FP4Tensor(self.format, self.codes, self.block_scales, self.tensor_scale)
-
-    @property
-    def qweight(self) -> torch.Tensor:
-        # peft finds the device of a quantized layer through `qweight` (as for GPTQ/AWQ layers).
-        return self.codes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight W_hat [out, in] in `dtype`."""
@@ -303,39 +304,6 @@ class FP4Linear(nn.Module):
             if after.dtype != before.dtype:
                 self._buffers[name] = before.to(after.device)
         return self
-
-
-class FP4LoraLinear(_LoraLinear):
-    """peft's LoRA `Linear` on an `FP4Linear` base: same forward (base output + B(A(x)) * scaling).
-
-    Merging is refused: it would have to re-quantize the base and lose the adapter's precision.
-    Variants that read the dense base weight (DoRA, ...) are refused when the layer is built.
-    """
-
-    def resolve_lora_variant(self, *, config, **kwargs):
-        variant = super().resolve_lora_variant(config=config, **kwargs)
-        if variant is not None:
-            raise ValueError(f"{type(variant).__name__} needs a dense base weight; FP4Linear supports plain LoRA only")
-        return None
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        raise NotImplementedError("merging LoRA into a frozen FP4 base would re-quantize it; keep the adapter separate")
-
-    def unmerge(self) -> None:
-        raise NotImplementedError("FP4LoraLinear never merges, so there is nothing to unmerge")
-
-
-def register_lora_layers(lora_config):
-    """Let peft put LoRA on `FP4Linear` layers; call on the config before `get_peft_model`.
-
-    Args:
-        lora_config: a `peft.LoraConfig`.
-
-    Returns:
-        The same config, with `FP4Linear -> FP4LoraLinear` registered.
-    """
-    lora_config._register_custom_module({FP4Linear: FP4LoraLinear})
-    return lora_config
 
 
 class Handler:
