@@ -1,0 +1,187 @@
+"""`python -m qerl_exp.sweep SPEC.yaml [key=value ...]`: run or resume an Optuna study.
+
+The command validates the spec, creates or loads the study, starts `n_jobs` worker processes
+(logs in `SWEEP_DIR/logs/`), shows a progress bar of the whole study, and at the end writes the
+best overrides, `trials.csv` and the plots. Ctrl-C stops the workers, whose running trials are
+marked failed and re-enqueued; running the same command again resumes the study.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from qerl_exp.cli import UsageError, fail
+from qerl_exp.sweep.spec import SETTINGS, host, load_plan
+from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, worker_main
+
+USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
+
+Runs (or resumes) the Optuna study that SPEC.yaml defines. Each key=value is a sweep setting if the
+key is one of {', '.join(SETTINGS)}; anything else is a Hydra override given to every trial
+(e.g. train.steps=30). Examples:
+
+  python -m qerl_exp.sweep sweeps/noise_schedule.yaml n_trials=6 train.steps=6
+  python -m qerl_exp.sweep sweeps/noise_schedule.yaml n_jobs=2 storage=postgresql://user@db:5432/optuna
+
+Results go to sweeps/runs/STUDY_NAME/ (sweep_dir=...): trials/, trials.csv, plots/,
+best_overrides.yaml and best_overrides.txt (rerun: python -m qerl_exp $(cat .../best_overrides.txt)).
+See docs/sweeps.md."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(int(argv[1]), argv[2], argv[3:])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    quiet_optuna()
+    spec_path, rest = argv[0], argv[1:]
+    try:
+        plan = load_plan(Path(spec_path), rest)
+        study = open_study(plan, open_storage(plan), create=True)
+    except UsageError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+
+    from qerl_exp.sweep.report import summary_lines, write_reports
+
+    if finished(counts(study)) < plan.n_trials:
+        code = _run_workers(plan, study, spec_path, rest)
+        if code:
+            return code
+    write_reports(plan, study)
+    for line in summary_lines(plan, study):
+        print(line)
+    return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _die_with_parent() -> None:
+    """In a worker: get SIGTERM when the sweep command dies (even by SIGKILL), as Ctrl-C would."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: workers outlive a killed command, heartbeats cover it
+        pass
+
+
+def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
+    from optuna.trial import TrialState
+    from tqdm import tqdm
+
+    logs = plan.sweep_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    tag = f"{host()}-{os.getpid()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    workers = []
+    for i in range(plan.n_jobs):
+        log = logs / f"{tag}-w{i}.log"
+        with open(log, "ab") as f:  # the child keeps its own handle
+            # A session of their own: a terminal's Ctrl-C reaches the command, which stops each
+            # worker exactly once.
+            p = subprocess.Popen([sys.executable, "-m", "qerl_exp.sweep", "--worker", str(i), spec_path, *rest],
+                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                 start_new_session=True, preexec_fn=_die_with_parent)
+        workers.append((i, p, log))
+
+    c = counts(study)
+    tty = sys.stderr.isatty()
+    bar = tqdm(total=plan.n_trials, initial=min(finished(c), plan.n_trials), desc=plan.study_name, unit="trial",
+               dynamic_ncols=True, mininterval=0.5 if tty else 30, file=sys.stderr)
+    seen = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
+    gone: set[int] = set()
+    interrupted = False
+    try:
+        while True:
+            alive = [w for w in workers if w[1].poll() is None]
+            trials = study.get_trials(deepcopy=False)
+            for t in trials:
+                if t.state.is_finished() and t.number not in seen:
+                    seen.add(t.number)
+                    if t.state == TrialState.FAIL:
+                        reason = t.user_attrs.get("error") or ("interrupted" if t.user_attrs.get("interrupted") else "its worker stopped (no heartbeat)")
+                        bar.write(f"trial {t.number} failed: {reason}")
+                    elif t.state == TrialState.PRUNED:
+                        bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}")
+            c = counts(study)
+            bar.n = min(finished(c), plan.n_trials)
+            best = _best_text(plan, study, c)
+            bar.set_postfix_str(f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
+                                f"failed={c[TrialState.FAIL]}{best}", refresh=True)
+            for i, p, log in workers:
+                if i not in gone and p.poll() is not None:
+                    gone.add(i)
+                    if p.returncode != 0 and alive:
+                        bar.write(f"worker {i} stopped: {_why(p, log)}")
+            if not alive:
+                break
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        interrupted = True
+        _stop(workers, bar)
+    finally:
+        bar.close()
+    c = counts(study)
+    if interrupted:
+        fail(f"interrupted with {finished(c)} of {plan.n_trials} trials finished; running trials were marked failed "
+             f"and re-enqueued: rerun the same command to resume", code=130)
+    if finished(c) >= plan.n_trials:
+        return 0
+    reasons = [f"worker {i}: {_why(p, log)}" for i, p, log in workers if p.returncode != 0] or ["workers exited early"]
+    fail(f"study incomplete ({finished(c)} of {plan.n_trials} trials): {reasons[0]}", code=1)
+    return 1
+
+
+def _best_text(plan, study, c) -> str:
+    from optuna.trial import TrialState
+
+    if len(plan.objectives) != 1 or not c[TrialState.COMPLETE]:
+        return ""
+    try:
+        return f" best={study.best_value:.4g}"
+    except ValueError:
+        return ""
+
+
+def _stop(workers, bar) -> None:
+    """Ctrl-C: each worker marks its trial FAIL, re-enqueues it and exits; a second Ctrl-C kills them."""
+    alive = [w for w in workers if w[1].poll() is None]
+    bar.write(f"interrupted: stopping {len(alive)} worker(s); their running trials are marked failed and re-enqueued")
+    for _, p, _ in alive:
+        p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 120
+    try:
+        for _, p, _ in alive:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        bar.write("killing the workers; their trials fail when their heartbeats stop, and are retried")
+        for _, p, _ in alive:
+            if p.poll() is None:
+                p.kill()
+        for _, p, _ in alive:
+            p.wait()
+
+
+def _why(p: subprocess.Popen, log: Path) -> str:
+    if p.returncode is not None and p.returncode < 0:
+        return f"killed by signal {-p.returncode} (log: {log})"
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "error:" in line]
+    if lines:
+        return lines[-1].split("error:", 1)[1].strip() + f" (log: {log})"
+    return f"exited with status {p.returncode} (log: {log})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""A study's storage and the worker loop that runs its trials.
+
+Every worker, on this machine or another, runs `work()` against the same storage:
+
+1. Under a claim lock (a file lock for SQLite, an advisory lock for PostgreSQL), fail trials whose
+   heartbeat stopped (a killed worker; Optuna then re-enqueues them with the same parameters),
+   count the trials and ask for one only while `complete + pruned + running < n_trials`.
+   So the whole study, not each worker, stops at exactly `n_trials` finished trials.
+2. Run the trial: one ordinary run directory and W&B run per seed (group = the study name),
+   reporting the objective after every step so that the pruner can stop it.
+3. Tell the result. Ctrl-C or SIGTERM marks the running trial FAIL and re-enqueues it at once (a
+   heartbeat would do the same, later), so re-running the command loses and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
+
+from qerl_exp.cli import UsageError
+from qerl_exp.sweep.spec import Plan, host, make_pruner, make_sampler, override_key, suggest, trial_overrides
+
+ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+# Overrides that do not change results; a study may be resumed with them changed.
+_NEUTRAL = ("tracker", "model.cache_dir", "hydra")
+
+
+def quiet_optuna() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message=".*Heartbeat of storage is supposed to be used with Study.optimize.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage
+
+
+def storage_url(plan: Plan) -> str:
+    """The storage URL with a driver SQLAlchemy can load (`postgresql://` means psycopg 3 here)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(plan.storage)
+    except ArgumentError:
+        raise UsageError(f"storage={plan.storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST:PORT/DB") from None
+    backend = url.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise UsageError(f"storage={shown(plan.storage)}: use sqlite:///PATH (one machine) or postgresql://... (several)")
+    if backend == "sqlite" and url.database in (None, "", ":memory:"):
+        raise UsageError("storage=sqlite:// needs a file (workers are separate processes): sqlite:///PATH/study.db")
+    if backend == "postgresql" and url.get_driver_name() == "psycopg2":
+        try:
+            import psycopg2  # noqa: F401
+        except ImportError:
+            url = url.set(drivername="postgresql+psycopg")
+    return url.render_as_string(hide_password=False)
+
+
+def shown(url: str) -> str:
+    """A URL safe to print (password hidden)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url
+
+
+def open_storage(plan: Plan) -> RDBStorage:
+    """Connect to the plan's storage with heartbeats and retries of dead trials.
+
+    Raises:
+        UsageError: the storage cannot be reached or opened (one line).
+    """
+    quiet_optuna()
+    url = storage_url(plan)
+    engine_kwargs: dict = {"pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        Path(url.split("///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+        engine_kwargs = {"connect_args": {"timeout": 120}}
+    else:
+        engine_kwargs["connect_args"] = {"connect_timeout": 10}
+    try:
+        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=plan.heartbeat_interval,
+                          grace_period=plan.grace_period,
+                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry))
+    except Exception as e:  # noqa: BLE001 - drivers raise many types; all mean "cannot open"
+        raise UsageError(f"cannot open storage {shown(plan.storage)}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "orig", None) or e
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else type(cause).__name__
+
+
+@contextmanager
+def claim_lock(plan: Plan):
+    """Serializes 'count the trials, then ask for one' across every worker of the study."""
+    url = storage_url(plan)
+    if url.startswith("sqlite"):
+        path = Path(url.split("///", 1)[1] + ".lock")
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if the process dies
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        return
+    import sqlalchemy
+
+    key = int.from_bytes(hashlib.sha1(f"qerl_exp.sweep:{plan.study_name}".encode()).digest()[:8], "big", signed=True)
+    engine = _pg_engine(url)
+    with engine.connect() as conn:  # a dead worker's connection closes and frees the lock
+        conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        try:
+            yield
+        finally:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            conn.commit()
+
+
+_ENGINES: dict = {}
+
+
+def _pg_engine(url: str):
+    import sqlalchemy
+
+    if url not in _ENGINES:
+        _ENGINES[url] = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+    return _ENGINES[url]
+
+
+# ---------------------------------------------------------------------------------------------
+# The study
+
+
+def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: int = 0) -> optuna.Study:
+    """Create (or load) the plan's study; on first creation record the spec and enqueue its trials.
+
+    Raises:
+        UsageError: the study exists but was made from another spec, objective or base config.
+    """
+    sampler, pruner = make_sampler(plan, seed_offset), make_pruner(plan)
+    try:
+        if not create:
+            return optuna.load_study(study_name=plan.study_name, storage=storage, sampler=sampler, pruner=pruner)
+        study = optuna.create_study(storage=storage, study_name=plan.study_name, directions=plan.directions,
+                                    sampler=sampler, pruner=pruner, load_if_exists=True)
+    except KeyError:
+        raise UsageError(f"no study '{plan.study_name}' in {shown(plan.storage)}") from None
+    if [d.name.lower() for d in study.directions] != plan.directions:
+        raise UsageError(f"study '{plan.study_name}' in {shown(plan.storage)} optimizes {[d.name.lower() for d in study.directions]}, "
+                         f"the spec {plan.directions}; use another study_name=")
+    identity = _identity(plan)
+    with claim_lock(plan):
+        recorded = study.user_attrs.get(ATTR)
+        if recorded is None:
+            study.set_user_attr(ATTR, {"identity": identity, "spec": json.loads(json.dumps(plan.spec, default=str)),
+                                       "spec_path": str(plan.spec_path), "sampler": plan.sampler,
+                                       "pruner": plan.pruner, "n_trials": plan.n_trials})
+            for params in plan.enqueue:
+                study.enqueue_trial(params, skip_if_exists=True)
+        else:
+            for key, value in identity.items():
+                if recorded["identity"].get(key) != value:
+                    raise UsageError(f"study '{plan.study_name}' in {shown(plan.storage)} was made with other {key} "
+                                     f"({_short(recorded['identity'].get(key))} vs {_short(value)}); resume it with the same "
+                                     f"spec and overrides, or start another with study_name=NAME")
+            if recorded.get("n_trials") != plan.n_trials:
+                study.set_user_attr(ATTR, {**recorded, "n_trials": plan.n_trials})
+    return study
+
+
+def _identity(plan: Plan) -> dict:
+    ident = plan.identity()
+    ident["overrides"] = [o for o in ident["overrides"] if not override_key(o).startswith(_NEUTRAL)]
+    return json.loads(json.dumps(ident))
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def counts(study: optuna.Study) -> dict[TrialState, int]:
+    out = {s: 0 for s in TrialState}
+    for t in study.get_trials(deepcopy=False):
+        out[t.state] += 1
+    return out
+
+
+def finished(c: dict[TrialState, int]) -> int:
+    return c[TrialState.COMPLETE] + c[TrialState.PRUNED]
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals and heartbeats
+
+
+class Signals:
+    """SIGINT/SIGTERM request a stop; inside `interruptible()` they also raise KeyboardInterrupt
+    at once, except within `deferred()` (storage writes), after which it is raised."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self._armed = False
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.stop = True
+        if self._armed:
+            self._armed = False
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def interruptible(self):
+        if self.stop:
+            raise KeyboardInterrupt
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    @contextmanager
+    def deferred(self):
+        armed, self._armed = self._armed, False
+        try:
+            yield
+        finally:
+            self._armed = armed and not self.stop
+        if armed and self.stop:
+            raise KeyboardInterrupt
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stop and time.monotonic() < end:
+            time.sleep(0.2)
+
+
+class Heartbeat:
+    """Records a trial's heartbeat every `interval` seconds from a thread, until `stop()`."""
+
+    def __init__(self, storage: RDBStorage, trial_id: int, interval: int):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(storage, trial_id, interval), daemon=True)
+        self._thread.start()
+
+    def _beat(self, storage, trial_id, interval) -> None:
+        while not self._stop.wait(interval):
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception:  # noqa: BLE001 - a missed beat is retried; the trial decides
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _trial_id(trial: optuna.Trial) -> int:
+    return trial._trial_id  # the storage key; Optuna exposes only the per-study number
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials
+
+
+class TrialFailed(Exception):
+    """A trial raised; the worker goes on with the next one."""
+
+
+class _Reporter:
+    """The `on_step` hook: checks the objective metrics exist, reports the running objective and
+    raises `TrialPruned` when the pruner says so."""
+
+    def __init__(self, plan: Plan, trial: optuna.Trial, seed_index: int, done: list[list[float]], steps: int,
+                 signals: Signals):
+        self.plan, self.trial, self.seed_index, self.done, self.steps, self.signals = plan, trial, seed_index, done, steps, signals
+        self.series: list[float] = []
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        missing = [o.metric for o in self.plan.objectives if o.metric not in metrics]
+        if missing:
+            raise UsageError(f"objective metric '{missing[0]}' is not logged; logged names: {', '.join(sorted(metrics))}")
+        if len(self.plan.objectives) > 1:
+            return  # Optuna prunes single-objective studies only
+        obj = self.plan.objectives[0]
+        self.series.append(metrics[obj.metric])
+        running = obj.value(self.series, self.steps)
+        if not math.isfinite(running):
+            return
+        # Seeds run one after another; the intermediate value averages the finished seeds with this one.
+        value = (sum(d[0] for d in self.done) + running) / (len(self.done) + 1)
+        at = self.seed_index * self.steps + step
+        with self.signals.deferred():
+            self.trial.report(value, at)
+            prune = self.trial.should_prune()
+            if prune:
+                self.trial.set_user_attr("pruned_at_step", at)
+        if prune:
+            raise optuna.TrialPruned(f"pruned at step {at}: {obj.metric} {value:.4g}")
+
+
+def compose_trial(overrides: list[str]):
+    """The validated config of one run and its Hydra group choices."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    from qerl_exp.cli import CONF_DIR
+    from qerl_exp.config import GROUPS, register_configs, to_config
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    choices = {g: str(c) for g, c in cfg.hydra.runtime.choices.items() if (g in GROUPS or g == "strategy") and c is not None}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_config(cfg), choices
+
+
+def _objective_values(plan: Plan, run_dir: Path, steps: int) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [o.value([r.get(o.metric) for r in rows if isinstance(r.get(o.metric), (int, float))], steps)
+            for o in plan.objectives]
+
+
+def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optuna.Trial, signals: Signals,
+              log=print) -> TrialState:
+    """Run one trial (one run per seed) and tell the study how it ended.
+
+    Returns:
+        The trial's final state. Raises KeyboardInterrupt after recording an interrupted trial
+        (FAIL, re-enqueued), and UsageError for a spec fault no trial can survive.
+    """
+    from qerl_exp.train import run
+
+    heartbeat = Heartbeat(storage, _trial_id(trial), plan.heartbeat_interval)
+    t0 = time.time()
+    run_dirs: list[str] = []
+    try:
+        with signals.deferred():
+            values = suggest(plan, trial)
+            overrides = trial_overrides(plan, values)
+            if trial.user_attrs.get("interrupted"):  # a retry inherits the attributes of the trial it repeats
+                trial.set_user_attr("interrupted", False)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("worker", f"{host()}:{os.getpid()}")
+            trial.set_user_attr("worker_pid", os.getpid())
+            trial.set_user_attr("run_dirs", [str(plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{s}") for s in plan.seeds])
+        shown_values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        log(f"trial {trial.number} started: {shown_values}")
+        per_seed: list[list[float]] = []
+        with signals.interruptible():
+            for i, seed in enumerate(plan.seeds):
+                run_dir = plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{seed}"
+                run_dirs.append(str(run_dir))
+                cfg, choices = compose_trial(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
+                choices.update({"study": plan.study_name, "trial": str(trial.number)})
+                choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
+                reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
+                run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter)
+                per_seed.append(_objective_values(plan, run_dir, cfg.train.steps))
+        result = [sum(v[j] for v in per_seed) / len(per_seed) for j in range(len(plan.objectives))]
+        heartbeat.stop()
+        if not all(math.isfinite(v) for v in result):
+            with signals.deferred():
+                trial.set_user_attr("error", f"objective is not finite: {result}")
+                study.tell(trial, state=TrialState.FAIL)
+            log(f"trial {trial.number} failed: objective is not finite ({result})")
+            return TrialState.FAIL
+        with signals.deferred():
+            study.tell(trial, result)
+        log(f"trial {trial.number} complete in {time.time() - t0:.0f} s: "
+            + ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(plan.objectives, result)))
+        return TrialState.COMPLETE
+    except optuna.TrialPruned as e:
+        heartbeat.stop()
+        with signals.deferred():
+            study.tell(trial, state=TrialState.PRUNED)
+        log(f"trial {trial.number} {e}")
+        return TrialState.PRUNED
+    except KeyboardInterrupt:
+        heartbeat.stop()
+        _ignore_signals()
+        trial.set_user_attr("interrupted", True)
+        frozen = study.tell(trial, state=TrialState.FAIL)
+        # The same retry a heartbeat timeout would make, without the wait.
+        RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry)(study, frozen)
+        log(f"trial {trial.number} interrupted: marked FAIL and re-enqueued with the same parameters")
+        raise
+    except Exception as e:  # noqa: BLE001 - the trial fails; the study goes on
+        heartbeat.stop()
+        message = f"{type(e).__name__}: {_first_line(e)}"
+        if run_dirs and Path(run_dirs[-1]).is_dir():
+            (Path(run_dirs[-1]) / "error.txt").write_text(traceback.format_exc())
+            message += f" (traceback in {run_dirs[-1]}/error.txt)"
+        with signals.deferred():
+            trial.set_user_attr("error", message)
+            study.tell(trial, state=TrialState.FAIL)
+        log(f"trial {trial.number} failed: {message}")
+        if isinstance(e, UsageError):
+            raise
+        return TrialState.FAIL
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _ignore_signals() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def work(plan: Plan, index: int = 0, log=print) -> int:
+    """The worker loop: claim trials and run them until the study has `n_trials` finished ones.
+
+    Args:
+        plan: the sweep.
+        index: this worker's index among the command's `n_jobs` (offsets the sampler seed).
+        log: where progress lines go.
+
+    Returns:
+        An exit status: 0 the study is complete, 130 interrupted, 1 too many failures in a row,
+        2 a spec fault (e.g. an objective metric that is never logged).
+    """
+    signals = Signals()
+    quiet_optuna()
+    try:
+        storage = open_storage(plan)
+        probe = open_study(plan, storage, create=False)
+        start = probe.get_trials(deepcopy=False)
+        concurrent = plan.n_jobs > 1 or any(t.state == TrialState.RUNNING for t in start)
+        offset = 1000 * len(start) + index + (os.getpid() % 1000) * 1_000_003 * concurrent
+        study = open_study(plan, storage, create=False, seed_offset=offset)
+    except UsageError as e:
+        log(f"error: {e}")
+        return 2
+    failures = 0
+    poll = min(2.0, plan.heartbeat_interval)
+    while not signals.stop:
+        with claim_lock(plan):
+            optuna.storages.fail_stale_trials(study)
+            c = counts(study)
+            if finished(c) >= plan.n_trials:
+                log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
+                return 0
+            trial = None
+            if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
+                trial = study.ask()
+                storage.record_heartbeat(_trial_id(trial))
+        if trial is None:  # the rest are running elsewhere; wait in case one of them dies
+            signals.sleep(poll)
+            continue
+        try:
+            state = run_trial(plan, study, storage, trial, signals, log=log)
+        except KeyboardInterrupt:
+            return 130
+        except UsageError as e:
+            log(f"error: {e}")
+            return 2
+        failures = failures + 1 if state == TrialState.FAIL else 0
+        if failures >= plan.max_failures:
+            log(f"error: {failures} trials in a row failed (see the trials' error.txt); stopping this worker")
+            return 1
+    return 130
+
+
+def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
+    """Entry of a worker process started by the sweep command."""
+    from qerl_exp.cli import quiet_third_party_logs
+    from qerl_exp.sweep.spec import load_plan
+
+    quiet_third_party_logs()
+    try:
+        plan = load_plan(Path(spec_path), argv, check_config=False)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return work(plan, index, log=lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True))
