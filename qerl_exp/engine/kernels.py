@@ -12,6 +12,7 @@ packed data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their s
   mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose value is e2m1 * 2^-6
   (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal, so the conversion is exact).
   `scales` float8_e4m3fn [K/16, N] (transposed block scales), `out_scale` = tensor scale.
+- MXFP4: the same E2M1 byte as NVFP4, `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
 - NF4: plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone at
   build time), `lut` the 16 NF4 levels.
 Storage: 4.5 bits per weight for both (bitsandbytes' own NF4 with double quant: 4.127).
@@ -41,8 +42,8 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FORMATS = ("bf16", "nvfp4", "nf4")
-_FMT_ID = {"bf16": 0, "nvfp4": 1, "nf4": 2}
+FORMATS = ("dense", "nvfp4", "nf4", "mxfp4")
+_FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3}
 X_PRESCALE = 1.0 / 16.0  # activations are scaled by this before an fp16 dot (range headroom)
 
 
@@ -56,9 +57,10 @@ class PackedWeight:
     """A 4-bit weight [n, k] in the kernel layout (see the module docstring).
 
     Args:
-        fmt: "nvfp4" or "nf4".
+        fmt: "nvfp4", "mxfp4" or "nf4".
         codes: uint8 [k // 32, n, 16].
-        scales: nvfp4: float8_e4m3fn [k // 16, n]; nf4: float32 [k // 64, n].
+        scales: nvfp4: float8_e4m3fn [k // 16, n]; mxfp4: uint8 E8M0 [k // 32, n];
+            nf4: float32 [k // 64, n].
         out_scale: multiplies every output (the NVFP4 tensor scale; 1.0 for NF4).
         n: output features.
         k: input features.
@@ -140,21 +142,28 @@ def _to_k32(nib: Tensor, fmt: str) -> Tensor:
         raise ValueError(f"in_features={k} must be a multiple of 32 for the 4-bit kernels")
     g = nib.reshape(n, k // 32, 2, 16)
     lo, hi = g[:, :, 0, :], g[:, :, 1, :]
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "mxfp4"):
         byte = ((lo >> 3) << 7) | ((lo & 7) << 2) | ((hi >> 3) << 5) | (((hi >> 2) & 1) << 6) | (hi & 3)
     else:
         byte = lo | (hi << 4)
     return byte.permute(1, 0, 2).contiguous()
 
 
-def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float) -> PackedWeight:
-    """Convert the NVFP4 storage layout ([out, in // 2] codes, [out, in // 16] scales) to the kernel layout."""
+def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float,
+                   fmt: str = "nvfp4") -> PackedWeight:
+    """Convert the FP4 storage layout of `qerl_exp.quant.fp4` to the kernel layout.
+
+    Args:
+        codes: uint8 [out, in // 2]. block_scales: NVFP4 float8_e4m3fn [out, in // 16], or MXFP4
+            uint8 E8M0 [out, in // 32]. tensor_scale: fp32 scalar (1 for MXFP4).
+        fmt: "nvfp4" or "mxfp4".
+    """
     n = codes.shape[0]
     nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)
     k = nib.shape[1]
     return PackedWeight(
-        fmt="nvfp4",
-        codes=_to_k32(nib, "nvfp4"),
+        fmt=fmt,
+        codes=_to_k32(nib, fmt),
         scales=block_scales.t().contiguous(),
         out_scale=float(tensor_scale),
         n=n,
@@ -197,12 +206,15 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
 def dequantize_packed(pw: PackedWeight) -> Tensor:
     """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
     c = pw.codes  # [G, n, 16]
-    if pw.fmt == "nvfp4":
+    if pw.fmt in ("nvfp4", "mxfp4"):
         lo = (c & 0x9C).view(torch.float8_e4m3fn).float()
         hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).view(torch.float8_e4m3fn).float()
         vals = torch.stack([lo, hi], dim=2) * 64.0  # [G, n, 2, 16] e2m1 values
-        scale = pw.scales.float().t().reshape(pw.n, -1, 2)  # [n, G, 2]
-        w = vals.permute(1, 0, 2, 3) * scale.unsqueeze(-1)
+        if pw.fmt == "nvfp4":
+            scale = pw.scales.float().t().reshape(pw.n, -1, 2, 1)  # [n, G, 2, 1]
+        else:
+            scale = torch.exp2(pw.scales.float().t() - 127.0).reshape(pw.n, -1, 1, 1)
+        w = vals.permute(1, 0, 2, 3) * scale
         return w.reshape(pw.n, pw.k) * pw.out_scale
     lut = pw.lut.to(c.device)
     vals = torch.stack([lut[(c & 15).long()], lut[(c >> 4).long()]], dim=2)  # [G, n, 2, 16]
@@ -264,7 +276,7 @@ if HAS_TRITON:
     def _seg_ptrs(tab_ptr, seg, FMT: tl.constexpr):
         # (codes, scales, rows) of segment `seg` for a 4-bit format
         code_ptr = tl.load(tab_ptr + seg * 8 + 0).to(tl.pointer_type(tl.uint8))
-        if FMT == 1:
+        if FMT != 2:
             sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.uint8))
         else:
             sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.float32))
@@ -283,6 +295,11 @@ if HAS_TRITON:
             hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT)
             w_lo = lo * s_lo[:, None]
             w_hi = hi * s_hi[:, None]
+        elif FMT == 3:
+            e = tl.load(sc_ptr + g * nrows + rows).to(tl.float32)
+            s = tl.exp2(e - 121.0).to(DT)  # 2^(e - 127) * 64
+            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
+            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
         else:
             am = tl.load(sc_ptr + (g // 2) * nrows + rows)
             w_lo = (tl.load(lut_ptr + (c & 15)) * am[:, None]).to(DT)
@@ -521,7 +538,7 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
             break
     groups = k // 32
     unroll = 4 if groups % 4 == 0 else 2 if groups % 2 == 0 else 1
-    if fmt == "bf16":
+    if fmt == "dense":
         block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=4)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=unroll, num_warps=4, num_stages=3)
@@ -540,14 +557,15 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         residual: [M, N] added after rounding the linear's output (may alias out).
         a_next / t_next / r_next: GLU only: the down projection's LoRA A [r_next, N] and its fp32
             accumulator, fed with this launch's output tiles.
-        f16: fp16 tensor-core dot for 4-bit formats (activations pre-scaled by 1/16).
+        f16: fp16 tensor-core dot for NVFP4/NF4 (activations pre-scaled by 1/16): fewer
+            conversions than bf16; exact for NVFP4 weights, activations keep 11 mantissa bits.
     """
     m = x.shape[0]
     cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu)
     R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
     dummy = _dummy(out.device, out.dtype)
-    f16 = bool(f16 and plan.fmt != "bf16")
+    f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))  # E8M0 scales may leave fp16's range
     fsc = plan.fsc_f16 if f16 else plan.fsc
     _linear_kernel[grid](
         x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,

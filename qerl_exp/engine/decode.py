@@ -1,0 +1,597 @@
+"""FastEngine: gpt-fast style rollouts for HF Llama/Qwen2-family causal LMs.
+
+A static KV cache (`setup_caches`), an eager `prefill()`, and a `decode_one_token()` step
+(forward, sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once
+per batch size in a CUDA graph and replays `max_new_tokens - 1` times (`decode_n_tokens`).
+
+No weight is copied: the engine holds the HF model's own tensors (dense base weights, LoRA A/B,
+RMSNorm scales, embeddings, lm_head), and its Triton kernels read them through address tables,
+so an optimizer step on the LoRA parameters or AQN noise added in place to
+`input_layernorm.weight` / `post_attention_layernorm.weight` is seen by the next replay without a
+recapture. Frozen 4-bit bases (`FP4Linear` NVFP4/MXFP4, bitsandbytes NF4 `Linear4bit`) are
+re-laid out once, at build time, into the kernels' layout (`kernels.PackedWeight`). LoRA is
+applied unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a referenced tensor is
+re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qerl_exp.engine import kernels as K
+
+BACKENDS = ("auto", "torch", "triton")
+_LIN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class GenerateOutput:
+    """What `FastEngine.generate` (and the HF rollout path) returns; T = longest completion.
+
+    Args:
+        completion_ids: long [B, T], right-padded with pad_id after the first EOS (EOS kept).
+        completion_mask: bool [B, T], True up to and including the first EOS.
+        logprobs: float32 [B, T], log-prob of each sampled token under softmax(logits / T)
+            (before top-p); 0 where the mask is False. With temperature 0 (greedy): T = 1.
+        entropy: float32 [B, T], entropy of softmax(logits / temperature); 0 where masked.
+    """
+
+    completion_ids: Tensor
+    completion_mask: Tensor
+    logprobs: Tensor
+    entropy: Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# The model as the engine sees it: references into the HF module tree
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Linear:
+    """1-3 projections sharing one input (q/k/v; gate/up as GLU; o; down), as one launch."""
+
+    fmt: str
+    weights: list  # Tensor (the model's own dense weight) or kernels.PackedWeight
+    biases: list
+    lora_a: list | None  # the model's own LoRA A [r, K] per projection
+    lora_b: list | None  # ... and B [N, r]
+    scale: list
+    r: int
+    glu: bool
+    plan: K.LinearPlan | None = None
+    a_tab: Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    ln1: Tensor
+    ln2: Tensor
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+
+
+@dataclass
+class _Model:
+    embed: Tensor
+    norm: Tensor
+    lm_head: Tensor
+    layers: list
+    eps: float
+    hq: int
+    hkv: int
+    d: int
+    scaling: float
+    cos: Tensor  # [S, d]
+    sin: Tensor
+
+
+def _split_lora(mod: nn.Module):
+    """(base layer, (A, B, scaling) or None) of a projection, peft-wrapped or not."""
+    if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+        if getattr(mod, "merged", False):
+            raise ValueError("FastEngine needs unmerged LoRA adapters (call unmerge_adapter())")
+        active = [] if getattr(mod, "disable_adapters", False) else [a for a in mod.active_adapters if a in mod.lora_A]
+        if len(active) > 1:
+            raise NotImplementedError(f"FastEngine supports one active adapter, found {active}")
+        base = mod.get_base_layer()
+        if not active:
+            return base, None
+        a = active[0]
+        if getattr(mod, "use_dora", {}).get(a, False):
+            raise NotImplementedError("DoRA adapters are not supported by FastEngine")
+        return base, (mod.lora_A[a].weight, mod.lora_B[a].weight, float(mod.scaling[a]))
+    return mod, None
+
+
+def _base_weight(base: nn.Module):
+    """(format, weight, bias): the dense weight itself, or the 4-bit one in the kernel layout."""
+    if all(hasattr(base, a) for a in ("codes", "block_scales", "tensor_scale")):
+        fmt = getattr(base, "format", "nvfp4")
+        return fmt, K.relayout_nvfp4(base.codes, base.block_scales, base.tensor_scale, fmt), base.bias
+    qs = getattr(getattr(base, "weight", None), "quant_state", None)
+    if qs is not None:  # bitsandbytes Linear4bit
+        import bitsandbytes.functional as bnbf
+
+        if qs.quant_type != "nf4":
+            raise NotImplementedError(f"bitsandbytes quant_type {qs.quant_type!r}: only nf4 is supported")
+        deq = bnbf.dequantize_4bit(base.weight.data, qs)
+        absmax = qs.absmax
+        if qs.nested:
+            absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+        return "nf4", K.relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
+    if isinstance(base, nn.Linear):
+        return "dense", base.weight, base.bias
+    raise TypeError(f"FastEngine cannot read a {type(base).__name__} projection")
+
+
+def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
+    parts = [(_base_weight(b), lora) for b, lora in map(_split_lora, mods)]
+    fmts = {p[0][0] for p in parts}
+    if len(fmts) != 1:
+        raise NotImplementedError(f"mixed weight formats in one projection group: {sorted(fmts)}")
+    weights = [p[0][1] for p in parts]
+    biases = [p[0][2] for p in parts]
+    loras = [p[1] for p in parts]
+    lora_a = lora_b = None
+    scale = [0.0] * len(mods)
+    r = 0
+    if any(lo is not None for lo in loras):
+        ranks = {lo[0].shape[0] for lo in loras if lo is not None}
+        if len(ranks) != 1:
+            raise NotImplementedError(f"LoRA ranks differ inside one projection group: {sorted(ranks)}")
+        r = ranks.pop()
+        ref = next(lo for lo in loras if lo is not None)[0]
+        lora_a, lora_b = [], []
+        for (fw, w, _), lo in zip((p[0] for p in parts), loras):
+            if lo is None:  # a projection without adapter in a group with one: zero LoRA
+                n = w.n if isinstance(w, K.PackedWeight) else w.shape[0]
+                lo = (torch.zeros_like(ref), torch.zeros(n, r, dtype=ref.dtype, device=ref.device), 0.0)
+            lora_a.append(lo[0])
+            lora_b.append(lo[1])
+        scale = [lo[2] if lo is not None else 0.0 for lo in loras]
+    return _Linear(next(iter(fmts)), weights, biases, lora_a, lora_b, scale, r, glu)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    m = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not (hasattr(m, "model") and hasattr(m.model, "layers") and hasattr(m, "lm_head")):
+        raise TypeError(f"{type(m).__name__} is not a Llama/Qwen2-style causal LM (model.layers, lm_head)")
+    return m
+
+
+def build_model(model: nn.Module, max_seq_len: int) -> _Model:
+    """Collect references to every tensor the engine reads (and re-lay out 4-bit bases)."""
+    lm = _causal_lm(model)
+    dec = lm.model
+    cfg = lm.config
+    head, _ = _split_lora(lm.lm_head)
+    if _ is not None:
+        raise NotImplementedError("LoRA on lm_head is not supported by FastEngine")
+    layers = []
+    for blk in dec.layers:
+        at, mlp = blk.self_attn, blk.mlp
+        layers.append(_Layer(
+            ln1=blk.input_layernorm.weight,
+            ln2=blk.post_attention_layernorm.weight,
+            qkv=_group([at.q_proj, at.k_proj, at.v_proj]),
+            o=_group([at.o_proj]),
+            gate_up=_group([mlp.gate_proj, mlp.up_proj], glu=True),
+            down=_group([mlp.down_proj]),
+        ))
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    emb = dec.embed_tokens.weight
+    pos = torch.arange(max_seq_len, device=emb.device)[None]
+    cos, sin = dec.rotary_emb(emb[:1][None], pos)
+    return _Model(
+        embed=emb, norm=dec.norm.weight, lm_head=head.weight, layers=layers,
+        eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), hq=cfg.num_attention_heads,
+        hkv=cfg.num_key_value_heads, d=d, scaling=float(getattr(dec.layers[0].self_attn, "scaling", d ** -0.5)),
+        cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+    )
+
+
+def _tracked(m: _Model) -> list[Tensor]:
+    out = [m.embed, m.norm, m.lm_head]
+    for ly in m.layers:
+        out += [ly.ln1, ly.ln2]
+        for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+            out += [w for w in lin.weights if isinstance(w, Tensor)] + [b for b in lin.biases if b is not None]
+            out += (lin.lora_a or []) + (lin.lora_b or [])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches and per-batch state
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Cache:
+    k: Tensor  # [L, B_max, hkv, S, d]
+    v: Tensor
+
+
+def setup_caches(m: _Model, max_batch_size: int, max_seq_len: int, cache: _Cache | None = None) -> _Cache:
+    """Allocate the static KV cache once; reuse `cache` when it is already large enough."""
+    shape = (len(m.layers), max_batch_size, m.hkv, max_seq_len, m.d)
+    if cache is not None and all(a >= b for a, b in zip(cache.k.shape, shape)):
+        return cache
+    kw = dict(dtype=m.embed.dtype, device=m.embed.device)
+    return _Cache(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+
+
+class _State:
+    """Static per-batch-size buffers that the captured decode step reads and writes."""
+
+    def __init__(self, m: _Model, b: int, s: int, rt: int):
+        dev, dt = m.embed.device, m.embed.dtype
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.b = b
+        self.tok, self.pos, self.pad = z(b), z(b), z(b)
+        self.slot, self.step = z(1), z(1)
+        self.done = z(b, dtype=torch.bool)
+        self.temperature, self.top_p = z(1, dtype=torch.float32) + 1, z(1, dtype=torch.float32) + 1
+        self.eos, self.pad_id = z(1), z(1)
+        self.out_tok, self.out_mask = z(b, s), z(b, s, dtype=torch.bool)
+        self.out_lp, self.out_ent = z(b, s, dtype=torch.float32), z(b, s, dtype=torch.float32)
+        self.arange = torch.arange(s, device=dev)
+        self.t = z(len(m.layers), 4, b, rt, dtype=torch.float32)  # LoRA shrink accumulators
+        h = m.embed.shape[1]
+        self.h = torch.zeros(b, h, dtype=dt, device=dev)
+        self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
+        self.generator: torch.Generator | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear_torch(lin: _Linear, x: Tensor) -> Tensor:
+    """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection."""
+    outs = []
+    for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
+        y = K.linear_ref(x, w, b)
+        if lin.lora_a is not None:
+            y = y + F.linear(F.linear(x, lin.lora_a[s]), lin.lora_b[s]) * lin.scale[s]
+        outs.append(y)
+    if lin.glu:
+        return F.silu(outs[0]) * outs[1]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """Decode attention over the static cache. q [B, hq, d]; k, v [B, hkv, S, d]; mask [B, 1, 1, S].
+
+    Grouped-query heads are folded into the query length ([B, hkv, hq/hkv, d]), so no K/V repeat.
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scaling)
+    return out.reshape(b, hq * d)
+
+
+def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor) -> Tensor:
+    """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32."""
+    b, p = ids.shape
+    pos = (mask.long().cumsum(1) - 1).clamp_min(0)  # HF: position ids from the attention mask
+    cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]  # [B, 1, P, d]
+    ar = torch.arange(p, device=ids.device)
+    allowed = (ar[None, :] <= ar[:, None])[None] & mask.bool()[:, None, :]
+    allowed |= torch.eye(p, dtype=torch.bool, device=ids.device)[None]  # pad rows see themselves
+    bias = torch.zeros(b, 1, p, p, dtype=m.embed.dtype, device=ids.device)
+    bias.masked_fill_(~allowed[:, None], float("-inf"))
+    x = F.embedding(ids, m.embed)
+    g = m.hq // m.hkv
+    for li, ly in enumerate(m.layers):
+        h = K.rms_norm_ref(x, ly.ln1, m.eps)
+        qkv = _linear_torch(ly.qkv, h)
+        q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
+        q = K.rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
+        k = K.rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
+        v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
+        cache.k[li, :b, :, :p] = k
+        cache.v[li, :b, :, :p] = v
+        att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                             attn_mask=bias, scale=m.scaling)
+        x = x + _linear_torch(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d))
+        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps)))
+    return F.linear(K.rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
+
+
+def _forward_torch(m: _Model, cache: _Cache, st: _State, amask: Tensor) -> Tensor:
+    # one token per sequence: st.tok [B] at cache slot st.slot, rotary position st.pos [B]
+    b = st.b
+    x = F.embedding(st.tok, m.embed)  # [B, H]
+    cos, sin = m.cos[st.pos][:, None], m.sin[st.pos][:, None]  # [B, 1, d]
+    for li, ly in enumerate(m.layers):
+        qkv = _linear_torch(ly.qkv, K.rms_norm_ref(x, ly.ln1, m.eps))
+        q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
+        q = K.rope_ref(q.view(b, m.hq, m.d), cos, sin)
+        k = K.rope_ref(k.view(b, m.hkv, m.d), cos, sin)
+        cache.k[li, :b].index_copy_(2, st.slot, k[:, :, None])
+        cache.v[li, :b].index_copy_(2, st.slot, v.view(b, m.hkv, 1, m.d))
+        x = x + _linear_torch(ly.o, _attend(q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling))
+        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps)))
+    return F.linear(K.rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
+
+
+def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bool) -> Tensor:
+    # the same step with fused kernels: per layer norm+shrink, qkv, rope+cache, attention,
+    # shrink, o(+residual), norm+shrink, gate/up GLU(+down shrink), down(+residual)
+    b = st.b
+    x = F.embedding(st.tok, m.embed)  # [B, H], updated in place by the residual epilogues
+    st.t.zero_()
+    for li, ly in enumerate(m.layers):
+        t = st.t[li]  # [4, B, RT]
+        qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
+        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0])
+        K.fused_linear(ly.qkv.plan, st.h, qkv_out, t=t[0] if ly.qkv.a_tab is not None else None, f16=f16)
+        K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
+        att = _attend(st.q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling)
+        if ly.o.a_tab is not None:
+            K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1])
+        K.fused_linear(ly.o.plan, att, x, t=t[1] if ly.o.a_tab is not None else None, residual=x, f16=f16)
+        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2])
+        inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
+        has_dn = ly.down.a_tab is not None
+        K.fused_linear(ly.gate_up.plan, st.h, inter, t=t[2] if ly.gate_up.a_tab is not None else None,
+                       a_next=ly.down.lora_a[0] if has_dn else None, t_next=t[3] if has_dn else None,
+                       r_next=ly.down.r, f16=f16)
+        K.fused_linear(ly.down.plan, inter, x, t=t[3] if has_dn else None, residual=x, f16=f16)
+    K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None)
+    return F.linear(st.h, m.lm_head).float()
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, greedy: bool, use_top_p: bool,
+           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample one token per row on the device (graph-safe: no host sync).
+
+    Args:
+        logits: float32 [B, V]. temperature / top_p: float32 [1] device tensors.
+        greedy: argmax (log-probs and entropy then use temperature 1).
+        use_top_p: apply HF's top-p filter (keep the smallest set of tokens whose mass exceeds
+            top_p, at least one) before sampling.
+        generator: only used outside graphs (the CPU path).
+
+    Returns:
+        (token long [B], its log-prob under softmax(logits / T) [B], entropy of that softmax [B]).
+    """
+    lp = torch.log_softmax(logits if greedy else logits / temperature, dim=-1)
+    ent = -(lp.exp() * lp.clamp_min(torch.finfo(lp.dtype).min)).sum(-1)
+    if greedy:
+        tok = lp.argmax(-1)
+    else:
+        filt = lp
+        if use_top_p:
+            srt, idx = torch.sort(lp, dim=-1)  # ascending, as HF's TopPLogitsWarper
+            remove = srt.exp().cumsum(-1) <= 1 - top_p
+            remove[:, -1] = False
+            filt = lp.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+        e = torch.empty_like(filt).exponential_(generator=generator).clamp_min_(torch.finfo(filt.dtype).tiny)
+        tok = (filt - e.log()).argmax(-1)  # Gumbel-max: a draw from softmax(filt)
+    return tok, lp.gather(1, tok[:, None])[:, 0], ent
+
+
+def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
+    # record this step's outputs, apply EOS stopping, move every sequence one slot on
+    live = ~st.done
+    tok = torch.where(live, tok, st.pad_id)
+    st.out_tok.index_copy_(1, st.step, tok[:, None])
+    st.out_mask.index_copy_(1, st.step, live[:, None])
+    st.out_lp.index_copy_(1, st.step, (lp * live)[:, None])
+    st.out_ent.index_copy_(1, st.step, (ent * live)[:, None])
+    st.done |= tok == st.eos
+    st.tok.copy_(tok)
+    st.step += 1
+    st.slot += 1
+    st.pos += 1
+
+
+def decode_one_token(m: _Model, cache: _Cache, st: _State, backend: str, greedy: bool, use_top_p: bool,
+                     f16: bool = False) -> None:
+    """One decode step for every sequence: forward st.tok, sample, record, advance (captured)."""
+    live = (st.arange[None, :] >= st.pad[:, None]) & (st.arange[None, :] <= st.slot)
+    amask = torch.zeros(live.shape, dtype=m.embed.dtype, device=live.device).masked_fill_(~live, float("-inf"))
+    amask = amask[:, None, None, :]  # [B, 1, 1, S]
+    if backend == "triton":
+        logits = _forward_triton(m, cache, st, amask, f16)
+    else:
+        logits = _forward_torch(m, cache, st, amask)
+    _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
+
+
+def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:
+    """Run `step()` n times, stopping early (checked every `check_every` steps) once all are done."""
+    for i in range(n):
+        step()
+        if (i + 1) % check_every == 0 and bool(st.done.all()):
+            return i + 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+
+class FastEngine:
+    """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
+    optionally peft LoRA), with the decode step in a CUDA graph on GPUs.
+
+    Args:
+        model: the HF causal LM (or a peft model around it). Its tensors are referenced, not copied.
+        max_batch_size: most sequences per `generate` call (the KV cache is sized for it).
+        max_seq_len: most prompt + new tokens per sequence.
+        backend: "triton" (fused kernels; CUDA, or the Triton interpreter on CPU), "torch"
+            (plain torch ops, cuBLAS for dense and dequantize + matmul for 4-bit weights), or
+            "auto" (triton on CUDA when Triton is installed, torch otherwise).
+        cuda_graph: capture the decode step (CUDA only).
+        f16_dot: NVFP4/NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16).
+
+    Example:
+        >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
+        >>> out = engine.generate(ids, mask, 256, temperature=1.0, eos_id=tok.eos_token_id,
+        ...                       pad_id=tok.pad_token_id)
+        >>> out.completion_ids.shape  # [64, T], T <= 256
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
+                 cuda_graph: bool = True, f16_dot: bool = True):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.seq_cap = -(-max_seq_len // 64) * 64  # cache length, aligned for the attention kernels
+        dev = next(model.parameters()).device
+        if backend == "auto":
+            backend = "triton" if dev.type == "cuda" and K.HAS_TRITON else "torch"
+        if backend == "triton" and not K.HAS_TRITON:
+            raise RuntimeError("backend='triton' needs the triton package")
+        self.backend = backend
+        self.use_graph = cuda_graph and dev.type == "cuda"
+        self.f16_dot = f16_dot
+        self.cache: _Cache | None = None
+        self.build_s = 0.0
+        self.capture_s = 0.0
+        self._build()
+
+    def _build(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.m = build_model(self.model, self.seq_cap)
+            dev = self.m.embed.device
+            if self.backend == "triton":
+                for ly in self.m.layers:
+                    for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                        lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
+                                               lin.r, lin.glu, dev)
+                        if lin.lora_a is not None:
+                            lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
+            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
+        self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
+        self._states: dict[int, _State] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.build_s = time.perf_counter() - t0
+
+    def _rt(self) -> int:
+        rt = 16
+        for ly in self.m.layers:
+            for lin, nseg in ((ly.qkv, 3), (ly.o, 1), (ly.gate_up, 2), (ly.down, 1)):
+                rt = max(rt, K._pow2(nseg * K._pow2(lin.r)))
+        return rt
+
+    def _state(self, b: int) -> _State:
+        if b not in self._states:
+            self._states[b] = _State(self.m, b, self.seq_cap, self._rt())
+        return self._states[b]
+
+    def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
+        return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
+
+    def _graph(self, st: _State, greedy: bool, use_top_p: bool):
+        import time
+
+        key = (st.b, greedy, use_top_p)
+        if key not in self._graphs:
+            t0 = time.perf_counter()
+            fn = self._step_fn(st, greedy, use_top_p)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compilation, cuBLAS handles
+                for _ in range(2):
+                    st.slot.zero_()
+                    st.step.zero_()
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            st.slot.zero_()
+            st.step.zero_()
+            with torch.cuda.graph(g, pool=self._pool):
+                fn()
+            torch.cuda.synchronize()
+            self._graphs[key] = g
+            self.capture_s += time.perf_counter() - t0
+        return self._graphs[key]
+
+    def _check_refs(self) -> None:
+        if any(t.data_ptr() != p for t, p in self._refs):
+            warnings.warn("FastEngine: a model tensor was re-allocated (not updated in place); rebuilding "
+                          "the engine and its CUDA graphs", stacklevel=3)
+            self._build()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> GenerateOutput:
+        """Sample completions for left-padded prompts.
+
+        Args:
+            prompt_ids: long [B, P], left-padded. prompt_mask: [B, P], 1 on real tokens.
+            max_new_tokens: most tokens sampled per sequence.
+            temperature: softmax temperature; 0 means greedy.
+            top_p: nucleus filter (HF semantics); 1 disables it.
+            eos_id: a sequence stops after emitting it (EOS kept in the completion).
+            pad_id: fills completions after their EOS.
+            generator: makes sampling reproducible (on CUDA it seeds the graph's RNG for the call
+                and restores the global CUDA RNG state afterwards).
+
+        Returns:
+            `GenerateOutput` with T = the longest completion (at most max_new_tokens).
+        """
+        b, p = prompt_ids.shape
+        if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"batch {b} x ({p} prompt + {max_new_tokens} new) exceeds the engine's "
+                             f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}")
+        self._check_refs()
+        dev = self.m.embed.device
+        ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        greedy = temperature <= 0
+        use_top_p = (not greedy) and top_p < 1.0
+        st = self._state(b)
+        graph = self._graph(st, greedy, use_top_p) if self.use_graph else None
+        rng = None
+        if generator is not None and dev.type == "cuda":
+            rng = torch.cuda.get_rng_state(dev)
+            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        st.generator = generator if dev.type != "cuda" else None
+        try:
+            st.temperature.fill_(temperature if not greedy else 1.0)
+            st.top_p.fill_(top_p)
+            st.eos.fill_(eos_id)
+            st.pad_id.fill_(pad_id)
+            st.done.zero_()
+            st.step.zero_()
+            logits = prefill(self.m, self.cache, ids, mask)
+            st.pad.copy_(p - mask.long().sum(1))
+            st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
+            st.pos.copy_(p - 1 - st.pad)
+            _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
+            step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
+            n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
+        finally:
+            if rng is not None:
+                torch.cuda.set_rng_state(rng, dev)
+        t = max(1, int(st.out_mask[:, :n].sum(1).max()))
+        return GenerateOutput(
+            completion_ids=st.out_tok[:, :t].clone(),
+            completion_mask=st.out_mask[:, :t].clone(),
+            logprobs=st.out_lp[:, :t].clone(),
+            entropy=st.out_ent[:, :t].clone(),
+        )

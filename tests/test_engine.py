@@ -1,0 +1,450 @@
+"""FastEngine and its kernels: layouts, sampling semantics, greedy parity with HF generate, in-place
+updates (LoRA, AQN noise) seen without rebuild; Triton kernels through the interpreter on CPU (in a
+subprocess, when triton is installed) and natively on the GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from qerl_exp.engine import kernels as K
+from qerl_exp.engine.decode import FastEngine, sample
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora: bool = True, seed: int = 0,
+               layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256):
+    """A random Qwen2 with peaked logits (greedy margins well above rounding), optional 4-bit base
+    and LoRA r=8 on all seven projections with a non-zero B."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.5 if "lm_head" in name else 0.08)
+    model = model.to(device=device, dtype=dtype).eval()
+    if quant is not None:
+        _quantize(model, quant, dtype)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LINEARS, lora_dropout=0.0))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.05)
+        model.eval()
+    return model
+
+
+def _quantize(model, fmt: str, dtype) -> None:
+    for blk in model.model.layers:
+        for parent in (blk.self_attn, blk.mlp):
+            for name in LINEARS:
+                lin = getattr(parent, name, None)
+                if lin is None:
+                    continue
+                if fmt in ("nvfp4", "mxfp4"):
+                    from qerl_exp.quant.fp4 import FP4Linear
+
+                    new = FP4Linear.from_linear(lin, fmt)
+                else:
+                    import bitsandbytes as bnb
+
+                    new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                            compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
+                                            device="meta")
+                    new.weight = bnb.nn.Params4bit(lin.weight.data.float().cpu(), requires_grad=False,
+                                                   quant_type="nf4", compress_statistics=True)
+                    if lin.bias is not None:
+                        new.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
+                    new = new.to(lin.weight.device)
+                    new.support_avx512bf16_for_cpu = False
+                setattr(parent, name, new)
+
+
+def prompts(b=3, p=7, vocab=256, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, p), generator=g)
+    mask = torch.ones(b, p, dtype=torch.long)
+    for i in range(b):
+        mask[i, : (i * 2) % p] = 0  # left padding of different lengths
+    ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+def hf_greedy(model, ids, mask, n):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return out[:, ids.shape[1]:]
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_relayout_is_exact(fmt):
+    from qerl_exp.quant.fp4 import QUANTIZERS
+
+    w = torch.randn(96, 128) * torch.logspace(-3, 1, 128)  # outliers and tiny blocks
+    w[:, :16] = 0  # an all-zero block
+    q = QUANTIZERS[fmt](w)
+    pw = K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt)
+    assert pw.codes.shape == (128 // 32, 96, 16) and pw.codes.dtype == torch.uint8
+    assert torch.equal(pw.dequantize(), q.dequantize(torch.float32))
+
+
+def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every (low, high) nibble pair
+    codes = codes.repeat(1, 2)  # [16, 32] -> in = 64
+    scales = torch.ones(16, 4, dtype=torch.float8_e4m3fn)
+    pw = K.relayout_nvfp4(codes, scales, 1.0)
+    assert torch.equal(pw.dequantize(), K.nvfp4_dequantize(codes, scales, 1.0))
+
+
+def test_reference_nvfp4_packer_matches_the_quant_module():
+    from qerl_exp.quant.fp4 import quantize_nvfp4
+
+    w = torch.randn(32, 64)
+    codes, bs, ts = K.quantize_nvfp4_reference(w)
+    ref = quantize_nvfp4(w)
+    assert torch.equal(K.nvfp4_dequantize(codes, bs, ts), ref.dequantize(torch.float32))
+
+
+def test_nf4_relayout_matches_bitsandbytes():
+    from qerl_exp.engine.decode import _base_weight
+
+    model = tiny_model(quant="nf4", lora=False)
+    lin = model.model.layers[0].mlp.down_proj
+    fmt, pw, _ = _base_weight(lin)
+    import bitsandbytes.functional as bnbf
+
+    ref = bnbf.dequantize_4bit(lin.weight.data, lin.weight.quant_state).float()
+    assert fmt == "nf4"
+    torch.testing.assert_close(pw.dequantize(), ref, rtol=1e-2, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling semantics
+# ---------------------------------------------------------------------------------------------
+
+
+def _top_p_hf(logits, top_p):
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    return TopPLogitsWarper(top_p)(None, logits.clone())
+
+
+def test_sample_top_p_temperature_and_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10) * 3
+    temp, top_p = torch.tensor([0.7]), torch.tensor([0.8])
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.isfinite(_top_p_hf(logits / 0.7, 0.8))
+    counts = torch.zeros(4, 10)
+    for _ in range(3000):
+        tok, lp, ent = sample(logits, temp, top_p, greedy=False, use_top_p=True, generator=gen)
+        assert allowed.gather(1, tok[:, None]).all()
+        counts[torch.arange(4), tok] += 1
+    ref_lp = torch.log_softmax(logits / 0.7, -1)
+    torch.testing.assert_close(lp, ref_lp.gather(1, tok[:, None])[:, 0])  # before top-p
+    torch.testing.assert_close(ent, -(ref_lp.exp() * ref_lp).sum(-1))
+    want = torch.softmax(_top_p_hf(logits / 0.7, 0.8), -1)
+    assert (counts / 3000 - want).abs().max() < 0.04
+
+
+def test_sample_greedy_and_full_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]])
+    tok, lp, _ = sample(logits, torch.tensor([1.0]), torch.tensor([1.0]), greedy=True, use_top_p=False)
+    assert tok.item() == 2 and torch.allclose(lp, torch.log_softmax(logits, -1)[:, 2])
+    gen = torch.Generator().manual_seed(1)
+    big = logits.expand(20000, 4)
+    tok, _, _ = sample(big, torch.tensor([2.0]), torch.tensor([1.0]), greedy=False, use_top_p=False, generator=gen)
+    freq = torch.bincount(tok, minlength=4) / 20000
+    assert (freq - torch.softmax(logits[0] / 2.0, -1)).abs().max() < 0.015
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine on CPU (torch backend, eager)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
+def test_engine_greedy_equals_hf_generate(quant):
+    model = tiny_model(quant=quant)
+    ids, mask = prompts()
+    ref = hf_greedy(model, ids, mask, 10)
+    eng = FastEngine(model, max_batch_size=4, max_seq_len=32, backend="torch")
+    out = eng.generate(ids, mask, 10, temperature=0, eos_id=-1, pad_id=0)
+    assert len(set(ref.flatten().tolist())) > 3  # not a degenerate repetition
+    assert torch.equal(out.completion_ids, ref)
+    assert out.completion_mask.all()
+
+
+def test_engine_sees_inplace_lora_and_norm_updates_and_rebuilds_on_realloc():
+    model = tiny_model()
+    ids, mask = prompts()
+    eng = FastEngine(model, 4, 32, backend="torch")
+    before = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    base = model.get_base_model()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # an in-place update must not trigger a rebuild
+        for blk in base.model.layers:
+            blk.input_layernorm.weight.add_(torch.randn_like(blk.input_layernorm.weight) * 0.3)  # AQN, in place
+            blk.mlp.down_proj.lora_B["default"].weight.mul_(-20)  # an optimizer step, in place
+        after = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert not torch.equal(before, after)
+    assert torch.equal(after, hf_greedy(model, ids, mask, 8))
+    lin = base.model.layers[0].self_attn.q_proj.lora_A["default"]
+    lin.weight.data = lin.weight.data * 3  # re-allocated: the engine must notice
+    with pytest.warns(UserWarning, match="re-allocated"):
+        out = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert torch.equal(out, hf_greedy(model, ids, mask, 8))
+
+
+def test_engine_eos_stop_padding_and_logprobs():
+    model = tiny_model()
+    ids, mask = prompts()
+    eng = FastEngine(model, 4, 32, backend="torch")
+    full = eng.generate(ids, mask, 10, temperature=0, eos_id=-1, pad_id=0)
+    eos = int(full.completion_ids[1, 2])  # row 1 stops at its third token (or earlier)
+    out = eng.generate(ids, mask, 10, temperature=0, eos_id=eos, pad_id=7)
+    for row in range(3):
+        seq = full.completion_ids[row].tolist()
+        stop = seq.index(eos) + 1 if eos in seq else len(seq)
+        assert out.completion_mask[row, :stop].all() and not out.completion_mask[row, stop:].any()
+        assert out.completion_ids[row, :stop].tolist() == seq[:stop]
+        assert (out.completion_ids[row, stop:] == 7).all()
+        assert (out.logprobs[row, stop:] == 0).all() and (out.logprobs[row, :stop] <= 0).all()
+    assert out.completion_ids.shape[1] == int(out.completion_mask.sum(1).max())
+
+
+def test_engine_sampling_logprobs_match_teacher_forcing_and_generator_reproduces():
+    model = tiny_model()
+    ids, mask = prompts()
+    eng = FastEngine(model, 4, 32, backend="torch")
+    a = eng.generate(ids, mask, 6, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
+                     generator=torch.Generator().manual_seed(3))
+    b = eng.generate(ids, mask, 6, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
+                     generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    full = torch.cat([ids, a.completion_ids], 1)
+    fmask = torch.cat([mask, torch.ones_like(a.completion_ids)], 1)
+    pos = (fmask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, ids.shape[1] - 1:-1].float()
+    lp = torch.log_softmax(logits / 0.9, -1)
+    torch.testing.assert_close(a.logprobs, lp.gather(2, a.completion_ids[..., None])[..., 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_engine_rejects_bad_sizes_and_backends():
+    model = tiny_model(lora=False)
+    with pytest.raises(ValueError, match="backend"):
+        FastEngine(model, 2, 16, backend="cuda")
+    eng = FastEngine(model, 2, 16, backend="torch")
+    ids, mask = prompts(b=3)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        eng.generate(ids, mask, 4, eos_id=1, pad_id=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels through the interpreter (CPU, in a subprocess: TRITON_INTERPRET must be set
+# before triton is first imported)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Every fused-linear variant against dequantize + matmul in float64, plus norm/shrink/rope."""
+    torch.manual_seed(0)
+    kk, sizes = 128, [64, 32, 32]
+    for fmt in ("dense", "nvfp4", "nf4", "mxfp4"):
+        for glu in (False, True):
+            segs = [64, 64] if glu else sizes
+            ws, dense = [], []
+            for n in segs:
+                w = torch.randn(n, kk) * 0.1
+                if fmt == "dense":
+                    ws.append(w.to(device, dtype))
+                elif fmt == "nf4":
+                    lut = K.nf4_lut()
+                    am = w.reshape(n, -1, 64).abs().amax(-1)
+                    nib = ((w.reshape(n, -1, 64) / am[..., None]).unsqueeze(-1) - lut).abs().argmin(-1)
+                    pw = K.relayout_nf4((lut[nib] * am[..., None]).reshape(n, kk), am.flatten(), lut)
+                    ws.append(_to(pw, device))
+                else:
+                    from qerl_exp.quant.fp4 import QUANTIZERS
+
+                    q = QUANTIZERS[fmt](w)
+                    ws.append(_to(K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt), device))
+                dense.append(K.weight_of(ws[-1], torch.float64).double().cpu() if fmt != "dense" else ws[-1].double().cpu())
+            bias = [None if glu else torch.randn(n).to(device, dtype) for n in segs]
+            a = [(torch.randn(8, kk) * 0.1).to(device, dtype) for _ in segs]
+            bb = [(torch.randn(n, 8) * 0.1).to(device, dtype) for n in segs]
+            sc = [2.0] * len(segs)
+            plan = K.make_plan(fmt, ws, bias, bb, sc, 8, glu, torch.device(device))
+            for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):
+                x = torch.randn(m, kk).to(device, dtype)
+                t = torch.zeros(m, 64, device=device)
+                a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
+                K.norm_shrink(x, None, 1e-6, None, a_tab, len(segs), 8, t)
+                xd = x.double().cpu()
+                tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
+                assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10
+                outs = []
+                for s, wd in enumerate(dense):
+                    y = xd @ wd.T + (xd @ a[s].double().cpu().T) @ bb[s].double().cpu().T * 2.0
+                    if bias[s] is not None:
+                        y = y + bias[s].double().cpu()
+                    outs.append(y)
+                ref = torch.nn.functional.silu(outs[0]) * outs[1] if glu else torch.cat(outs, 1)
+                res = torch.randn(m, ref.shape[1]).to(device, dtype)
+                if not glu:
+                    ref = ref + res.double().cpu()
+                for f16 in (False, True):
+                    out = torch.full((m, ref.shape[1]), float("nan"), device=device, dtype=dtype)
+                    K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16)
+                    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+                    assert err < tol, (fmt, glu, m, f16, err)
+    # norm + shrink, rope + cache
+    x = torch.randn(5, 128).to(device, dtype)
+    gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)
+    h = torch.empty_like(x)
+    K.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
+    torch.testing.assert_close(h.float(), K.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
+    hq, hkv, d, b, s = 4, 2, 32, 3, 16
+    qkv = torch.randn(b, (hq + 2 * hkv) * d).to(device, dtype)
+    ang = torch.arange(s)[:, None] * torch.rand(d // 2)[None]
+    cos = torch.cat([ang.cos(), ang.cos()], 1).to(device, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], 1).to(device, dtype)
+    pos = torch.tensor([3, 5, 9], device=device)
+    slot = torch.tensor([11], device=device)
+    q = torch.empty(b, hq, d, device=device, dtype=dtype)
+    kc = torch.zeros(4, hkv, s, d, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    K.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
+    qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], 1)
+    c, sn = cos[pos][:, None], sin[pos][:, None]
+    torch.testing.assert_close(q, K.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc[:b, :, 11], K.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(vc[:b, :, 11], vr.view(b, hkv, d))
+
+
+def _to(pw: K.PackedWeight, device) -> K.PackedWeight:
+    return K.PackedWeight(pw.fmt, pw.codes.to(device), pw.scales.to(device), pw.out_scale, pw.n, pw.k,
+                          None if pw.lut is None else pw.lut.to(device))
+
+
+def _interp_main() -> None:
+    _check_kernels("cpu", torch.float32, 2e-3)
+    for quant in (None, "nvfp4", "nf4"):
+        model = tiny_model(quant=quant)
+        ids, mask = prompts()
+        a = FastEngine(model, 4, 32, backend="triton").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
+        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), quant
+    print("INTERPRETER CHECKS OK")
+
+
+def test_triton_kernels_and_engine_in_the_interpreter():
+    pytest.importorskip("triton")
+    if CUDA:
+        pytest.skip("the GPU tests run the kernels natively")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "INTERPRETER CHECKS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+def test_gpu_kernels_match_dequantize_matmul():
+    _check_kernels("cuda", torch.bfloat16, 1.5e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
+def test_gpu_engine_greedy_equals_hf_generate(quant):
+    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
+    ref = hf_greedy(model, ids, mask, 16)
+    eng = FastEngine(model, 8, 64)
+    assert eng.backend == "triton" and eng.use_graph
+    out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
+    agree = (out.completion_ids == ref).float().mean().item()
+    assert agree >= 0.97, (agree, out.completion_ids, ref)
+    assert torch.equal(out.completion_ids[:, :4], ref[:, :4])
+
+
+@gpu
+@needs_cuda
+def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
+    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
+    eng = FastEngine(model, 8, 64)
+    before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    graphs, capture_s = dict(eng._graphs), eng.capture_s
+    base = model.get_base_model()
+    with torch.no_grad():
+        for blk in base.model.layers:
+            for ln in (blk.input_layernorm, blk.post_attention_layernorm):
+                ln.weight.add_(torch.randn_like(ln.weight) * 0.3)
+            blk.self_attn.o_proj.lora_B["default"].weight.mul_(-30)
+    after = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert eng._graphs == graphs and eng.capture_s == capture_s  # replayed, not recaptured
+    assert not torch.equal(before, after)
+    ref = hf_greedy(model, ids, mask, 12)
+    assert (after == ref).float().mean().item() >= 0.97
+
+
+@gpu
+@needs_cuda
+def test_gpu_sampled_logprobs_match_teacher_forcing():
+    model = tiny_model(torch.bfloat16, "cuda", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=6, p=9, vocab=512, device="cuda")
+    eng = FastEngine(model, 8, 64)
+    out = eng.generate(ids, mask, 12, temperature=1.0, top_p=0.9, eos_id=5, pad_id=0,
+                       generator=torch.Generator().manual_seed(0))
+    again = eng.generate(ids, mask, 12, temperature=1.0, top_p=0.9, eos_id=5, pad_id=0,
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.completion_ids, again.completion_ids)
+    full = torch.cat([ids, out.completion_ids], 1)
+    fmask = torch.cat([mask, out.completion_mask.long()], 1)
+    pos = (fmask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, ids.shape[1] - 1:-1].float()
+    lp = torch.log_softmax(logits, -1).gather(2, out.completion_ids[..., None])[..., 0]
+    m = out.completion_mask
+    assert (out.logprobs[m] - lp[m]).abs().mean() < 0.05
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    _interp_main()
