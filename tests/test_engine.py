@@ -359,6 +359,15 @@ def _to(pw: K.PackedWeight, device) -> K.PackedWeight:
 
 
 def _interp_main() -> None:
+    import triton.runtime.interpreter as ti
+
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
     _check_kernels("cpu", torch.float32, 2e-3)
     for quant in (None, "nvfp4", "nf4"):
         model = tiny_model(quant=quant)

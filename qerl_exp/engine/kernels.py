@@ -188,10 +188,11 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
     n, k = weight_deq.shape
     am = absmax.float().reshape(n, k // 64)
     ratio = weight_deq.float().reshape(n, k // 64, 64) / am.unsqueeze(-1).clamp_min(1e-30)
+    levels, order = lut.float().to(weight_deq.device).sort()
+    nib = order[torch.bucketize(ratio, (levels[1:] + levels[:-1]) / 2)].to(torch.uint8)
+    zero_idx = int(lut.float().abs().argmin())
+    nib = torch.where((am == 0).unsqueeze(-1), torch.full_like(nib, zero_idx), nib).reshape(n, k)
     levels = lut.float().to(weight_deq.device)
-    nib = (ratio.unsqueeze(-1) - levels).abs().argmin(-1).to(torch.uint8).reshape(n, k)
-    zero_idx = int((levels.abs()).argmin())
-    nib = torch.where((am == 0).repeat_interleave(64, dim=1), torch.full_like(nib, zero_idx), nib)
     return PackedWeight(
         fmt="nf4",
         codes=_to_k32(nib, "nf4"),
@@ -249,7 +250,7 @@ if HAS_TRITON:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                             mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
                 ss += tl.sum(x * x, 1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            rstd = tl.rsqrt(ss / K + eps)
         jj = tl.arange(0, RT)
         seg = jj // R
         j_ok = (seg < NSEG) & ((jj % R) < r)
@@ -302,8 +303,8 @@ if HAS_TRITON:
             w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
         else:
             am = tl.load(sc_ptr + (g // 2) * nrows + rows)
-            w_lo = (tl.load(lut_ptr + (c & 15)) * am[:, None]).to(DT)
-            w_hi = (tl.load(lut_ptr + (c >> 4)) * am[:, None]).to(DT)
+            w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am[:, None]).to(DT)
+            w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am[:, None]).to(DT)
         return w_lo, w_hi
 
     @triton.jit

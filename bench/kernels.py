@@ -1,0 +1,199 @@
+"""Weight-only 4-bit GEMM kernels against bf16 cuBLAS at decode shapes (one process, one GPU).
+
+    python bench/kernels.py                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
+    python bench/kernels.py --sweep         # also try tile configs for NVFP4 and print the best
+
+Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
+to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
+excluded. Errors are ||out - ref|| / ||ref|| against dequantize + matmul in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qerl_exp.engine import kernels as K  # noqa: E402
+
+# (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
+SHAPES_7B = [("qkv 3584x4608", 3584, 4608), ("o 3584x3584", 3584, 3584),
+             ("up/gate 3584x18944", 3584, 18944), ("down 18944x3584", 18944, 3584)]
+SHAPES_05B = [("qkv 896x1152", 896, 1152), ("o 896x896", 896, 896),
+              ("up/gate 896x4864", 896, 4864), ("down 4864x896", 4864, 896)]
+L2_BYTES = 60 * 2**20
+
+
+def time_graph(fns: list, reps: int = 20, trials: int = 7) -> float:
+    """Median seconds per call of `fns` (cycled) replayed from one CUDA graph."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def time_eager(fn, reps: int = 50) -> float:
+    """Median seconds per call of `fn` launched eagerly (for code that cannot be graph-captured)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def _packed(fmt: str, w: torch.Tensor) -> K.PackedWeight:
+    if fmt == "nvfp4":
+        return K.relayout_nvfp4(*K.quantize_nvfp4_reference(w))
+    lut = K.nf4_lut(w.device)
+    n, k = w.shape
+    am = w.float().reshape(n, -1, 64).abs().amax(-1)
+    levels, _ = lut.sort()
+    nib = torch.bucketize(w.float().reshape(n, -1, 64) / am[..., None], (levels[1:] + levels[:-1]) / 2)
+    return K.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-3 * L2_BYTES // max(nbytes, 1)))
+
+
+def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[list, int]:
+    dev = w.device
+    if fmt == "dense":
+        ws, nbytes = dense_copies, w.numel() * 2
+    else:
+        pw = packs[fmt]
+        ws = [pw] + [K.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
+                     for _ in range(copies_for(pw.nbytes) - 1)]
+        nbytes = pw.nbytes
+    return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev) for wi in ws], nbytes
+
+
+def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -> list[tuple]:
+    """Rows of (variant, M, seconds, weight GB/s, speed-up over cuBLAS bf16, rel. error)."""
+    dev = torch.device("cuda")
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    dense_copies = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
+    packs = {fmt: _packed(fmt, w) for fmt in ("nvfp4", "nf4") if any(v.startswith(fmt) for v in variants)}
+    bnb_w = None
+    if "bnb_nf4" in variants:
+        import bitsandbytes as bnb
+
+        bnb_w = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True).to(dev)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        t_cublas = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense_copies])
+        rows.append(("cublas_bf16", m, t_cublas, w.numel() * 2 / t_cublas / 1e9, 1.0, 0.0))
+        for v in variants:
+            fmt, _, mode = v.partition("_")
+            try:
+                if v == "bnb_nf4":
+                    import bitsandbytes as bnb
+
+                    fns = [lambda: bnb.matmul_4bit(x, bnb_w.t(), quant_state=bnb_w.quant_state)]
+                    ref = x.float() @ bnb.functional.dequantize_4bit(bnb_w.data, bnb_w.quant_state).float().t()
+                    nbytes = k * n // 2
+                    t = time_eager(fns[0])
+                    got = fns[0]()
+                else:
+                    plans, nbytes = _plans(fmt, w, packs, dense_copies)
+                    deq = w.float() if fmt == "dense" else packs[fmt].dequantize()
+                    ref = x.float() @ deq.t()
+                    fns = [lambda p=p: K.fused_linear(p, x, out, f16=mode == "f16") for p in plans]
+                    t = time_graph(fns)
+                    out.fill_(float("nan"))
+                    fns[0]()
+                    got = out
+                err = ((got.float() - ref).norm() / ref.norm()).item()
+            except Exception as e:  # keep the table going; the failure is printed
+                print(f"  {name} {v} M={m} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                t, err = float("nan"), float("nan")
+            rows.append((v, m, t, nbytes / t / 1e9, t_cublas / t, err))
+    return rows
+
+
+def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool = True) -> dict | None:
+    """Time every tile config of `sweep_configs()` for one shape and M; print and return the best."""
+    dev = torch.device("cuda")
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    packs = {fmt: _packed(fmt, w)}
+    plans, _ = _plans(fmt, w, packs, [w])
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    base = K.linear_config(m, n, k, fmt, n, False)
+    results = []
+    for c in sweep_configs():
+        cfg = {**base, **c}
+        if n % cfg["BLOCK_N"] or (k // 32) % cfg["UNROLL"]:
+            continue
+        try:
+            t = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16, config=cfg) for p in plans])
+        except Exception as e:
+            print(f"  sweep {name} M={m} {c}: {type(e).__name__}", flush=True)
+            continue
+        results.append((t, cfg))
+    results.sort(key=lambda r: r[0])
+    t0 = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16) for p in plans])
+    for t, cfg in results[:3]:
+        print(f"  sweep {name} M={m}: {t * 1e6:7.1f} us  {cfg}   (heuristic: {t0 * 1e6:.1f} us)", flush=True)
+    return results[0][1] if results else None
+
+
+def sweep_configs() -> list[dict]:
+    return [dict(BLOCK_N=bn, num_stages=st, UNROLL=un, num_warps=nw)
+            for bn in (16, 32, 64, 128) for st in (2, 4) for un in (2, 4) for nw in (4, 8) if not (nw == 8 and bn < 64)]
+
+
+def main(argv: list[str] | None = None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="7b", help="7b or 0.5b")
+    ap.add_argument("--m", default="1,8,64,256", help="rows (batch) to time")
+    ap.add_argument("--variants", default="dense,nvfp4_f16,nvfp4_bf16,nf4_f16,bnb_nf4")
+    ap.add_argument("--sweep", action="store_true", help="search NVFP4 tile configs (M=8 and 64)")
+    a = ap.parse_args(argv)
+    shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_05B
+    ms = [int(v) for v in a.m.split(",")]
+    variants = a.variants.split(",")
+    print(f"# kernel table: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
+    print(f"{'shape (in x out)':22} {'kernel':12} {'M':>4} {'time us':>9} {'weight GB/s':>12} {'x cuBLAS':>9} {'rel err':>9}")
+    all_rows = []
+    for name, k, n in shapes:
+        if a.sweep:
+            for m in (8, 64):
+                sweep_shape(name, k, n, m)
+        rows = bench_shape(name, k, n, ms, variants)
+        for v, m, t, gbs, sp, err in rows:
+            print(f"{name:22} {v:12} {m:>4} {t * 1e6:>9.1f} {gbs:>12.0f} {sp:>8.2f}x {err:>9.1e}", flush=True)
+            all_rows.append(dict(shape=name, kernel=v, m=m, us=t * 1e6, gbs=gbs, speedup=sp, err=err))
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()
