@@ -19,7 +19,6 @@ as PNG and PDF.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +64,11 @@ def curve(label: str, runs: list[Run], metric: str, smooth: int = 1) -> Curve:
 
 
 def _anchor_settings(runs: list[Run], name: str, vary: tuple[str, ...]) -> dict | None:
-    """The most common settings (ignoring `vary`) of the runs labelled `name`."""
-    mine = [tuple(sorted((k, repr(v)) for k, v in settings(r, vary).items())) for r in runs if r.strategy == name]
-    return dict(Counter(mine).most_common(1)[0][0]) if mine else None
+    """The settings (ignoring `vary`) of the `name` runs in the strategy table, if any."""
+    groups, _ = select(runs)
+    if name not in groups:
+        return None
+    return {k: repr(v) for k, v in settings(groups[name][0], vary).items()}
 
 
 def ablation(runs: list[Run], anchor: str, vary: tuple[str, ...]) -> dict[str, list[Run]]:

@@ -142,9 +142,9 @@ def run_values(run: Run) -> dict[str, float]:
 def select(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
     """Group the runs that belong in the table by strategy; explain every run left out.
 
-    The table compares strategies under equal settings: the reference settings are those of the
-    full_precision runs (the most common ones, if they differ), or of all labelled runs when no
-    full_precision run exists. One run per (strategy, seed) is kept.
+    The table compares strategies under equal settings: the reference settings are those of a
+    full_precision run (when their settings differ, the ones most other runs share), or the most
+    common settings when no full_precision run exists. One run per (strategy, seed) is kept.
     """
     notes = []
     labelled = [r for r in runs if r.strategy is not None]
@@ -153,9 +153,10 @@ def select(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
             notes.append(f"{r.source}: not an instance of a strategy preset (ablation run?); not in the table")
     if not labelled:
         return {}, notes
-    pool = [r for r in labelled if r.strategy == BASELINE] or labelled
-    keyed = [tuple(sorted((k, repr(v)) for k, v in settings(r, STRATEGY_KEYS).items())) for r in pool]
-    reference = dict(Counter(keyed).most_common(1)[0][0])
+    keyed = {r.source: tuple(sorted((k, repr(v)) for k, v in settings(r, STRATEGY_KEYS).items())) for r in labelled}
+    counts = Counter(keyed.values())
+    candidates = [keyed[r.source] for r in labelled if r.strategy == BASELINE] or list(counts)
+    reference = dict(max(candidates, key=lambda c: (counts[c], candidates.count(c))))
     groups: dict[str, list[Run]] = {}
     seen = set()
     for r in sorted(labelled, key=lambda r: r.source):

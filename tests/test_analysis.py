@@ -1,0 +1,442 @@
+"""The analysis command: run loading and checks, the strategy table, the figures, W&B readers.
+
+The table test recomputes every cell from the `metrics.jsonl` files with its own code (the
+`statistics` module and a printed t-table), never through `analysis`' helpers. Synthetic runs
+cover the table and figure logic; real tiny runs (marked slow) cover the whole command.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import statistics
+import subprocess
+import sys
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, qerl
+
+from analysis import figures, runs as R, stats, table
+
+STRATEGIES = ["full_precision", "nvfp4_rollout", "nvfp4_lora", "nf4_dq",
+              "nf4_lora", "mxfp4_lora", "nvfp4_lora_noaqn", "bf16_aqn"]
+FIGURES = ["fig4_reward", "fig5_entropy", "fig8_aqn", "fig9_15_schedules", "fig10_lora_rank", "fig16_17_lr"]
+
+# Student t 0.975 quantiles from a printed table (df: value), for the independent recomputation.
+T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 9: 2.2622, 29: 2.0452}
+
+
+# --------------------------------------------------------------------------- synthetic runs
+
+_COMPOSED: dict[tuple, dict] = {}
+
+
+def _config(strategy: str, seed: int, overrides: tuple[str, ...] = ()) -> dict:
+    """A resolved config as `train.run` writes it, for a strategy preset plus overrides."""
+    from omegaconf import OmegaConf
+
+    from qerl_exp.cli import compose_config
+
+    key = (strategy, overrides)
+    if key not in _COMPOSED:
+        cfg = compose_config([f"strategy={strategy}", "train.steps=20", "monitor.every=2", *overrides])
+        _COMPOSED[key] = OmegaConf.to_container(cfg, resolve=True)
+    config = copy.deepcopy(_COMPOSED[key])
+    config["seed"] = seed
+    config["choices"] = {"strategy": strategy, "quant": "x"}
+    return config
+
+
+def _metrics(strategy: str, seed: int, steps: int = 20, every: int = 2) -> list[dict]:
+    rng = np.random.default_rng([zlib.crc32(strategy.encode()), seed])
+    weights = {"full_precision": 4e6, "bf16_aqn": 4e6, "nvfp4_rollout": 5.1e6, "nf4_dq": 1.1e6}.get(strategy, 1.3e6)
+    rows = []
+    for s in range(steps):
+        row = {
+            "step": s,
+            "reward": float(rng.uniform(0, 2.2)),
+            "entropy": float(rng.uniform(0.1, 0.5)),
+            "sampler/entropy": float(rng.uniform(0.1, 0.6)),
+            "noise/sigma": 0.0 if s < 2 else 1e-2 * 0.9 ** s,
+            "noise/stage": s // 2,
+            "perf/rollout_tok_s": float(rng.uniform(100, 400)),
+            "perf/step_s": float(rng.uniform(1, 3)),
+            "mem/weights_bytes": weights,
+            "mem/peak_bytes": 5e8 + 1e6 * s + 1e5 * seed,
+        }
+        if s % every == 0:
+            row["entropy_gain"] = float(rng.normal(0.01, 0.02))
+        rows.append(row)
+    return rows
+
+
+def _write_run(path: Path, config: dict, rows: list[dict], finished: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        (path / "summary.json").write_text(json.dumps({"reward/final": rows[-1]["reward"]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Eight strategies x 2 seeds, four broken runs, and ablation runs, under one parent."""
+    root = tmp_path_factory.mktemp("synthetic")
+    good: dict[str, list[Path]] = defaultdict(list)
+    for strategy in STRATEGIES:
+        for seed in (0, 1):
+            good[strategy].append(_write_run(root / strategy / f"s{seed}", _config(strategy, seed), _metrics(strategy, seed)))
+    broken = {}
+    rows = _metrics("nvfp4_lora", 7)
+    del rows[3]
+    broken["missing_step"] = _write_run(root / "nvfp4_lora" / "s7", _config("nvfp4_lora", 7), rows)
+    rows = _metrics("nvfp4_lora", 8)
+    rows[5]["reward"] = None  # the tracker writes NaN as null
+    broken["null_reward"] = _write_run(root / "nvfp4_lora" / "s8", _config("nvfp4_lora", 8), rows)
+    broken["unfinished"] = _write_run(root / "nf4_dq" / "s9", _config("nf4_dq", 9), _metrics("nf4_dq", 9), finished=False)
+    rows = _metrics("full_precision", 6)
+    del rows[4]["entropy_gain"]  # a monitor step without the monitor's metric
+    broken["no_gain"] = _write_run(root / "full_precision" / "s6", _config("full_precision", 6), rows)
+    ablations = {}
+    for name, strategy, overrides in (
+        ("fp_lr", "full_precision", ("train.lr=1e-3",)),
+        ("q_lr", "nvfp4_lora", ("train.lr=1e-3",)),
+        ("q_r32", "nvfp4_lora", ("lora=r32",)),
+        ("q_linear", "nvfp4_lora", ("noise=linear",)),
+    ):
+        for seed in (0, 1):
+            ablations.setdefault(name, []).append(
+                _write_run(root / "ablation" / name / f"s{seed}", _config(strategy, seed, overrides), _metrics(name, seed)))
+    return root, good, broken, ablations
+
+
+# --------------------------------------------------------------------------- independent recomputation
+
+
+def _expected(good: dict[str, list[Path]]) -> dict[str, dict]:
+    """Every table cell from the metrics.jsonl files, by the definitions in analysis/table.py."""
+    per_strategy = {}
+    for strategy, dirs in good.items():
+        per_run = []
+        for d in dirs:
+            rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            later = rows[1:]
+            k = max(1, len(rows) // 10)
+            per_run.append({
+                "weights": max(r["mem/weights_bytes"] for r in rows),
+                "peak": max(r["mem/peak_bytes"] for r in rows),
+                "tok_s": statistics.fmean(r["perf/rollout_tok_s"] for r in later),
+                "step_s": statistics.fmean(r["perf/step_s"] for r in later),
+                "sampler_entropy": statistics.fmean(r["sampler/entropy"] for r in rows),
+                "gain": statistics.fmean(r["entropy_gain"] for r in rows if "entropy_gain" in r),
+                "final": statistics.fmean(r["reward"] for r in rows[-k:]),
+            })
+        cell = {"seeds": len(per_run)}
+        for name in per_run[0]:
+            values = [p[name] for p in per_run]
+            m = statistics.fmean(values)
+            half = T975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
+            cell[name] = (m, m - half, m + half)
+        per_strategy[strategy] = cell
+    fp = per_strategy["full_precision"]
+    for cell in per_strategy.values():
+        for name in ("weights", "peak", "tok_s", "step_s"):
+            cell[name + "_ratio"] = cell[name][0] / fp[name][0]
+    return per_strategy
+
+
+def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [r["strategy"] for r in rows] == [s for s in STRATEGIES if s in expected]
+    claims = {"nvfp4_rollout": (0.75, 1.5, "slight"), "nvfp4_lora": (0.85, 1.3, "significant"), "nf4_dq": (0.80, None, None)}
+    for row in rows:
+        e = expected[row["strategy"]]
+        assert int(row["seeds"]) == e["seeds"]
+        pairs = {
+            "weights_bytes": e["weights"][0], "peak_bytes": e["peak"][0], "rollout_tok_s": e["tok_s"][0],
+            "step_s": e["step_s"][0], "weights_ratio": e["weights_ratio"], "peak_ratio": e["peak_ratio"],
+            "tok_s_ratio": e["tok_s_ratio"], "step_s_ratio": e["step_s_ratio"],
+            "sampler_entropy": e["sampler_entropy"][0], "entropy_gain": e["gain"][0], "final_reward": e["final"][0],
+        }
+        for col, want in pairs.items():
+            assert math.isclose(float(row[col]), want, rel_tol=1e-9), (row["strategy"], col, row[col], want)
+        # Interval ends: the printed t-table has 4-5 significant digits.
+        for col, (_, lo, hi) in (("sampler_entropy", e["sampler_entropy"]), ("entropy_gain", e["gain"]),
+                                 ("final_reward", e["final"])):
+            assert math.isclose(float(row[f"{col}_ci_low"]), lo, rel_tol=1e-4, abs_tol=1e-4)
+            assert math.isclose(float(row[f"{col}_ci_high"]), hi, rel_tol=1e-4, abs_tol=1e-4)
+        memory, speed, explore = claims.get(row["strategy"], (None, None, None))
+        want_memory = "" if memory is None else str(1 - e["weights_ratio"] >= memory - 0.05).lower()
+        want_speed = "" if speed is None else str(e["tok_s_ratio"] >= speed * 0.95).lower()
+        if explore is None:
+            want_explore = ""
+        elif explore == "slight":
+            want_explore = str(e["gain"][0] > 0).lower()
+        else:
+            want_explore = str(e["gain"][1] > 0).lower()
+        assert (row["memory_holds"], row["speed_holds"], row["exploration_holds"]) == (want_memory, want_speed, want_explore)
+    return rows
+
+
+def _check_md_tex(out: Path, expected: dict[str, dict]) -> None:
+    md = (out / "table.md").read_text()
+    tex = (out / "table.tex").read_text()
+    for strategy, e in expected.items():
+        line = next(line for line in md.splitlines() if line.startswith(f"| {strategy} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2] == f"{e['weights_ratio']:.2f}x" and cells[4] == f"{e['peak_ratio']:.2f}x"
+        assert cells[5] == f"{e['tok_s_ratio']:.2f}x" and cells[7] == f"{e['step_s_ratio']:.2f}x"
+        m, lo, hi = e["final"]
+        assert cells[11] == f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+        tex_line = next(line for line in tex.splitlines() if line.startswith(strategy.replace("_", r"\_") + " &"))
+        assert f"{e['weights_ratio']:.2f}$\\times$" in tex_line and f"{m:.3f} [{lo:.3f}, {hi:.3f}]" in tex_line
+    assert r"\begin{tabular}" in tex and r"\bottomrule" in tex and "issue 6" in md
+
+
+# --------------------------------------------------------------------------- tests: stats and loading
+
+
+@pytest.mark.parametrize("df, want", sorted(T975.items()))
+def test_t_quantile_matches_the_printed_table(df, want):
+    assert stats.t_quantile(0.975, df) == pytest.approx(want, abs=1e-4)
+
+
+def test_t_interval_of_one_value_has_no_ends():
+    iv = stats.t_interval([1.5])
+    assert iv.mean == 1.5 and math.isnan(iv.low) and math.isnan(iv.high)
+
+
+def test_strategy_presets_set_what_they_say():
+    presets, failed = R.strategy_presets()
+    assert not failed and sorted(presets) == sorted(STRATEGIES)
+    want = {  # quant.format, double_quant, noise.schedule, rollout.quant, tis_cap > 0
+        "full_precision": ("none", False, "none", "none", False),
+        "nvfp4_rollout": ("none", False, "none", "nvfp4", True),
+        "nvfp4_lora": ("nvfp4", False, "exp", "none", False),
+        "nf4_dq": ("nf4", True, "none", "none", False),
+        "nf4_lora": ("nf4", False, "none", "none", False),
+        "mxfp4_lora": ("mxfp4", False, "none", "none", False),
+        "nvfp4_lora_noaqn": ("nvfp4", False, "none", "none", False),
+        "bf16_aqn": ("none", False, "exp", "none", False),
+    }
+    for name, p in presets.items():
+        got = (p["quant.format"], p["quant.double_quant"], p["noise.schedule"], p["rollout.quant"], p["algo.tis_cap"] > 0)
+        assert got == want[name], name
+        assert p["lora.r"] == 16
+
+
+def test_broken_runs_are_reported_and_skipped(synthetic):
+    root, good, broken, _ = synthetic
+    loaded = R.load([str(root)])
+    used = {r.source for r in loaded.runs}
+    skipped = dict(loaded.skipped)
+    for why, path in broken.items():
+        assert str(path) not in used and str(path) in skipped, why
+    assert "logged 19 of 20 steps" in skipped[str(broken["missing_step"])]
+    assert "metric reward missing or not finite" in skipped[str(broken["null_reward"])]
+    assert "unfinished" in skipped[str(broken["unfinished"])]
+    assert "metric entropy_gain missing" in skipped[str(broken["no_gain"])]
+    assert all(str(p) in used for dirs in good.values() for p in dirs)
+
+
+def test_recorded_strategy_with_an_override_is_no_instance(synthetic):
+    root, _, _, ablations = synthetic
+    presets, _ = R.strategy_presets()
+    run = R.read_run_dir(ablations["q_r32"][0])
+    notes = R.label([run], presets)
+    assert run.strategy is None and "overrides lora" in notes[0]
+    unrecorded = R.read_run_dir(root / "nf4_dq" / "s0")
+    unrecorded.config["choices"] = {}
+    R.label([unrecorded], presets)
+    assert unrecorded.strategy == "nf4_dq"
+
+
+def test_discover_takes_run_dirs_globs_and_wandb_files(tmp_path):
+    run = _write_run(tmp_path / "a" / "run1", _config("full_precision", 0), _metrics("full_precision", 0))
+    (run / "wandb" / "offline-run-x").mkdir(parents=True)
+    (run / "wandb" / "offline-run-x" / "run-x.wandb").write_bytes(b":W&B")
+    orphan = tmp_path / "b" / "wandb" / "offline-run-y"
+    orphan.mkdir(parents=True)
+    (orphan / "run-y.wandb").write_bytes(b":W&B")
+    dirs, files, bad = R.discover([str(tmp_path), str(tmp_path / "a" / "run*"), str(tmp_path / "nothing*")])
+    assert dirs == [run]
+    assert files == [orphan / "run-y.wandb"]  # the run dir's own W&B file is not read twice
+    assert bad == [(str(tmp_path / "nothing*"), "matches nothing")]
+
+
+# --------------------------------------------------------------------------- tests: the table
+
+
+def test_every_table_cell_matches_an_independent_recomputation(synthetic, tmp_path):
+    root, good, _, _ = synthetic
+    loaded = R.load([str(root)])
+    rows, notes = table.build(loaded.runs)
+    table.write(rows, tmp_path)
+    expected = _expected(good)
+    _check_csv(tmp_path, expected)
+    _check_md_tex(tmp_path, expected)
+    assert any("train.lr" in n and "not in the table" in n for n in notes)
+
+
+def test_table_without_full_precision_leaves_ratios_empty(synthetic):
+    root, _, _, _ = synthetic
+    loaded = R.load([str(root / "nvfp4_lora"), str(root / "nf4_dq")])
+    rows, notes = table.build(loaded.runs)
+    assert [r.strategy for r in rows] == ["nvfp4_lora", "nf4_dq"]
+    assert all(math.isnan(r.weights_ratio) for r in rows)
+    assert "no full_precision runs" in notes[-1]
+    assert ",," in table.to_csv(rows).splitlines()[1]
+
+
+# --------------------------------------------------------------------------- tests: figures
+
+
+def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monkeypatch):
+    from matplotlib.collections import PolyCollection
+
+    root, _, _, _ = synthetic
+    loaded = R.load([str(root)])
+    drawn = {}
+    save = figures._save
+
+    def capture(fig, out_dir, stem, suptitle):
+        drawn[stem] = [(ax.get_xlabel(), ax.get_ylabel(), ax.get_legend(),
+                        [c for c in ax.collections if isinstance(c, PolyCollection)],
+                        [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [])
+                       for ax in fig.axes]
+        return save(fig, out_dir, stem, suptitle)
+
+    monkeypatch.setattr(figures, "_save", capture)
+    paths = figures.write_all(loaded.runs, tmp_path)
+    assert sorted(drawn) == sorted(FIGURES)
+    for stem, axes in drawn.items():
+        for xlabel, ylabel, legend, bands, labels in axes:
+            assert xlabel and ylabel and legend is not None, stem
+            assert len(bands) == len(labels) >= 1, stem  # every curve (n=2 seeds) has its band
+    assert sorted(drawn["fig4_reward"][0][4]) == sorted(f"{s} (n=2)" for s in STRATEGIES)
+    assert drawn["fig8_aqn"][0][4] == ["schedule=exp (n=2)", "schedule=none (n=2)"]
+    assert sorted(drawn["fig9_15_schedules"][0][4]) == ["schedule=exp (n=2)", "schedule=linear (n=2)",
+                                                        "schedule=none (n=2)"]
+    assert sorted(drawn["fig10_lora_rank"][0][4]) == ["alpha=16, r=16 (n=2)", "alpha=32, r=32 (n=2)"]
+    assert [len(a[4]) for a in drawn["fig16_17_lr"]] == [2, 2]  # around nvfp4_lora and full_precision
+    import matplotlib.image
+
+    for p in paths:
+        if p.suffix == ".png":
+            assert matplotlib.image.imread(p).shape[0] > 100
+        else:
+            assert p.read_bytes()[:5] == b"%PDF-"
+
+
+def test_optuna_history_and_importance(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="aqn", storage=storage, direction="maximize")
+    study.optimize(lambda t: t.suggest_float("sigma", 1e-4, 1e-1, log=True) * 10 - t.suggest_int("k", 2, 12) / 100,
+                   n_trials=8)
+    paths, notes = figures.optuna_figures(storage, None, tmp_path)
+    assert sorted(p.name for p in paths) == ["optuna_history.pdf", "optuna_history.png",
+                                             "optuna_importance.pdf", "optuna_importance.png"]
+    assert notes == []
+
+
+# --------------------------------------------------------------------------- tests: W&B API
+
+
+class _FakeApiRun:
+    def __init__(self, name, config, rows, state="finished"):
+        self.name, self.id, self.state = name, name, state
+        self.config = {**config, "_wandb": {}}
+        self.tags = [f"strategy:{config['choices']['strategy']}"]
+        self.summary = {"reward/final": 1.0, "_runtime": 3}
+        self._rows = rows
+
+    def scan_history(self):
+        for row in self._rows:  # the harness logs completions tables as extra rows at a step
+            yield {**row, "_step": row["step"]}
+            yield {"step": row["step"], "completions": {"_type": "table-file"}}
+
+
+class _FakeApi:
+    def __init__(self, runs):
+        self._runs = runs
+
+    def runs(self, path):
+        assert path == "me/qerl-exp"
+        return self._runs
+
+
+def test_wandb_project_through_the_public_api():
+    cfg = _config("nf4_dq", 3)
+    cfg.pop("choices")
+    api = _FakeApi([_FakeApiRun("a", {**cfg, "choices": {"strategy": "nf4_dq"}}, _metrics("nf4_dq", 3)),
+                    _FakeApiRun("b", _config("nf4_dq", 4), _metrics("nf4_dq", 4)[:5], state="crashed")])
+    loaded = R.load([], wandb_project="me/qerl-exp", api=api)
+    assert [r.source for r in loaded.runs] == ["wandb:me/qerl-exp/a"]
+    assert loaded.runs[0].strategy == "nf4_dq" and len(loaded.runs[0].history) == 20
+    assert loaded.skipped[0][0] == "wandb:me/qerl-exp/b" and "unfinished" in loaded.skipped[0][1]
+
+
+# --------------------------------------------------------------------------- real runs (slow)
+
+TINY = ["train.steps=3", "train.prompts_per_step=2", "algo.group_size=2", "monitor.every=1", "tracker.mode=disabled"]
+
+
+@pytest.fixture(scope="session")
+def real_runs(tmp_path_factory):
+    """The strategy command's shape at tiny size: 2 strategies x 2 seeds, one W&B offline run."""
+    root = tmp_path_factory.mktemp("real")
+    made = defaultdict(list)
+    for strategy in ("full_precision", "nf4_dq"):
+        for seed in (0, 1):
+            d = root / strategy / f"s{seed}"
+            p = qerl(f"strategy={strategy}", f"seed={seed}", *TINY, f"hydra.run.dir={d}")
+            assert p.returncode == 0, p.stderr[-2000:]
+            made[strategy].append(d)
+    d = root.parent / f"{root.name}_wandb" / "run"
+    p = qerl("strategy=full_precision", *TINY[:-1], "tracker.mode=offline", f"hydra.run.dir={d}",
+             env={"WANDB_MODE": "offline"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return root, made, d
+
+
+@pytest.mark.slow
+def test_analysis_command_on_real_runs(real_runs, tmp_path):
+    root, made, _ = real_runs
+    out = tmp_path / "report"
+    p = subprocess.run([sys.executable, "-m", "analysis", str(root), "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for name in ("table.md", "table.csv", "table.tex", "runs.md"):
+        assert (out / name).stat().st_size > 0
+    for stem in FIGURES:
+        assert (out / "figures" / f"{stem}.png").exists() and (out / "figures" / f"{stem}.pdf").exists()
+    expected = _expected(made)
+    _check_csv(out, expected)
+    _check_md_tex(out, expected)
+
+
+@pytest.mark.slow
+def test_offline_wandb_file_matches_metrics_jsonl(real_runs):
+    _, _, d = real_runs
+    (wandb_file,) = d.glob("wandb/offline-run-*/run-*.wandb")
+    from_file, from_dir = R.read_wandb_file(wandb_file), R.read_run_dir(d)
+    assert from_file.finished and not R.problems(from_file)
+    assert [h["step"] for h in from_file.history] == [0, 1, 2]
+    for a, b in zip(from_file.history, from_dir.history):
+        for name in R.REQUIRED:
+            assert a[name] == pytest.approx(b[name], rel=1e-12), name
+    assert from_file.config["train"] == from_dir.config["train"]
+    assert from_file.summary["reward/final"] == pytest.approx(from_dir.summary["reward/final"])
+    # Named explicitly, the file is read; under its run directory, the directory is the source.
+    dirs, files, _ = R.discover([str(wandb_file), str(d.parent)])
+    assert files == [wandb_file] and dirs == [d]
