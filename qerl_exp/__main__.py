@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -12,7 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from qerl_exp.cli import CONF_DIR, UsageError, fail, quiet_third_party_logs, validate
-from qerl_exp.config import GROUPS, register_configs, to_config
+from qerl_exp.config import GROUPS, from_dict, register_configs, to_config
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -21,12 +22,16 @@ def main(cfg: DictConfig) -> float:
     from qerl_exp.train import run
 
     hc = HydraConfig.get()
-    run_dir = Path(cfg.run_dir or hc.runtime.output_dir)
+    run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
     choices = {g: str(hc.runtime.choices[g]) for g in GROUPS if hc.runtime.choices.get(g) is not None}
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
-        summary = run(to_config(cfg), run_dir, choices=choices, group=group)
+        conf = to_config(cfg)
+        if cfg.resume:  # continue with the config the run was started with
+            saved = json.loads((run_dir / "config.json").read_text())
+            conf, choices = from_dict(saved), saved.get("choices", {})
+        summary = run(conf, run_dir, choices=choices, group=group)
     except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
         (run_dir / "error.txt").write_text(traceback.format_exc())
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} (traceback in {run_dir}/error.txt)"

@@ -1,7 +1,10 @@
-"""Run state on disk: the LoRA adapter and everything needed to continue a run.
+"""Run state on disk: the LoRA adapter and everything needed to continue a run exactly.
 
-Writes are atomic (write into a temporary directory beside the target, then rename), so a killed
-process leaves either the previous checkpoint or the new one, never half of one.
+Layout: `<run_dir>/checkpoints/step_000010/{adapter/, state.pt}` every `checkpoint.every` steps,
+and `<run_dir>/final/` at the end. Writes are atomic (write into a hidden temporary directory
+beside the target, then rename), so a killed process leaves whole checkpoints only. `latest`
+returns the newest checkpoint that loads, falling back to an older one (and saying so) when the
+newest is corrupt.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ import torch
 
 
 def rng_state(data_rng: np.random.Generator) -> dict:
+    """Every RNG a step draws from: python, numpy, torch (and CUDA), and the data stream."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -26,6 +31,15 @@ def rng_state(data_rng: np.random.Generator) -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def restore_rng(state: dict, data_rng: np.random.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    data_rng.bit_generator.state = state["data"]
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(path: Path, policy, state: dict) -> None:
@@ -49,3 +63,43 @@ def save(path: Path, policy, state: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the `keep` newest checkpoints (and leftovers of interrupted writes)."""
+    root = Path(run_dir) / "checkpoints"
+    for leftover in root.glob(".step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(run_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint of `run_dir` that loads, with its state; None when there is none.
+
+    A checkpoint that fails to load is reported with a warning and the next older one is tried.
+    """
+    for path in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
+        try:
+            state = torch.load(path / "state.pt", weights_only=False)
+            if not (path / "adapter" / "adapter_model.safetensors").exists():
+                raise FileNotFoundError("adapter_model.safetensors missing")
+            return path, state
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to an older one
+            warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying an older one")
+    return None
+
+
+def load_adapter(policy, path: Path) -> None:
+    """Load the LoRA weights saved in `path/adapter` into the peft-wrapped `policy`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(path) / "adapter" / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(policy, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"checkpoint {path} does not match the model: unexpected keys {result.unexpected_keys[:3]}")

@@ -300,6 +300,8 @@ class TrainConfig:
         grad_clip: max global grad norm (0 disables clipping).
         device: `auto` (CUDA when present), `cpu` or `cuda`.
         deterministic: ask torch for deterministic kernels.
+        max_nonfinite: a step whose loss or gradients are not finite is skipped (no update) and
+            counted; this many in a row stop the run, its last good checkpoint intact.
     """
 
     steps: int = 60
@@ -310,6 +312,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     device: str = "auto"
     deterministic: bool = False
+    max_nonfinite: int = 3
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
@@ -318,6 +321,25 @@ class TrainConfig:
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        _check(self.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic, atomic checkpoints of everything needed to continue a run.
+
+    Args:
+        every: steps between checkpoints (0: only the final state is saved).
+        keep: how many recent checkpoints to keep (the older one is the fallback when the
+            newest is corrupt).
+    """
+
+    every: int = 10
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
 @dataclass
@@ -383,7 +405,9 @@ class Config:
 
     Args:
         seed: seeds python, numpy and torch; every random draw of the run derives from it.
-        run_dir: where the run writes; empty means Hydra's output directory.
+        run_dir: where the run writes; empty means Hydra's output directory. A run_dir that holds
+            an unfinished run (checkpoints, no summary.json) is resumed from its last checkpoint.
+        resume: a run directory to continue with its saved config (other overrides are ignored).
         model: the base model (`ModelConfig`).
         quant: the storage of the frozen base (`QuantConfig`).
         lora: the trainable adapters (`LoraConfig`).
@@ -394,10 +418,12 @@ class Config:
         rollout: the sampling engine (`RolloutConfig`).
         monitor: the full-precision reference (`MonitorConfig`).
         tracker: W&B settings (`TrackerConfig`).
+        checkpoint: periodic checkpoints (`CheckpointConfig`).
     """
 
     seed: int = 0
     run_dir: str = ""
+    resume: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -408,6 +434,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 GROUPS = {
@@ -443,3 +470,10 @@ def to_config(cfg: DictConfig) -> Config:
 def as_dict(cfg: Config) -> dict:
     """The config as plain nested dicts (for trackers and the run directory)."""
     return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in data.items() if k in fields})
+    return to_config(merged)

@@ -27,6 +27,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) |
 | loss, grad_norm, lr | the optimized loss, the global grad norm before clipping, the learning rate |
+| train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def perf_metrics(completion_tokens: int, rollout_s: float, step_s: float) -> dic
     return {"perf/rollout_tok_s": completion_tokens / max(rollout_s, 1e-9), "perf/step_s": step_s}
 
 
-def optim_metrics(loss: float, grad_norm: float, lr: float) -> dict[str, float]:
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+def optim_metrics(loss: float, grad_norm: float, lr: float, skipped: bool) -> dict[str, float]:
+    """`train/skipped` is 1 when the step's loss or gradient was not finite and no update was made."""
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "train/skipped": float(skipped)}
 
 
 def memory_metrics(weights: dict[str, int], device: torch.device) -> dict[str, float]:

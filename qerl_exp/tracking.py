@@ -38,29 +38,32 @@ class Tracker:
         group: W&B group (e.g. the sweep or the multirun).
         job_type: W&B job type.
         tags: W&B tags.
+        run_id: the W&B run id to continue (a resumed run); None starts a new W&B run.
     """
 
-    def __init__(self, run_dir: Path, cfg: TrackerConfig, config: dict, name: str, group: str, job_type: str, tags: list[str]):
+    def __init__(self, run_dir: Path, cfg: TrackerConfig, config: dict, name: str, group: str, job_type: str,
+                 tags: list[str], run_id: str | None = None):
         self.run_dir = Path(run_dir)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.wandb = None
+        self.run_id = run_id
         if cfg.mode == "disabled":
             return
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
+        kwargs = dict(dir=str(self.run_dir), project=cfg.project, entity=cfg.entity or None, name=name, group=group,
+                      job_type=job_type, tags=tags, config=config, id=run_id, resume="allow" if run_id else None,
+                      settings=wandb.Settings(console="off", x_disable_stats=True, init_timeout=60))
         try:
-            self.wandb = wandb.init(
-                dir=str(self.run_dir), mode=cfg.mode, project=cfg.project, entity=cfg.entity or None,
-                name=name, group=group, job_type=job_type, tags=tags, config=config,
-                settings=wandb.Settings(console="off", x_disable_stats=True),
-            )
+            self.wandb = wandb.init(mode=cfg.mode, **kwargs)
         except Exception as e:  # noqa: BLE001 - a tracker fault must not end the run
             if cfg.mode != "online":
                 raise
-            warnings.warn(f"W&B online init failed ({str(e).splitlines()[0]}); logging offline instead")
-            self.wandb = wandb.init(dir=str(self.run_dir), mode="offline", project=cfg.project, name=name,
-                                    group=group, job_type=job_type, tags=tags, config=config)
+            warnings.warn(f"W&B online init failed ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+                          "logging offline instead (upload later with `wandb sync`)")
+            self.wandb = wandb.init(mode="offline", **kwargs)
+        self.run_id = self.wandb.id
         self.wandb.define_metric("step")
         self.wandb.define_metric("*", step_metric="step")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp.checkpoint import rng_state, save
+from qerl_exp import checkpoint
+from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.loss import completion_logits, group_advantages, policy_loss, token_logp
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
@@ -61,7 +64,7 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
 def summarize(history: list[dict[str, float]]) -> dict[str, float]:
     """Run summary from the per-step metrics: final (mean of the last 10%) and best reward, means."""
     def series(name):
-        return [h[name] for h in history if name in h and h[name] is not None and math.isfinite(h[name])]
+        return [h[name] for h in history if isinstance(h.get(name), (int, float)) and math.isfinite(h[name])]
 
     rewards = series("reward")
     tail = rewards[-max(1, len(rewards) // 10):]
@@ -77,6 +80,34 @@ def summarize(history: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+def _open_run_dir(cfg: Config, run_dir: Path, config: dict) -> tuple[Path, dict] | None:
+    """Create the run directory, or find the checkpoint to resume an unfinished run from."""
+    if (run_dir / "summary.json").exists():
+        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    found = checkpoint.latest(run_dir)
+    if found is None:
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return found
+
+
+def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
+    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] < next_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return rows
+
+
 def run(
     cfg: Config,
     run_dir: Path,
@@ -86,6 +117,10 @@ def run(
     on_step: StepCallback | None = None,
 ) -> dict[str, float]:
     """Train one policy with GRPO/DAPO from quantized rollouts and return its summary.
+
+    A `run_dir` that holds an unfinished run is resumed from its newest readable checkpoint:
+    model, optimizer, schedules, every RNG and the W&B run continue, and `metrics.jsonl` is
+    truncated to that step, so the result equals an uninterrupted run with the same seed.
 
     Args:
         cfg: the validated run config.
@@ -99,12 +134,9 @@ def run(
         The summary also written to `summary.json`.
     """
     run_dir = Path(run_dir)
-    if (run_dir / "summary.json").exists():
-        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
     choices = choices or {}
     config = {**as_dict(cfg), "choices": choices}
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    resume_from = _open_run_dir(cfg, run_dir, config)
 
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
@@ -125,17 +157,37 @@ def run(
     data_rng = np.random.default_rng(cfg.seed)
     weights = memory_bytes(policy)
 
-    name = run_dir.name
-    tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=name,
-                      group=group or cfg.task.name, job_type="train", tags=run_tags(choices))
-    history: list[dict[str, float]] = []
+    def state(next_step: int) -> dict:
+        return {
+            "step": next_step, "optimizer": opt.state_dict(), "lr_scheduler": lr_sched.state_dict(),
+            "noise": schedule.state_dict(), "aqn_rng": aqn.generator.get_state(), "rng": rng_state(data_rng),
+            "wandb_id": tracker.run_id, "nonfinite": nonfinite,
+        }
+
+    start, nonfinite, wandb_id, history = 0, 0, None, []
+    if resume_from is not None:
+        path, saved = resume_from
+        checkpoint.load_adapter(policy, path)
+        opt.load_state_dict(saved["optimizer"])
+        lr_sched.load_state_dict(saved["lr_scheduler"])
+        schedule.load_state_dict(saved["noise"])
+        aqn.generator.set_state(saved["aqn_rng"])
+        restore_rng(saved["rng"], data_rng)
+        start, nonfinite, wandb_id = saved["step"], saved["nonfinite"], saved["wandb_id"]
+        if separate_sampler:
+            requantize_sampler(policy, models.sampler, sampler_quant, dtype)
+        print(f"resuming {run_dir} at step {start} from {path.name}", file=sys.stderr)
+    history = _truncate_metrics(run_dir, start)
+
+    tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
+                      group=group or cfg.task.name, job_type="train", tags=run_tags(choices), run_id=wandb_id)
     try:
-        for step in range(cfg.train.steps):
+        for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
             problems = task.sample(cfg.train.prompts_per_step, data_rng)
             prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in problems]
 
-            # Rollout: the sampler is the policy with this step's noise draw in its norm scales.
+            # Rollout: the sampler with this step's noise draw in its norm scales.
             sigma, stage = schedule(step)
             aqn.draw(sigma)
             models.sampler.eval()
@@ -148,35 +200,41 @@ def run(
             repeated = [p for p in problems for _ in range(G)]
             rewards = {fn_name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
                        for fn_name, fn in task.rewards.items()}
-            advantages = group_advantages(sum(rewards.values()), G, algo.scale_rewards)
+            total = sum(rewards.values())
+            advantages = group_advantages(total, G, algo.scale_rewards)
             mask = rollout.completion_mask
             loss_mask = mask
             if algo.filter_zero_std:
-                informative = sum(rewards.values()).view(-1, G).std(dim=1) > 0
+                informative = total.view(-1, G).std(dim=1) > 0
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
-
-            # Learner: the same weights with clean norm scales (unless noise.apply_to=both).
-            policy.train()
-            with aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
-                logits = completion_logits(policy, rollout, algo.temperature)
-            logp = token_logp(logits, rollout.completion_ids)
-            entropy = M.entropy_from_logits(logits)
             with torch.no_grad(), policy.disable_adapter():
                 ref_logp = token_logp(completion_logits(policy, rollout, algo.temperature), rollout.completion_ids)
 
+            # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
+            policy.train()
+            with aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+                logits = completion_logits(policy, rollout, algo.temperature)
+                logp = token_logp(logits, rollout.completion_ids)
+                entropy = M.entropy_from_logits(logits)
+                loss, clip = policy_loss(logp, logp.detach(), advantages, loss_mask, algo, ref_logp=ref_logp,
+                                         entropy=entropy, sampler_logp=rollout.sampler_logp)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+
+            # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}
             if reference is not None and step % cfg.monitor.every == 0:
                 step_metrics.update(_monitor(policy, models.sampler, reference, aqn, rollout, logp.detach(), algo.temperature))
 
-            loss, clip = policy_loss(logp, logp.detach(), advantages, loss_mask, algo, ref_logp=ref_logp,
-                                     entropy=entropy, sampler_logp=rollout.sampler_logp)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
             lr = lr_sched.get_last_lr()[0]
-            opt.step()
+            finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+            nonfinite = 0 if finite else nonfinite + 1
+            if finite:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
             lr_sched.step()
-            if separate_sampler:
+            if separate_sampler and finite:
                 requantize_sampler(policy, models.sampler, sampler_quant, dtype)
 
             step_metrics.update(M.reward_metrics(rewards, G))
@@ -185,22 +243,26 @@ def run(
             step_metrics.update(M.kl_metric(logp, ref_logp, mask))
             step_metrics.update(M.entropy_metrics(entropy, rollout.sampler_entropy, mask))
             step_metrics.update(M.noise_metrics(sigma, stage))
-            step_metrics.update(M.optim_metrics(loss.item(), grad_norm.item(), lr))
+            step_metrics.update(M.optim_metrics(loss.item(), grad_norm.item(), lr, skipped=not finite))
             step_metrics.update(M.memory_metrics(weights, device))
             step_metrics.update(M.perf_metrics(int(mask.sum()), rollout_s, time.perf_counter() - t_step))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
-            history.append(step_metrics)
+            history.append({"step": step, **step_metrics})
             if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
-                total = sum(rewards.values())
                 tracker.log_completions(step, [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, batch, G)])
+            if nonfinite >= cfg.train.max_nonfinite:
+                raise NonFiniteError(
+                    f"{nonfinite} consecutive steps with a non-finite loss or gradient (last at step {step}); "
+                    f"lower train.lr or check the data; the last good checkpoint is kept in {run_dir / 'checkpoints'}"
+                )
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
+                checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
+                checkpoint.prune(run_dir, cfg.checkpoint.keep)
             if on_step is not None:
                 on_step(step, step_metrics)
 
-        save(run_dir / "final", policy, {
-            "step": cfg.train.steps, "optimizer": opt.state_dict(), "lr_scheduler": lr_sched.state_dict(),
-            "noise": schedule.state_dict(), "rng": rng_state(data_rng),
-        })
+        checkpoint.save(run_dir / "final", policy, state(cfg.train.steps))
         summary = {**summarize(history), "warmup/greedy_accuracy": models.base_info.get("greedy_accuracy", float("nan"))}
         tracker.finish(summary)
         return summary
