@@ -1,0 +1,159 @@
+"""Evaluation: pass@k, and that a finished run is scored with its trained LoRA, loaded from disk."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT
+from qerl_exp.eval import ADAPTER_FILE, EvalArgs, evaluate, evaluate_run, load_adapter, load_run, pass_at_k, solution_logprobs
+
+# A run small enough to train in seconds: the suite's cached embedded model (conftest's
+# `tiny_policy` warms up the same one), 2 RL steps of 2 prompts x 4 completions, no reference
+# model, no tracker.
+RUN = ["tracker.mode=disabled", "train.steps=2", "train.prompts_per_step=2", "algo.group_size=4", "monitor.every=0",
+       "task.eval_size=12"]
+FAST = dict(k=2, limit=6, max_new_tokens=12, batch_size=16, tracker="disabled")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A finished run directory whose adapter was changed by training."""
+    from qerl_exp.cli import compose_config
+    from qerl_exp.config import to_config
+    from qerl_exp.train import run
+
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    run(to_config(compose_config(RUN)), run_dir)
+    return run_dir
+
+
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_include_a_correct_one():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+    with pytest.raises(ValueError):
+        pass_at_k(n=2, c=1, k=3)
+
+
+def _lora(policy) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy).items()}
+
+
+def test_load_run_applies_the_saved_adapter(trained_run):
+    saved = load_file(str(trained_run / "final" / "adapter" / ADAPTER_FILE))
+    assert any(k.endswith("lora_B.weight") for k in saved)
+    assert all(v.abs().max() > 0 for k, v in saved.items() if "lora_B" in k), "training left lora_B at its zero init"
+    _, _, models = load_run(trained_run, device="cpu")
+    loaded = _lora(models.policy)
+    assert loaded.keys() == saved.keys()
+    for key in saved:
+        torch.testing.assert_close(loaded[key], saved[key], rtol=0, atol=0)
+    _, _, fresh = load_run(trained_run, device="cpu", adapter=False)
+    assert all(v.abs().max() == 0 for k, v in _lora(fresh.policy).items() if "lora_B" in k)
+
+
+def test_scores_with_the_trained_adapter_differ_from_the_base(trained_run):
+    _, task, models = load_run(trained_run, device="cpu")
+    policy, tok = models.policy, models.tokenizer
+    problems = task.eval_problems()
+    with_lora = solution_logprobs(policy, tok, problems)
+    with policy.disable_adapter():
+        without = solution_logprobs(policy, tok, problems)
+    _, _, base = load_run(trained_run, device="cpu", adapter=False)
+    # adapter=False is exactly the base: the fresh LoRA is the identity.
+    torch.testing.assert_close(solution_logprobs(base.policy, tok, problems), without)
+    # Every problem's score moves: the trained adapter is really in the forward pass.
+    assert ((with_lora - without).abs() > 1e-6).all(), (with_lora - without)
+
+
+def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
+    """Overwrite the adapter file with a different one: the scores follow the file."""
+    run_dir = tmp_path / "copy"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))
+    trained = evaluate_run(EvalArgs(run_dir=str(run_dir), **FAST))
+    base = evaluate_run(EvalArgs(run_dir=str(run_dir), adapter=False, **FAST))
+
+    path = run_dir / "final" / "adapter" / ADAPTER_FILE
+    state = load_file(str(path))
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.5 * torch.randn(v.shape, generator=generator) if "lora_B" in k else v
+               for k, v in state.items()}, str(path))
+    perturbed = evaluate_run(EvalArgs(run_dir=str(run_dir), **FAST))
+
+    logp = [m["eval/solution_logp"] for m in (trained, base, perturbed)]
+    assert len(set(logp)) == 3, logp
+    written = json.loads((run_dir / "eval.json").read_text())
+    assert written["metrics"] == perturbed and written["adapter"] == str(run_dir / "final" / "adapter")
+    base_rows = json.loads((run_dir / "eval_base.json").read_text())["problems"]
+    assert [r["greedy"] for r in written["problems"]] != [r["greedy"] for r in base_rows]
+    assert len(written["problems"]) == 6 and {"question", "answer", "greedy", "correct", "samples_correct"} <= set(written["problems"][0])
+
+
+def test_evaluate_leaves_mode_and_rng_alone_and_is_seeded(trained_run):
+    _, task, models = load_run(trained_run, device="cpu")
+    policy = models.policy
+    policy.train()
+    state = torch.get_rng_state()
+    a = evaluate(policy, models.tokenizer, task, k=2, max_new_tokens=12, problems=task.eval_problems()[:4], seed=3)
+    assert policy.training and torch.equal(torch.get_rng_state(), state)
+    b = evaluate(policy, models.tokenizer, task, k=2, max_new_tokens=12, problems=task.eval_problems()[:4], seed=3)
+    drop = lambda m: {k: v for k, v in m.items() if k != "eval/seconds"}  # noqa: E731
+    assert drop(a) == drop(b)
+    assert set(a) == {"eval/pass@1", "eval/pass@2", "eval/mean@2", "eval/format", "eval/reward", "eval/clipped_ratio",
+                      "eval/solution_logp", "eval/problems", "eval/seconds"}
+    assert 0 <= a["eval/pass@1"] <= 1 and a["eval/mean@2"] <= a["eval/pass@2"] <= 1 and a["eval/problems"] == 4
+    with pytest.raises(ValueError, match="k >= 2"):
+        evaluate(policy, models.tokenizer, task, k=1)
+
+
+def test_load_adapter_refuses_a_file_that_does_not_fit(trained_run, tmp_path):
+    _, _, models = load_run(trained_run, device="cpu", adapter=False)
+    state = load_file(str(trained_run / "final" / "adapter" / ADAPTER_FILE))
+    dropped = sorted(state)[0]
+    save_file({k: v for k, v in state.items() if k != dropped}, str(tmp_path / ADAPTER_FILE))
+    with pytest.raises(ValueError, match="1 missing"):
+        load_adapter(models.policy, tmp_path)
+    with pytest.raises(FileNotFoundError, match="saved no trained adapter"):
+        load_adapter(models.policy, tmp_path / "nowhere")
+
+
+def test_command_line_writes_eval_json(trained_run, tmp_path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))
+    out = subprocess.run([sys.executable, "-m", "qerl_exp.eval", f"run_dir={run_dir}", "k=2", "limit=3", "max_new_tokens=8"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((run_dir / "eval.json").read_text())["metrics"]
+    assert {"eval/pass@1", "eval/pass@2", "eval/mean@2"} <= set(metrics) and metrics["eval/problems"] == 3
+    assert "eval/pass@1=" in out.stdout and str(run_dir / "eval.json") in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run_dir=RUN", "kk=2"], "error: unknown argument 'kk'; keys: run_dir, k, n,"),
+    (["run_dir=RUN", "k=two"], "error: bad value for 'k': 'two' is not a int"),
+    (["run_dir=RUN", "adapter=maybe"], "error: bad value for 'adapter': 'maybe' is not a bool"),
+    (["run_dir=RUN", "k=1"], "error: k=1: use k >= 2"),
+    (["run_dir=RUN", "tracker=loud"], "error: tracker='loud' is not valid; choose one of: run, offline"),
+    (["k=2"], "error: run_dir=<a run directory> is required"),
+    (["run_dir=RUN"], "error: FileNotFoundError: "),
+])
+def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
+    from qerl_exp.eval import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("RUN", str(tmp_path / "none")) for a in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code != 0 and len(err) == 1 and err[0].startswith(message), err
