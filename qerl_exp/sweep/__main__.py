@@ -99,9 +99,10 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
     c = counts(study)
     tty = sys.stderr.isatty()
     bar = tqdm(total=plan.n_trials, initial=min(finished(c), plan.n_trials), desc=plan.study_name, unit="trial",
-               dynamic_ncols=True, mininterval=0.5 if tty else 30, file=sys.stderr)
+               dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
     seen = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
     gone: set[int] = set()
+    shown: tuple = ()
     interrupted = False
     try:
         while True:
@@ -112,19 +113,22 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
                     seen.add(t.number)
                     if t.state == TrialState.FAIL:
                         reason = t.user_attrs.get("error") or ("interrupted" if t.user_attrs.get("interrupted") else "its worker stopped (no heartbeat)")
-                        bar.write(f"trial {t.number} failed: {reason}")
+                        bar.write(f"trial {t.number} failed: {reason}", file=sys.stderr)
                     elif t.state == TrialState.PRUNED:
-                        bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}")
+                        bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}", file=sys.stderr)
             c = counts(study)
-            bar.n = min(finished(c), plan.n_trials)
-            best = _best_text(plan, study, c)
-            bar.set_postfix_str(f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
-                                f"failed={c[TrialState.FAIL]}{best}", refresh=True)
+            status = (f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
+                      f"failed={c[TrialState.FAIL]}{_best_text(plan, study, c)}")
+            if (finished(c), status) != shown or tty:  # in a log, a line per change only
+                bar.n = min(finished(c), plan.n_trials)
+                bar.set_postfix_str(status, refresh=False)
+                bar.refresh()
+                shown = (finished(c), status)
             for i, p, log in workers:
                 if i not in gone and p.poll() is not None:
                     gone.add(i)
                     if p.returncode != 0 and alive:
-                        bar.write(f"worker {i} stopped: {_why(p, log)}")
+                        bar.write(f"worker {i} stopped: {_why(p, log)}", file=sys.stderr)
             if not alive:
                 break
             time.sleep(1.0)
@@ -158,7 +162,8 @@ def _best_text(plan, study, c) -> str:
 def _stop(workers, bar) -> None:
     """Ctrl-C: each worker marks its trial FAIL, re-enqueues it and exits; a second Ctrl-C kills them."""
     alive = [w for w in workers if w[1].poll() is None]
-    bar.write(f"interrupted: stopping {len(alive)} worker(s); their running trials are marked failed and re-enqueued")
+    bar.write(f"interrupted: stopping {len(alive)} worker(s); their running trials are marked failed and re-enqueued",
+              file=sys.stderr)
     for _, p, _ in alive:
         p.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 120
@@ -166,7 +171,7 @@ def _stop(workers, bar) -> None:
         for _, p, _ in alive:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
-        bar.write("killing the workers; their trials fail when their heartbeats stop, and are retried")
+        bar.write("killing the workers; their trials fail when their heartbeats stop, and are retried", file=sys.stderr)
         for _, p, _ in alive:
             if p.poll() is None:
                 p.kill()

@@ -482,6 +482,16 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
     cfg = compose_config(plan.overrides)
     for p in plan.params:
         _check_key(p.name, p.distribution, cfg, plan.spec_path)
+    # Every declared value at its range's ends (or every choice), with its conditions met.
+    for p in plan.params:
+        d = p.distribution
+        corners = d.choices if isinstance(d, optuna.distributions.CategoricalDistribution) else (d.low, d.high)
+        deps = [override(dep, allowed[0]) for dep, allowed in p.when.items()]
+        for value in corners:
+            try:
+                validate(merge_overrides(plan.overrides, deps, [override(p.name, value)]), multirun=False)
+            except UsageError as e:
+                raise UsageError(f"{plan.spec_path}: params.{p.name}={value}: {e}") from None
     # Dry runs: the sampler's own view of the space, through every `when` and the space function.
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), directions=plan.directions)
     samples = [dict(e) for e in plan.enqueue]

@@ -1,0 +1,276 @@
+"""Optuna sweeps (`python -m qerl_exp.sweep`): specs, one-line errors, resume after Ctrl-C and
+SIGKILL, the end-of-study reports, and pruning through the run loop's `on_step` hook.
+
+Trials are tiny (bf16 base, 2 prompts x 2 completions, monitor off, W&B disabled) and reuse the
+embedded model's cached warm-up in `~/.cache/qerl_exp` (made once, about 2 minutes, by whichever
+test first needs it; a file lock keeps parallel workers from making it twice).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from conftest import ROOT
+from qerl_exp.cli import UsageError
+from qerl_exp.sweep.spec import Objective, load_plan, merge_overrides, override
+
+os.environ["WANDB_MODE"] = "disabled"
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+TINY = ["quant=bf16", "tracker=disabled", "train.prompts_per_step=2", "algo.group_size=2", "monitor.every=0"]
+SPEC = ROOT / "sweeps" / "noise_schedule.yaml"
+
+
+def sweep_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "qerl_exp.sweep", *args]
+
+
+def sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(sweep_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def write_spec(tmp_path: Path, **fields) -> Path:
+    spec = {"base": ["train.steps=2"], "params": {"noise.sigma": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            "objective": {"metric": "reward"}, "n_trials": 2, **fields}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def load(db: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the sweep exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def safe_trials(db: Path, name: str) -> list:
+    try:
+        return load(db, name).get_trials(deepcopy=False)
+    except Exception:  # noqa: BLE001 - the study may not exist yet, or the file is busy
+        return []
+
+
+def running_mid_trial(db: Path, name: str, min_finished: int):
+    """A RUNNING trial that has reported at least one step, once `min_finished` trials finished."""
+    trials = safe_trials(db, name)
+    if sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials) < min_finished:
+        return None
+    return next((t for t in trials if t.state == TrialState.RUNNING and t.intermediate_values
+                 and "worker_pid" in t.user_attrs), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs and one-line errors (no training)
+
+
+def test_shipped_specs_validate_against_the_config():
+    plan = load_plan(SPEC, ["n_trials=6", "train.steps=6"])
+    assert plan.study_name == "noise_schedule" and plan.n_trials == 6 and plan.pruner["name"] == "median"
+    assert plan.storage == f"sqlite:///{ROOT / 'sweeps/runs/noise_schedule/study.db'}" or plan.storage.endswith("noise_schedule/study.db")
+    assert "train.steps=6" in plan.overrides and "train.steps=60" not in plan.overrides
+    multi = load_plan(ROOT / "sweeps" / "multi_objective.yaml", [])
+    assert multi.directions == ["maximize", "maximize"] and multi.pruner["name"] == "none"
+    assert multi.params[-1].when == {"noise": ["exp"]}
+
+
+def test_objective_reads_the_tail_or_the_area():
+    rewards = [0.0, 1.0, 2.0, 3.0]
+    assert Objective("reward", last=0.5).value(rewards, 4) == pytest.approx(2.5)
+    assert Objective("reward", last=1).value(rewards, 4) == pytest.approx(3.0)
+    assert Objective("reward", reduce="auc").value(rewards, 4) == pytest.approx(1.5)
+    assert Objective("reward", last=0.25).value([None, float("nan"), 1.0], 4) == pytest.approx(1.0)
+
+
+def test_overrides_merge_and_format():
+    assert merge_overrides(["noise=exp", "train.steps=60"], ["train.steps=6"], ["noise=cosine"]) == ["train.steps=6", "noise=cosine"]
+    assert override("noise.sigma", 1e-05) == "noise.sigma=1e-05"
+    assert override("quant.double_quant", True) == "quant.double_quant=true"
+    assert override("lora.targets", ["q_proj", "v_proj"]) == "lora.targets=[q_proj,v_proj]"
+
+
+@pytest.mark.parametrize("fields, argv, message", [
+    ({"paramz": {}}, [], "unknown key 'paramz'"),
+    ({"params": {"noise.sigmastart": {"type": "float", "low": 0.001, "high": 0.1}}}, [], "unknown parameter 'noise.sigmastart'"),
+    ({"params": {"noise": {"type": "categorical", "choices": ["exp", "bogus"]}}}, [], "'bogus' is not a preset"),
+    ({"params": {"noise.sigma": {"type": "float", "low": 0.1, "high": 0.01}}}, [], "params.noise.sigma"),
+    ({"params": {"noise.sigma": {"type": "float", "low": -1.0, "high": 1.0}}}, [], "noise.sigma must be a finite number >= 0"),
+    ({"params": {"noise.sigma": {"type": "gaussian"}}}, [], "type 'gaussian' is not one of"),
+    ({"objectives": [{"metric": "reward"}, {"metric": "perf/step_s", "direction": "minimize"}]}, [], "exactly one of objective"),
+    ({"objective": None, "objectives": [{"metric": "reward"}, {"metric": "perf/step_s"}], "pruner": {"name": "median"}}, [], "prunes single-objective"),
+    ({"sampler": {"name": "annealing"}}, [], "sampler 'annealing' is not known"),
+    ({}, ["n_trials=many"], "n_trials='many' must be a whole number"),
+    ({}, ["noise=exp,cosine"], "multirun syntax"),
+    ({}, ["train.stepz=3"], "unknown config key 'train.stepz'"),
+    ({}, ["storage=mongodb://x/y"], None),
+])
+def test_bad_specs_and_settings_end_in_one_usage_error(tmp_path, fields, argv, message):
+    spec = write_spec(tmp_path, **fields)
+    if fields.get("objective", "keep") is None:
+        raw = yaml.safe_load(spec.read_text())
+        raw.pop("objective")
+        spec.write_text(yaml.safe_dump(raw))
+    if message is None:  # storage URLs are checked when the storage opens
+        from qerl_exp.sweep.study import open_storage
+
+        with pytest.raises(UsageError, match="use sqlite:///PATH"):
+            open_storage(load_plan(spec, argv))
+        return
+    with pytest.raises(UsageError) as info:
+        load_plan(spec, argv)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_command_line_errors_are_one_line_without_traceback(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("base: [train.steps=2\nparams: {")
+    cases = [
+        ([str(bad_yaml)], "not valid YAML"),
+        ([str(write_spec(tmp_path, params={"noise.sigmastart": {"type": "float", "low": 0.001, "high": 0.1}}))],
+         "unknown parameter 'noise.sigmastart'"),
+        ([str(SPEC), "storage=postgresql://nobody@127.0.0.1:9/none"], "cannot open storage postgresql://nobody@127.0.0.1:9/none"),
+    ]
+    for args, message in cases:
+        out = sweep(*args, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+        assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole sweeps (subprocesses, tiny runs)
+
+
+@pytest.mark.slow
+def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
+    """Ctrl-C after 2 trials, SIGKILL of the worker mid-trial after 4, rerun: 6 finished trials,
+    none lost (each interrupted or killed trial is retried once, same parameters), none duplicated,
+    and the sweep dir holds best overrides, trials.csv and plots."""
+    sweep_dir = tmp_path / "sweep"
+    args = [str(SPEC), "n_trials=6", "train.steps=3", f"sweep_dir={sweep_dir}", "heartbeat_interval=1",
+            "grace_period=3", *TINY]
+    db = sweep_dir / "study.db"
+
+    # 1. Ctrl-C in the middle of the third trial.
+    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = wait_for(lambda: running_mid_trial(db, "noise_schedule", 2), 600, "trial 3 to run", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted with 2 of 6 trials finished"), err[-2000:]
+    trials = load(db, "noise_schedule").get_trials()
+    interrupted = trials[victim.number]
+    assert interrupted.state == TrialState.FAIL and interrupted.user_attrs["interrupted"] is True
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retry) == 1 and retry[0].state == TrialState.WAITING and retry[0].params == interrupted.params
+
+    # 2. Resume; SIGKILL the worker in the middle of a trial (its heartbeat stops), then the command.
+    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = wait_for(lambda: running_mid_trial(db, "noise_schedule", 4), 600, "trial 5 to run", proc)
+    os.kill(killed.user_attrs["worker_pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "killed by signal 9" in err.strip().splitlines()[-1], err[-2000:]
+    assert load(db, "noise_schedule").get_trials()[killed.number].state == TrialState.RUNNING
+
+    # 3. The same command again: the dead trial goes stale, fails, is retried; the study completes.
+    out = sweep(*args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trials = load(db, "noise_schedule").get_trials()
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    failed = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(done) == 6 and len({t.number for t in done}) == 6
+    assert {t.number for t in failed} == {victim.number, killed.number}
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    for f in failed:  # each retried exactly once, with its parameters, and finished
+        retries = [t for t in trials if t.system_attrs.get("failed_trial") == f.number]
+        assert len(retries) == 1 and retries[0] in done and retries[0].params == f.params
+    for t in done:  # every finished trial is one ordinary run directory with its summary
+        run_dir = Path(t.user_attrs["run_dirs"][0])
+        assert run_dir.name == f"trial{t.number:04d}_s0" and (run_dir / "summary.json").exists()
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["choices"]["study"] == "noise_schedule" and config["choices"]["trial"] == str(t.number)
+        assert config["seed"] == 0 and config["train"]["steps"] == 3
+    assert not (Path(failed[0].user_attrs["run_dirs"][0]) / "summary.json").exists()
+
+    # Reports: best overrides (ready to rerun), trials.csv, plots; a progress bar ran on stderr.
+    best = yaml.safe_load((sweep_dir / "best_overrides.yaml").read_text())
+    assert "quant=bf16" in best and "train.steps=3" in best and any(o.startswith("noise=") for o in best)
+    assert (sweep_dir / "best_overrides.txt").read_text().split() == best
+    rows = (sweep_dir / "trials.csv").read_text().splitlines()
+    assert rows[0].startswith("number,state,value") and len(rows) == 1 + len(trials)
+    for plot in ("optimization_history", "param_importances", "parallel_coordinate", "slice"):
+        assert (sweep_dir / "plots" / f"{plot}.png").stat().st_size > 1000, plot
+    assert "noise_schedule" in out.stderr and "trial/s" in out.stderr or "s/trial" in out.stderr
+    assert f"rerun it: python -m qerl_exp $(cat {sweep_dir}/best_overrides.txt)" in out.stdout
+
+    # The best overrides compose into a valid run config as they are.
+    from qerl_exp.cli import validate
+
+    validate(best, multirun=False)
+
+    # A finished study: the same command only rewrites the reports.
+    again = sweep(*args)
+    assert again.returncode == 0 and "6 trials finished" in again.stdout
+    assert len(load(db, "noise_schedule").get_trials()) == len(trials)
+
+
+@pytest.mark.slow
+def test_median_pruner_stops_a_trial_whose_reward_lags(tmp_path):
+    """Trial 0 (no noise) learns; trial 1 (sigma = 10 on the norm scales: nothing but noise
+    reaches the answer) earns zero reward, and the median pruner, fed by the run loop's on_step
+    hook, stops it after its warm-up step."""
+    spec = write_spec(
+        tmp_path, study_name="prune", base=[*TINY, "noise=fixed", "train.steps=4"],
+        params={"noise.sigma": {"type": "categorical", "choices": [0.0, 10.0]}},
+        enqueue=[{"noise.sigma": 0.0}, {"noise.sigma": 10.0}],
+        objective={"metric": "reward", "last": 1.0},
+        pruner={"name": "median", "n_startup_trials": 1, "n_warmup_steps": 1}, n_trials=2)
+    out = sweep(str(spec), f"sweep_dir={tmp_path / 'sweep'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    study = load(tmp_path / "sweep" / "study.db", "prune")
+    first, lagging = study.get_trials()
+    assert first.state == TrialState.COMPLETE and first.value > 0
+    assert lagging.state == TrialState.PRUNED and lagging.params == {"noise.sigma": 10.0}
+    assert lagging.user_attrs["pruned_at_step"] == 1 and sorted(lagging.intermediate_values) == [0, 1]
+    assert max(lagging.intermediate_values.values()) < first.intermediate_values[1]
+    run_dir = Path(lagging.user_attrs["run_dirs"][0])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["reward"] == 0 for r in rows)
+    assert not (run_dir / "summary.json").exists()
+    recorded = study.user_attrs["qerl_sweep"]["pruner"]
+    assert recorded == {"name": "median", "n_startup_trials": 1, "n_warmup_steps": 1}
+    assert "trial 1 pruned at step 1" in out.stderr
+    assert "PRUNED" in (tmp_path / "sweep" / "trials.csv").read_text()
+
+
+def test_resuming_with_another_base_config_is_refused(tmp_path):
+    from qerl_exp.sweep.study import open_storage, open_study
+
+    spec = write_spec(tmp_path, study_name="ident", base=[*TINY, "train.steps=1"], n_trials=1)
+    first = load_plan(spec, [f"sweep_dir={tmp_path / 's'}"])
+    open_study(first, open_storage(first), create=True)
+    neutral = load_plan(spec, [f"sweep_dir={tmp_path / 's'}", "tracker=offline", "n_trials=5"])  # tracking, count: free
+    assert open_study(neutral, open_storage(neutral), create=True).user_attrs["qerl_sweep"]["n_trials"] == 5
+    out = sweep(str(spec), f"sweep_dir={tmp_path / 's'}", "train.steps=2", timeout=120)
+    assert out.returncode == 2 and "was made with other overrides" in out.stderr.strip().splitlines()[-1], out.stderr
