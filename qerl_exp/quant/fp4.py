@@ -170,8 +170,8 @@ def quantize_nvfp4(weight: torch.Tensor) -> FP4Tensor:
         ValueError: the weight is not 2-D, holds NaN/Inf, or in is not a multiple of 16.
     """
     blocks = _blocks(weight, "nvfp4")
-    tensor_scale = blocks.abs().amax() / (E2M1_MAX * E4M3_MAX)
     amax = blocks.abs().amax(dim=-1)
+    tensor_scale = amax.amax() / (E2M1_MAX * E4M3_MAX)
     if tensor_scale > 0:
         block_scales = ((amax / E2M1_MAX) / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         inv_t = 1.0 / tensor_scale
