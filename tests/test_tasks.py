@@ -27,6 +27,7 @@ ANSWERS = [
     ("18.", "18", True),  # a trailing full stop
     ("18 apples.", "18", True),  # units
     ("18 km/h", "18", True),
+    ("5 dollars per hour", "5", True),
     ("$18.00", "18", True),  # currency and cents
     ("\\$18", "18", True),
     ("-$5", "-5", True),
@@ -37,6 +38,7 @@ ANSWERS = [
     ("1,250", "1250", True),  # thousands separators, either side
     ("1250", "1,250", True),
     ("1{,}250", "1250", True),
+    ("1\\,250", "1250", True),
     ("1,25", "125", False),  # not a thousands separator
     ("1,250", "1.25", False),
     ("3/4", "0.75", True),  # fractions and decimals

@@ -37,7 +37,7 @@ _NUMBER = re.compile(
 # Words that make "18 and a half" or "2 million" more than a number followed by a unit.
 _NOT_UNITS = {
     "and", "or", "plus", "minus", "times", "point", "half", "halves", "quarter", "quarters", "third",
-    "thirds", "dozen", "hundred", "thousand", "million", "billion", "trillion", "to", "over", "per",
+    "thirds", "dozen", "hundred", "thousand", "million", "billion", "trillion", "to", "over",
 }
 _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*=\s*(?=[^=])")
@@ -84,7 +84,7 @@ def _strip_math_markup(text: str) -> str:
             s = s[len(left):len(s) - len(right)].strip()
     if s.count("$") == 2 and s.startswith("$") and s.endswith("$"):
         s = s[1:-1].strip()  # inline math `$...$`; a lone `$` is currency and stays
-    s = re.sub(r"\\left|\\right|\\displaystyle|\\[,;:! ]|\{,\}", lambda m: "," if m.group() == "{,}" else "", s)
+    s = re.sub(r"\\left|\\right|\\displaystyle|\\[,;:! ]", "", s.replace("{,}", ","))  # LaTeX spacing
     s = _TEXT_WRAPPERS.sub(r" \1 ", s)
     s = s.replace("\\%", "%").replace("\\$", "$")
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°", "", s)
