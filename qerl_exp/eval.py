@@ -401,8 +401,8 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
     )
     out = run_dir / (args.out or ("eval.json" if args.adapter else "eval_base.json"))
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
-    record = {"run_dir": str(run_dir), "adapter": adapter, "task": cfg.task.name, "args": asdict(args),
-              "metrics": metrics, "problems": rows}
+    record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
+              "args": asdict(args), "metrics": metrics, "problems": rows}
     out.write_text(json.dumps(record, indent=2))
     mode = cfg.tracker.mode if args.tracker == "run" else args.tracker
     if mode != "disabled":

@@ -8,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, TINY_RUN, qerl
 from qerl_exp.config import TaskConfig
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.answer import answers_equal, last_boxed, parse_number
@@ -253,3 +253,15 @@ def test_file_tasks_say_what_is_missing():
     except ImportError:
         with pytest.raises(ValueError, match="needs the `datasets` package .* or pass task.path="):
             build_task(TaskConfig(name="gsm8k"))
+
+
+@pytest.mark.slow
+def test_gsm8k_run_from_the_fixture(tmp_path):
+    """`python -m qerl_exp task=gsm8k task.path=...` trains (a short warm-up keeps it cheap)."""
+    run_dir = tmp_path / "run"
+    out = qerl("task=gsm8k", f"task.path={GSM8K}", "train.steps=3", *TINY_RUN, "model.warmup.max_steps=30",
+               "model.warmup.batch_size=16", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("rewards/correct/mean" in r for r in rows)
+    assert json.loads((run_dir / "config.json").read_text())["task"]["path"] == str(GSM8K)
