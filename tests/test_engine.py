@@ -94,6 +94,26 @@ def prompts(b=3, p=7, vocab=256, device="cpu", seed=1):
     return ids.to(device), mask.to(device)
 
 
+def teacher_forced_gap(model, ids, mask, comp):
+    """Per position: HF's best logit minus HF's logit of the token the engine chose, with HF run
+    teacher-forced on the engine's own completion; and the std of HF's logits there."""
+    full = torch.cat([ids, comp], 1)
+    fmask = torch.cat([mask, torch.ones_like(comp)], 1)
+    pos = (fmask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        lg = model(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, ids.shape[1] - 1:-1].float()
+    return lg.max(-1).values - lg.gather(2, comp[..., None])[..., 0], lg.std(-1)
+
+
+def assert_greedy_like_hf(model, ids, mask, comp, ref):
+    """bf16 engine vs bf16 HF: every engine token is HF's argmax up to rounding (gap below 3% of the
+    logit spread), the first two tokens are identical, and most positions agree exactly."""
+    gap, spread = teacher_forced_gap(model, ids, mask, comp)
+    assert (gap <= 0.03 * spread).all(), (gap.max().item(), spread.mean().item())
+    assert torch.equal(comp[:, :2], ref[:, :2])
+    assert (gap == 0).float().mean().item() >= 0.9
+
+
 def hf_greedy(model, ids, mask, n):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          pad_token_id=0, eos_token_id=None)
@@ -277,17 +297,17 @@ def test_engine_rejects_bad_sizes_and_backends():
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
+def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torch.dtype | None = None) -> None:
     """Every fused-linear variant against dequantize + matmul in float64, plus norm/shrink/rope."""
     torch.manual_seed(0)
     kk, sizes = 128, [64, 32, 32]
-    for fmt in ("dense", "nvfp4", "nf4", "mxfp4"):
+    for fmt in ("dense", "raw", "nvfp4", "nf4", "mxfp4"):
         for glu in (False, True):
             segs = [64, 64] if glu else sizes
             ws, dense = [], []
             for n in segs:
                 w = torch.randn(n, kk) * 0.1
-                if fmt == "dense":
+                if fmt in ("dense", "raw"):
                     ws.append(w.to(device, dtype))
                 elif fmt == "nf4":
                     lut = K.nf4_lut()
@@ -300,17 +320,22 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float) -> None:
 
                     q = QUANTIZERS[fmt](w)
                     ws.append(_to(K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt), device))
-                dense.append(K.weight_of(ws[-1], torch.float64).double().cpu() if fmt != "dense" else ws[-1].double().cpu())
+                dense.append(ws[-1].double().cpu() if fmt in ("dense", "raw") else
+                             K.weight_of(ws[-1], torch.float64).double().cpu())
             bias = [None if glu else torch.randn(n).to(device, dtype) for n in segs]
-            a = [(torch.randn(8, kk) * 0.1).to(device, dtype) for _ in segs]
-            bb = [(torch.randn(n, 8) * 0.1).to(device, dtype) for n in segs]
+            ldt = lora_dtype or dtype  # peft keeps adapters in fp32 under a bf16 base
+            a = [(torch.randn(8, kk) * 0.1).to(device, ldt) for _ in segs]
+            bb = [(torch.randn(n, 8) * 0.1).to(device, ldt) for n in segs]
             sc = [2.0] * len(segs)
-            plan = K.make_plan(fmt, ws, bias, bb, sc, 8, glu, torch.device(device))
+            raw = [torch.empty(256, n, device=device, dtype=dtype) for n in segs] if fmt == "raw" else None
+            plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw)
             for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):
                 x = torch.randn(m, kk).to(device, dtype)
+                for w_, r_ in zip(ws, raw or []):  # what cuBLAS writes before the epilogue launch
+                    torch.mm(x, w_.t(), out=r_[:m])
                 t = torch.zeros(m, 64, device=device)
                 a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
-                K.norm_shrink(x, None, 1e-6, None, a_tab, len(segs), 8, t)
+                K.norm_shrink(x, None, 1e-6, None, a_tab, len(segs), 8, t, ldt)
                 xd = x.double().cpu()
                 tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
                 assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10
@@ -395,7 +420,7 @@ def test_triton_kernels_and_engine_in_the_interpreter():
 @gpu
 @needs_cuda
 def test_gpu_kernels_match_dequantize_matmul():
-    _check_kernels("cuda", torch.bfloat16, 1.5e-2)
+    _check_kernels("cuda", torch.bfloat16, 1.5e-2, torch.float32)
 
 
 @gpu
@@ -408,9 +433,8 @@ def test_gpu_engine_greedy_equals_hf_generate(quant):
     eng = FastEngine(model, 8, 64)
     assert eng.backend == "triton" and eng.use_graph
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
-    agree = (out.completion_ids == ref).float().mean().item()
-    assert agree >= 0.97, (agree, out.completion_ids, ref)
-    assert torch.equal(out.completion_ids[:, :4], ref[:, :4])
+    print("exact agreement with HF greedy:", (out.completion_ids == ref).float().mean().item())
+    assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref)
 
 
 @gpu
@@ -430,8 +454,7 @@ def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
     after = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
     assert eng._graphs == graphs and eng.capture_s == capture_s  # replayed, not recaptured
     assert not torch.equal(before, after)
-    ref = hf_greedy(model, ids, mask, 12)
-    assert (after == ref).float().mean().item() >= 0.97
+    assert_greedy_like_hf(model, ids, mask, after, hf_greedy(model, ids, mask, 12))
 
 
 @gpu

@@ -67,6 +67,7 @@ class _Linear:
     glu: bool
     plan: K.LinearPlan | None = None
     a_tab: Tensor | None = None
+    raw: list | None = None  # dense weights on the triton backend: cuBLAS writes x @ W^T here
 
 
 @dataclass
@@ -261,8 +262,9 @@ def _linear_torch(lin: _Linear, x: Tensor) -> Tensor:
     outs = []
     for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
         y = K.linear_ref(x, w, b)
-        if lin.lora_a is not None:
-            y = y + F.linear(F.linear(x, lin.lora_a[s]), lin.lora_b[s]) * lin.scale[s]
+        if lin.lora_a is not None:  # peft: adapters may be fp32 under a bf16 base
+            a = lin.lora_a[s]
+            y = (y + F.linear(F.linear(x.to(a.dtype), a), lin.lora_b[s]) * lin.scale[s]).to(x.dtype)
         outs.append(y)
     if lin.glu:
         return F.silu(outs[0]) * outs[1]
@@ -325,6 +327,12 @@ def _forward_torch(m: _Model, cache: _Cache, st: _State, amask: Tensor) -> Tenso
     return F.linear(K.rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
 
 
+def _base_cublas(lin: _Linear, x: Tensor) -> None:
+    if lin.raw is not None:
+        for w, raw in zip(lin.weights, lin.raw):
+            torch.mm(x, w.t(), out=raw[: x.shape[0]])
+
+
 def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bool) -> Tensor:
     # the same step with fused kernels: per layer norm+shrink, qkv, rope+cache, attention,
     # shrink, o(+residual), norm+shrink, gate/up GLU(+down shrink), down(+residual)
@@ -334,19 +342,23 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bo
     for li, ly in enumerate(m.layers):
         t = st.t[li]  # [4, B, RT]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0])
+        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0], ly.qkv.plan.lora_dtype)
+        _base_cublas(ly.qkv, st.h)
         K.fused_linear(ly.qkv.plan, st.h, qkv_out, t=t[0] if ly.qkv.a_tab is not None else None, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
         att = _attend(st.q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling)
         if ly.o.a_tab is not None:
-            K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1])
+            K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1], ly.o.plan.lora_dtype)
+        _base_cublas(ly.o, att)
         K.fused_linear(ly.o.plan, att, x, t=t[1] if ly.o.a_tab is not None else None, residual=x, f16=f16)
-        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2])
+        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2], ly.gate_up.plan.lora_dtype)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
         has_dn = ly.down.a_tab is not None
+        _base_cublas(ly.gate_up, st.h)
         K.fused_linear(ly.gate_up.plan, st.h, inter, t=t[2] if ly.gate_up.a_tab is not None else None,
                        a_next=ly.down.lora_a[0] if has_dn else None, t_next=t[3] if has_dn else None,
                        r_next=ly.down.r, f16=f16)
+        _base_cublas(ly.down, inter)
         K.fused_linear(ly.down.plan, inter, x, t=t[3] if has_dn else None, residual=x, f16=f16)
     K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None)
     return F.linear(st.h, m.lm_head).float()
@@ -437,6 +449,8 @@ class FastEngine:
             "auto" (triton on CUDA when Triton is installed, torch otherwise).
         cuda_graph: capture the decode step (CUDA only).
         f16_dot: NVFP4/NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16).
+        dense_gemm: triton backend, dense (bf16) weights: "cublas" computes x @ W^T with cuBLAS and
+            a Triton epilogue adds bias, LoRA, residual and GLU; "triton" does it all in one kernel.
 
     Example:
         >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
@@ -446,7 +460,7 @@ class FastEngine:
     """
 
     def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
-                 cuda_graph: bool = True, f16_dot: bool = True):
+                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "cublas"):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
         self.model = model
@@ -461,6 +475,9 @@ class FastEngine:
         self.backend = backend
         self.use_graph = cuda_graph and dev.type == "cuda"
         self.f16_dot = f16_dot
+        if dense_gemm not in ("cublas", "triton"):
+            raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: cublas, triton")
+        self.dense_gemm = dense_gemm
         self.cache: _Cache | None = None
         self.build_s = 0.0
         self.capture_s = 0.0
@@ -474,10 +491,15 @@ class FastEngine:
             self.m = build_model(self.model, self.seq_cap)
             dev = self.m.embed.device
             if self.backend == "triton":
+                raw: dict = {}  # shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
-                    for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                    for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
+                        if lin.fmt == "dense" and self.dense_gemm == "cublas":
+                            lin.raw = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
+                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
+                                for s, w in enumerate(lin.weights)]
                         lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                               lin.r, lin.glu, dev)
+                                               lin.r, lin.glu, dev, raw=lin.raw)
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +43,8 @@ except ImportError:  # pragma: no cover - depends on the install
     HAS_TRITON = False
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FORMATS = ("dense", "nvfp4", "nf4", "mxfp4")
-_FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3}
+FORMATS = ("dense", "nvfp4", "nf4", "mxfp4", "raw")
+_FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3, "raw": 4}
 X_PRESCALE = 1.0 / 16.0  # activations are scaled by this before an fp16 dot (range headroom)
 
 
@@ -233,7 +234,7 @@ if HAS_TRITON:
     def _norm_shrink_kernel(
         x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm,
         M, K, r, eps, KCHUNK,
-        NORM: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
+        NORM: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # h = RMSNorm(x) * g (HF rounding), written to h; t[:, s*R + j] += h @ A_s[j]^T over this
@@ -254,7 +255,7 @@ if HAS_TRITON:
         jj = tl.arange(0, RT)
         seg = jj // R
         j_ok = (seg < NSEG) & ((jj % R) < r)
-        a_row = tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(ACT))
+        a_row = tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(LDT))
         a_row = a_row + (jj % R) * K
         acc = tl.zeros((BLOCK_M, RT), tl.float32)
         for k0 in range(pid_k * KCHUNK, pid_k * KCHUNK + KCHUNK, BLOCK_K):
@@ -269,7 +270,7 @@ if HAS_TRITON:
                 tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
                          mask=m_ok[:, None] & k_ok[None, :])
             a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(x, a, acc)
+            acc = tl.dot(x, a.to(ACT), acc)
         tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
                       mask=m_ok[:, None] & j_ok[None, :])
 
@@ -308,15 +309,37 @@ if HAS_TRITON:
         return w_lo, w_hi
 
     @triton.jit
+    def _load_w_tile3(code_ptr, sc_ptr, nrows, gidx, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
+        # GB k-groups at once: (w_lo, w_hi), each [GB, BN, 16]; many independent loads in flight.
+        c = tl.load(code_ptr + gidx[:, None, None] * nrows * 16 + rows[None, :, None] * 16 + jj[None, None, :])
+        if FMT == 1:
+            s_lo = tl.load(sc_ptr + (2 * gidx)[:, None] * nrows + rows[None, :]).to(tl.float8e4nv, bitcast=True)
+            s_hi = tl.load(sc_ptr + (2 * gidx + 1)[:, None] * nrows + rows[None, :]).to(tl.float8e4nv, bitcast=True)
+            s_lo = (s_lo.to(tl.float32) * 64.0).to(DT)
+            s_hi = (s_hi.to(tl.float32) * 64.0).to(DT)
+            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * s_lo[:, :, None]
+            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * s_hi[:, :, None]
+        elif FMT == 3:
+            e = tl.load(sc_ptr + gidx[:, None] * nrows + rows[None, :]).to(tl.float32)
+            sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
+            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * sc
+            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * sc
+        else:
+            am = tl.load(sc_ptr + (gidx // 2)[:, None] * nrows + rows[None, :])[:, :, None]
+            w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am).to(DT)
+            w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am).to(DT)
+        return w_lo, w_hi
+
+    @triton.jit
     def _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r,
-                   R: tl.constexpr, ACT: tl.constexpr):
+                   R: tl.constexpr, ACT: tl.constexpr, LDT: tl.constexpr):
         # scaling * (t_seg @ B_seg[rows]^T): [BM, BN] fp32; t is rounded to the model dtype first,
         # as peft's lora_A output is.
         rr = tl.arange(0, R)
-        b_ptr = tl.load(tab_ptr + seg * 8 + 2).to(tl.pointer_type(ACT))
+        b_ptr = tl.load(tab_ptr + seg * 8 + 2).to(tl.pointer_type(LDT))
         tt = tl.load(t_ptr + offs_m[:, None] * stride_tm + seg * R + rr[None, :],
                      mask=m_ok[:, None] & (rr[None, :] < r), other=0.0).to(ACT)
-        bb = tl.load(b_ptr + rows[None, :] * r + rr[:, None], mask=rr[:, None] < r, other=0.0)
+        bb = tl.load(b_ptr + rows[None, :] * r + rr[:, None], mask=rr[:, None] < r, other=0.0).to(ACT)
         return tl.dot(tt, bb) * tl.load(fsc_ptr + seg * 2)
 
     @triton.jit
@@ -327,7 +350,7 @@ if HAS_TRITON:
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr,
-        R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr,
+        R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[:, n] = x @ W_seg[n - start_seg]^T * out_scale + bias + lora (+ residual), one launch
@@ -370,13 +393,47 @@ if HAS_TRITON:
                 if GLU:
                     w2 = tl.load(w2_ptr + rows[None, :] * K + offs_k[:, None])
                     acc2 = tl.dot(x, w2, acc2)
+        elif FMT == 4:  # raw: the base product came from cuBLAS into per-segment buffers
+            raw_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(ACT))
+            rs = tl.load(tab_ptr + seg * 8 + 5)
+            acc = tl.load(raw_ptr + offs_m[:, None] * rs + rows[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            if GLU:
+                raw2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(ACT))
+                rs2 = tl.load(tab_ptr + seg2 * 8 + 5)
+                acc2 = tl.load(raw2_ptr + offs_m[:, None] * rs2 + rows[None, :], mask=m_ok[:, None],
+                               other=0.0).to(tl.float32)
+        elif UNROLL > 1:  # GB = UNROLL k-groups per iteration, batched dot over the groups
+            jj = tl.arange(0, 16)
+            gg = tl.arange(0, UNROLL)
+            c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
+            if GLU:
+                c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
+            xm = m_ok[None, :, None]
+            for g0 in range(0, K // 32, UNROLL):
+                gidx = g0 + gg
+                xp = x_ptr + offs_m[None, :, None] * stride_xm + gidx[:, None, None] * 32 + jj[None, None, :]
+                x_lo = tl.load(xp, mask=xm, other=0.0)
+                x_hi = tl.load(xp + 16, mask=xm, other=0.0)
+                if F16:
+                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                else:
+                    x_lo = x_lo.to(DT)
+                    x_hi = x_hi.to(DT)
+                w_lo, w_hi = _load_w_tile3(c_ptr, s_ptr, nrows, gidx, rows, lut_ptr, jj, FMT, DT)
+                p = tl.dot(x_lo, tl.permute(w_lo, (0, 2, 1))) + tl.dot(x_hi, tl.permute(w_hi, (0, 2, 1)))
+                acc += tl.sum(p, 0)
+                if GLU:
+                    v_lo, v_hi = _load_w_tile3(c2_ptr, s2_ptr, nrows2, gidx, rows, lut_ptr, jj, FMT, DT)
+                    p2 = tl.dot(x_lo, tl.permute(v_lo, (0, 2, 1))) + tl.dot(x_hi, tl.permute(v_hi, (0, 2, 1)))
+                    acc2 += tl.sum(p2, 0)
         else:
             jj = tl.arange(0, 16)
             c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
             if GLU:
                 c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
-            for g0 in range(0, K // 32, UNROLL):
-                for u in tl.static_range(UNROLL):
+            for g0 in range(0, K // 32):
+                for u in tl.static_range(1):
                     g = g0 + u
                     xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
                     x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
@@ -396,11 +453,11 @@ if HAS_TRITON:
             bias_ptr = tl.load(tab_ptr + seg * 8 + 3).to(tl.pointer_type(ACT))
             y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
         if HAS_LORA:
-            y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT)
+            y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
         if GLU:
             y2 = acc2 * tl.load(fsc_ptr + seg2 * 2 + 1)
             if HAS_LORA:
-                y2 += _lora_tile(tab_ptr, fsc_ptr, seg2, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT)
+                y2 += _lora_tile(tab_ptr, fsc_ptr, seg2, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
             gt = y.to(ACT).to(tl.float32)
             y = (gt * tl.sigmoid(gt)).to(ACT).to(tl.float32) * y2.to(ACT).to(tl.float32)
         if HAS_RES:
@@ -410,7 +467,7 @@ if HAS_TRITON:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
         if SHRINK_NEXT:
             rn = tl.arange(0, R_NEXT)
-            a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0)
+            a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0).to(ACT)
             part = tl.dot(out, a)
             tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], part,
                           mask=m_ok[:, None] & (rn[None, :] < r_next))
@@ -461,6 +518,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 _DUMMIES: dict = {}
 
 
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
 def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
     """A small zero tensor for unused kernel arguments (made once, never inside a graph capture)."""
     key = (str(device), dtype)
@@ -475,13 +536,16 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
 
 
 def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,
-                a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None) -> None:
+                a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None,
+                lora_dtype: torch.dtype | None = None) -> None:
     """Triton: h_out = RMSNorm(x) * gamma (if gamma given) and t_out += h @ A_s^T per segment.
 
     Args:
         x: [M, K] activations. gamma: [K] norm scale or None (no norm: the shrink reads x).
         h_out: [M, K] output of the norm (None when gamma is None).
         a_tab: int64 [nseg] addresses of the LoRA A matrices ([r, K] each), or None (no LoRA).
+        lora_dtype: dtype of those matrices (peft keeps adapters in fp32 under a bf16 base);
+            the dot runs in x's dtype.
         t_out: fp32 [M, >= nseg * R] accumulator, R = padded rank; must be zeroed by the caller.
     """
     m, k = x.shape
@@ -503,7 +567,8 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         a_tab if a_tab is not None else _dummy(x.device, torch.int64),
         t_out if t_out is not None else _dummy(x.device, torch.float32), t_out.stride(0) if t_out is not None else 0,
         m, k, r, eps, (chunks // split) * block_k,
-        NORM=gamma is not None, NSEG=nseg, R=R, RT=RT, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        NORM=gamma is not None, NSEG=nseg, R=R, RT=RT, LDT=_tl_dtype(lora_dtype or x.dtype),
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )
 
 
@@ -525,6 +590,8 @@ class LinearPlan:
     has_bias: bool
     r: int
     seg_gcd: int
+    lora_dtype: torch.dtype | None
+    keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
@@ -538,11 +605,13 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
             block_n = bn
             break
     groups = k // 32
-    unroll = 4 if groups % 4 == 0 else 2 if groups % 2 == 0 else 1
-    if fmt == "dense":
+    gb = 1
+    while gb < 8 and groups % (gb * 2) == 0:
+        gb *= 2
+    if fmt in ("dense", "raw"):
         block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=unroll, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=gb, num_warps=4, num_stages=3)
 
 
 def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
@@ -564,6 +633,26 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     m = x.shape[0]
     cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu)
     R = _pow2(plan.r)
+    global _NO_3D
+    if _NO_3D and cfg.get("UNROLL", 1) > 1:
+        cfg = {**cfg, "UNROLL": 1}
+    try:
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg)
+    except Exception as e:  # triton builds without batched 3-D dots: fall back to one group a step
+        if cfg.get("UNROLL", 1) == 1 or "Compilation" not in type(e).__name__:
+            raise
+        warnings.warn(f"fused_linear: multi-group tiles failed to compile ({str(e)[:200]}); using single groups")
+        _NO_3D = True
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**cfg, "UNROLL": 1})
+    return out
+
+
+_NO_3D = False
+
+
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg) -> None:
+    m = x.shape[0]
+    R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
     dummy = _dummy(out.device, out.dtype)
     f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))  # E8M0 scales may leave fp16's range
@@ -578,9 +667,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
-        R=R, R_NEXT=_pow2(r_next), F16=f16, **cfg,
+        R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
     )
-    return out
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
@@ -641,11 +729,13 @@ def nf4_lut(device: torch.device | str = "cpu") -> Tensor:
 
 
 def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_scale: list,
-              r: int, glu: bool, device: torch.device) -> LinearPlan:
+              r: int, glu: bool, device: torch.device, raw: list | None = None) -> LinearPlan:
     """Build the device tables for one fused linear launch over 1-3 segments (or GLU gate/up).
 
     The tables hold the addresses of the model's own tensors (bf16 weights, LoRA B, biases) and of
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
+    `raw`: per-segment [B_max, n] buffers into which cuBLAS writes x @ W^T for dense weights; the
+    launch then only applies bias, LoRA, residual and GLU to them (format "raw").
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -656,7 +746,11 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     fsc = torch.zeros(nseg, 2, dtype=torch.float32)
     lut = None
     for s, w in enumerate(weights):
-        if isinstance(w, PackedWeight):
+        if raw is not None:
+            tab[s, 0] = raw[s].data_ptr()
+            tab[s, 5] = raw[s].stride(0)
+            fsc[s, 1] = 1.0
+        elif isinstance(w, PackedWeight):
             tab[s, 0] = w.codes.data_ptr()
             tab[s, 1] = w.scales.data_ptr()
             fsc[s, 1] = w.out_scale
@@ -675,8 +769,10 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
     return LinearPlan(
-        fmt=fmt, nseg=nseg, glu=glu, n=n, k=k,
+        fmt="raw" if raw is not None else fmt, nseg=nseg, glu=glu, n=n, k=k,
         n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,
         tab=tab.to(device), fsc=fsc.to(device), fsc_f16=(fsc * torch.tensor([1.0, 16.0])).to(device), lut=lut.to(device) if lut is not None else None,
         has_bias=any(b is not None for b in biases), r=r if lora_b is not None else 0, seg_gcd=gcd,
+        lora_dtype=lora_b[0].dtype if lora_b is not None else None,
+        keep=list(weights) + [b for b in biases if b is not None] + list(lora_b or []) + list(raw or []),
     )
