@@ -212,15 +212,19 @@ class TaskConfig:
     Args:
         name: `arith` (synthetic, seeded), `gsm8k` or `math` (local files or the hub).
         path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
+        eval_path: held-out file in the same format as `path` (e.g. GSM8K's test split); empty
+            holds out part of `path`.
         difficulty: arith only: number of digits of each operand.
         ops: arith only: operators to draw from.
-        eval_size: held-out problems used by evaluation.
+        eval_size: held-out problems used by evaluation (a single file holds out at most a
+            quarter of its problems).
         format_reward: reward for a completion in the <think>...</think><answer>...</answer> format.
         correct_reward: reward for an exactly correct answer.
     """
 
     name: str = "arith"
     path: str = ""
+    eval_path: str = ""
     difficulty: int = 2
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
     eval_size: int = 200
@@ -325,6 +329,33 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation of the policy (`qerl_exp.eval`).
+
+    Args:
+        every: RL steps between evaluations on the task's held-out problems (and after the last
+            step); 0 disables evaluation during training.
+        k: the k of the sampled pass@k; 0 skips sampling (greedy pass@1 only).
+        n: samples per problem for the pass@k estimate (>= k); 0 means k.
+        max_new_tokens: completion cap of evaluation; 0 uses algo.max_new_tokens.
+        batch_size: sequences per generate call.
+    """
+
+    every: int = 0
+    k: int = 8
+    n: int = 0
+    max_new_tokens: int = 0
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        _check(self.k == 0 or self.k >= 2, f"eval.k must be 0 or >= 2, got {self.k}")
+        _check(self.n == 0 or self.n >= self.k, f"eval.n must be 0 or >= eval.k, got {self.n}")
+        _check(self.max_new_tokens >= 0, f"eval.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
 class CheckpointConfig:
     """Periodic, atomic checkpoints of everything needed to continue a run.
 
@@ -419,6 +450,7 @@ class Config:
         monitor: the full-precision reference (`MonitorConfig`).
         tracker: W&B settings (`TrackerConfig`).
         checkpoint: periodic checkpoints (`CheckpointConfig`).
+        eval: held-out evaluation (`EvalConfig`).
     """
 
     seed: int = 0
@@ -435,6 +467,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 GROUPS = {

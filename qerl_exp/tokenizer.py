@@ -15,7 +15,7 @@ from pathlib import Path
 # arithmetic rather than on spelling tags.
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 SPECIALS = ("<pad>", "<bos>", "<eos>")
-CHARS = "0123456789+-*/=.,()$%:?! \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+CHARS = "0123456789+-*/=.,()$%:?! \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\\{}^_[]|<>'\"#&;~"
 
 
 class CharTokenizer:

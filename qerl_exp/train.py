@@ -25,6 +25,7 @@ from qerl_exp import metrics as M
 from qerl_exp import checkpoint
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
+from qerl_exp.eval import evaluate
 from qerl_exp.loss import completion_logits, group_advantages, policy_loss, token_logp
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
@@ -73,6 +74,10 @@ def summarize(history: list[dict[str, float]]) -> dict[str, float]:
         values = series(name)
         if values:
             out[f"{name}/mean"] = float(np.mean(values))
+    for name in sorted({k for h in history for k in h if k.startswith("eval/")}):
+        values = series(name)
+        if values:
+            out[name] = values[-1]
     for name in ("mem/weights_bytes", "mem/quantized_linear_bytes", "mem/peak_bytes"):
         values = series(name)
         if values:
@@ -237,6 +242,11 @@ def run(
             if separate_sampler and finite:
                 requantize_sampler(policy, models.sampler, sampler_quant, dtype)
 
+            if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
+                step_metrics.update(evaluate(
+                    policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
+                    max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
+                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=SYSTEM_PROMPT))
             step_metrics.update(M.reward_metrics(rewards, G))
             step_metrics.update(M.completion_metrics(mask, rollout.terminated))
             step_metrics.update(clip)

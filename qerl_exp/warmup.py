@@ -50,6 +50,8 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     from qerl_exp.model import tiny_cache_key, tiny_config
 
     task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
+    if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path
+        task_fields["data"] = task.fingerprint
     key = tiny_cache_key(cfg, task_fields, tokenizer.vocab)
     root = Path(os.path.expanduser(cfg.cache_dir))
     path = root / f"tiny-{key}"
