@@ -24,6 +24,7 @@ from pathlib import Path
 
 from analysis.runs import Run, flatten, settings
 from analysis.stats import mean, stdev
+from analysis.table import order as table_order
 from analysis.table import select
 
 ANCHORS = ("nvfp4_lora", "full_precision")
@@ -141,7 +142,10 @@ def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False) -
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if any(c.steps for c in curves):
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    if len(curves) > 4:  # many curves: the legend goes beside the axes, not over the bands
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif any(c.steps for c in curves):
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no runs for this panel", ha="center", va="center", transform=ax.transAxes)
@@ -170,12 +174,13 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
     """Figs. 4 and 5: reward and sampler entropy per strategy (the table's runs)."""
     plt = _plt()
     groups, _ = select(runs)
+    groups = {name: groups[name] for name in table_order(groups)}
     paths = []
     for stem, metric, ylabel, fig_no in (
         ("fig4_reward", "reward", _reward_label(smooth), "Fig. 4"),
         ("fig5_entropy", "sampler/entropy", "sampler token entropy (nats)", "Fig. 5"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = plt.subplots(figsize=(8.4, 4.2))
         curves = [curve(name, members, metric, smooth if metric == "reward" else 1) for name, members in groups.items()]
         _draw(ax, curves, ylabel, f"{metric} per strategy")
         paths += _save(fig, out_dir, stem, f"{ylabel.split(' (')[0].capitalize()} vs step by strategy (paper {fig_no})")
@@ -184,13 +189,17 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
 
 def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, ...], title: str,
                     keep=None, smooth: int = 1) -> list[Path]:
-    """Reward vs step per value of `vary`, one panel per anchor (QeRL and full precision)."""
+    """Reward vs step per value of `vary`, one panel per anchor (QeRL and full precision).
+
+    Args:
+        keep: a predicate on a group's first run; groups it rejects are not drawn.
+    """
     plt = _plt()
     panels = []
     for anchor in ANCHORS:
         groups = ablation(runs, anchor, vary)
         if keep is not None:
-            groups = {k: v for k, v in groups.items() if keep(anchor, v[0])}
+            groups = {k: v for k, v in groups.items() if keep(v[0])}
         if groups:
             panels.append((anchor, groups))
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.2 * max(1, len(panels)), 4.2), squeeze=False)
@@ -215,10 +224,9 @@ def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pat
     return _save(fig, out_dir, "fig9_15_schedules", "Noise schedules: reward (paper Fig. 9) and sigma (paper Fig. 15)")
 
 
-def _aqn_pair(anchor: str, run: Run) -> bool:
-    """Fig. 8 keeps the anchor's own schedule and `none` (AQN off)."""
-    schedule = run.get("noise.schedule")
-    return schedule == "none" or schedule == "exp"
+def _aqn_on_or_off(run: Run) -> bool:
+    """Fig. 8 compares the paper's schedule (exp, as in nvfp4_lora and bf16_aqn) with no AQN."""
+    return run.get("noise.schedule") in ("exp", "none")
 
 
 def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
@@ -227,7 +235,7 @@ def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = strategy_figures(runs, out_dir, smooth)
     paths += ablation_figure(runs, out_dir, "fig8_aqn", ("noise",), "AQN on vs off (paper Fig. 8)",
-                             keep=_aqn_pair, smooth=smooth)
+                             keep=_aqn_on_or_off, smooth=smooth)
     paths += schedule_figure(runs, out_dir, smooth)
     paths += ablation_figure(runs, out_dir, "fig10_lora_rank", ("lora",), "LoRA rank (paper Fig. 10)", smooth=smooth)
     paths += ablation_figure(runs, out_dir, "fig16_17_lr", ("train.lr",),

@@ -36,8 +36,8 @@ REQUIRED = (
 # Metrics of the noise monitor: present on every step k with k % monitor.every == 0.
 MONITORED = ("entropy_gain",)
 
-# Config keys that say nothing about the experiment (where it ran, how it was logged).
-IGNORED_KEYS = ("seed", "run_dir", "choices", "base", "tracker", "_wandb", "model.cache_dir")
+# Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
+IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 
@@ -408,7 +408,7 @@ def label(runs: list[Run], presets: dict[str, dict]) -> list[str]:
         order = ([recorded] if recorded in presets else []) + [p for p in presets if p != recorded]
         run.strategy = None
         for name in order:
-            # Keys a run's schema lacks (older runs) must match the preset's default-free values.
+            # A key missing from an older run's config (e.g. rollout.quant) had its default: none / 0.
             diffs = [k for k, v in presets[name].items()
                      if (k in flat and flat[k] != v) or (k not in flat and v not in ("none", 0, 0.0, False))]
             if not diffs:

@@ -50,9 +50,9 @@ def _t_pdf(x: float, df: float) -> float:
 
 
 def _t_cdf_upper(x: float, df: float) -> float:
-    """P(T <= x) for x >= 0, by Simpson's rule on t = x * tan-free substitution u in [0, x]."""
-    # Integrate the density over [0, x] in the variable theta = atan(u), which maps the heavy
-    # tails of small df onto a bounded interval: du = (1 + u^2) dtheta.
+    """P(T <= x) for x >= 0: 1/2 plus the density integrated over [0, x] by Simpson's rule."""
+    # Integrate in theta = atan(u) (du = (1 + u^2) dtheta), which maps the heavy tails of small
+    # df onto a bounded interval where the integrand is smooth.
     theta_max = math.atan(x)
     n = 2000  # even; the integrand is smooth in theta
     h = theta_max / n

@@ -172,7 +172,8 @@ def select(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
     return groups, notes
 
 
-def _order(names) -> list[str]:
+def order(names) -> list[str]:
+    """Strategy names in table order: the four-way comparison, the extras, then any others."""
     known = [n for n in (*FOUR_WAY, *EXTRAS) if n in names]
     return known + sorted(n for n in names if n not in known)
 
@@ -181,7 +182,7 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
     """The table's rows, in the order four-way, extras, others; and notes on left-out runs."""
     groups, notes = select(runs)
     rows = []
-    for name in _order(groups):
+    for name in order(groups):
         values = [run_values(r) for r in groups[name]]
         col = {k: [v[k] for v in values] for k in values[0]}
         rows.append(Row(
