@@ -91,7 +91,8 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws = [pw] + [K.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
-    return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev) for wi in ws], nbytes
+    scratch = torch.zeros(256, w.shape[0], device=dev)  # split-K workspace (as the engine has)
+    return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
 
 
 def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -> list[tuple]:

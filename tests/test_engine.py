@@ -106,10 +106,10 @@ def teacher_forced_gap(model, ids, mask, comp):
 
 
 def assert_greedy_like_hf(model, ids, mask, comp, ref):
-    """bf16 engine vs bf16 HF: every engine token is HF's argmax up to rounding (gap below 3% of the
+    """bf16 engine vs bf16 HF: every engine token is HF's argmax up to rounding (gap below 5% of the
     logit spread), the first two tokens are identical, and most positions agree exactly."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
-    assert (gap <= 0.03 * spread).all(), (gap.max().item(), spread.mean().item())
+    assert (gap <= 0.05 * spread).all(), (gap.max().item(), spread.mean().item())
     assert torch.equal(comp[:, :2], ref[:, :2])
     assert (gap == 0).float().mean().item() >= 0.9
 
@@ -328,7 +328,9 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             bb = [(torch.randn(n, 8) * 0.1).to(device, ldt) for n in segs]
             sc = [2.0] * len(segs)
             raw = [torch.empty(256, n, device=device, dtype=dtype) for n in segs] if fmt == "raw" else None
-            plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw)
+            wsp = torch.zeros(256, 256, device=device)
+            plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw,
+                               workspace=wsp)
             for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):
                 x = torch.randn(m, kk).to(device, dtype)
                 for w_, r_ in zip(ws, raw or []):  # what cuBLAS writes before the epilogue launch
@@ -349,11 +351,16 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                 res = torch.randn(m, ref.shape[1]).to(device, dtype)
                 if not glu:
                     ref = ref + res.double().cpu()
-                for f16 in (False, True):
+                splits = [None] if fmt in ("dense", "raw") else [None, 2]
+                for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
                     out = torch.full((m, ref.shape[1]), float("nan"), device=device, dtype=dtype)
-                    K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16)
+                    cfg = None
+                    if split:  # split-K into the fp32 workspace, finished by a raw launch
+                        cfg = {**K.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": 2, "UNROLL": 2}
+                    K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg)
                     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert err < tol, (fmt, glu, m, f16, err)
+                    assert err < tol, (fmt, glu, m, f16, split, err)
+                    assert (wsp == 0).all()
     # norm + shrink, rope + cache
     x = torch.randn(5, 128).to(device, dtype)
     gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)

@@ -491,6 +491,9 @@ class FastEngine:
             self.m = build_model(self.model, self.seq_cap)
             dev = self.m.embed.device
             if self.backend == "triton":
+                widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
+                             for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+                ws = torch.zeros(self.max_batch_size, widest, dtype=torch.float32, device=dev)  # split-K scratch
                 raw: dict = {}  # shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
@@ -499,7 +502,7 @@ class FastEngine:
                                 self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
                                 for s, w in enumerate(lin.weights)]
                         lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                               lin.r, lin.glu, dev, raw=lin.raw)
+                                               lin.r, lin.glu, dev, raw=lin.raw, workspace=ws)
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)

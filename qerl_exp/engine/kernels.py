@@ -346,13 +346,16 @@ if HAS_TRITON:
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm,
+        an_ptr, tn_ptr, stride_tnm, ws_ptr, stride_wm,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT: tl.constexpr = 1, RAW_F32: tl.constexpr = False,
     ):
+        # SPLIT > 1: only the base product over this program's K slice, atomically added (fp32) to
+        # the workspace ws [M, N (GLU: 2N)]; a second launch (format raw, RAW_F32) finishes it.
         # out[:, n] = x @ W_seg[n - start_seg]^T * out_scale + bias + lora (+ residual), one launch
         # for up to three segments (q, k, v); GLU: out = silu(gate) * up with gate = segment 0 and
         # up = segment 1, both over the same N columns, and optionally the shrink of `out` for the
@@ -393,15 +396,24 @@ if HAS_TRITON:
                 if GLU:
                     w2 = tl.load(w2_ptr + rows[None, :] * K + offs_k[:, None])
                     acc2 = tl.dot(x, w2, acc2)
-        elif FMT == 4:  # raw: the base product came from cuBLAS into per-segment buffers
-            raw_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(ACT))
+        elif FMT == 4:  # raw: the base product came from cuBLAS (or a split launch) into buffers
+            if RAW_F32:
+                RDT = tl.float32
+            else:
+                RDT = ACT
+            raw_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(RDT))
             rs = tl.load(tab_ptr + seg * 8 + 5)
-            acc = tl.load(raw_ptr + offs_m[:, None] * rs + rows[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            rp = raw_ptr + offs_m[:, None] * rs + rows[None, :]
+            acc = tl.load(rp, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            if RAW_F32:  # leave the split workspace zeroed for the next launch
+                tl.store(rp, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=m_ok[:, None])
             if GLU:
-                raw2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(ACT))
+                raw2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(RDT))
                 rs2 = tl.load(tab_ptr + seg2 * 8 + 5)
-                acc2 = tl.load(raw2_ptr + offs_m[:, None] * rs2 + rows[None, :], mask=m_ok[:, None],
-                               other=0.0).to(tl.float32)
+                rp2 = raw2_ptr + offs_m[:, None] * rs2 + rows[None, :]
+                acc2 = tl.load(rp2, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                if RAW_F32:
+                    tl.store(rp2, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=m_ok[:, None])
         elif UNROLL > 1:  # GB = UNROLL k-groups per iteration, batched dot over the groups
             jj = tl.arange(0, 16)
             gg = tl.arange(0, UNROLL)
@@ -409,7 +421,8 @@ if HAS_TRITON:
             if GLU:
                 c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
             xm = m_ok[None, :, None]
-            for g0 in range(0, K // 32, UNROLL):
+            gs = K // 32 // SPLIT
+            for g0 in range(tl.program_id(2) * gs, tl.program_id(2) * gs + gs, UNROLL):
                 gidx = g0 + gg
                 xp = x_ptr + offs_m[None, :, None] * stride_xm + gidx[:, None, None] * 32 + jj[None, None, :]
                 x_lo = tl.load(xp, mask=xm, other=0.0)
@@ -432,7 +445,8 @@ if HAS_TRITON:
             c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
             if GLU:
                 c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
-            for g0 in range(0, K // 32):
+            gs1 = K // 32 // SPLIT
+            for g0 in range(tl.program_id(2) * gs1, tl.program_id(2) * gs1 + gs1):
                 for u in tl.static_range(1):
                     g = g0 + u
                     xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
@@ -448,6 +462,12 @@ if HAS_TRITON:
                         v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
                         acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
                         acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
+        if SPLIT > 1:
+            wp = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
+            tl.atomic_add(wp, acc * tl.load(fsc_ptr + seg * 2 + 1), mask=m_ok[:, None])
+            if GLU:
+                tl.atomic_add(wp + N, acc2 * tl.load(fsc_ptr + seg2 * 2 + 1), mask=m_ok[:, None])
+            return
         y = acc * tl.load(fsc_ptr + seg * 2 + 1)
         if HAS_BIAS:
             bias_ptr = tl.load(tab_ptr + seg * 8 + 3).to(tl.pointer_type(ACT))
@@ -592,6 +612,8 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
+    split_epilogue: "LinearPlan | None" = None  # 4-bit split-K: the launch that finishes from `workspace`
+    workspace: Tensor | None = None  # fp32 [B_max, n (GLU: 2n)], zero between launches
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
@@ -611,7 +633,16 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
     if fmt in ("dense", "raw"):
         block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=gb, num_warps=4, num_stages=3)
+    if m > 16:  # multi-group tiles only pay (and fit in registers) for small M
+        gb = 1
+    elif block_n > 64:
+        block_n = 64
+    programs = (n // block_n) * m_blocks
+    split = 1  # split K until ~4 programs per SM are in flight (latency hiding)
+    while split < 8 and programs * split < 4 * sms and groups % (split * 2) == 0 and (groups // (split * 2)) % gb == 0:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=gb, num_warps=4,
+                num_stages=2 if (glu or fmt == "nf4") else 3, SPLIT=split)
 
 
 def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
@@ -653,7 +684,16 @@ _NO_3D = False
 def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg) -> None:
     m = x.shape[0]
     R = _pow2(plan.r)
-    grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
+    cfg = dict(cfg)
+    split = cfg.pop("SPLIT", 1)
+    if split > 1 and plan.split_epilogue is not None:
+        ws = plan.workspace
+        grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]), split)
+        _launch_raw(plan, x, ws, grid, split, f16, cfg)
+        _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
+                       {**linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu), "RAW_F32": True})
+        return
+    grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]), 1)
     dummy = _dummy(out.device, out.dtype)
     f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))  # E8M0 scales may leave fp16's range
     fsc = plan.fsc_f16 if f16 else plan.fsc
@@ -663,11 +703,25 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg) 
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         t if t is not None else fsc, t.stride(0) if t is not None else 0,
         a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
-        t_next.stride(0) if t_next is not None else 0,
+        t_next.stride(0) if t_next is not None else 0, fsc, 0,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
         R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
+    )
+
+
+def _launch_raw(plan, x, ws, grid, split, f16, cfg) -> None:
+    # split-K base product only: ws[:, n] += x @ W^T over each K slice (fp32 atomics)
+    f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))
+    fsc = plan.fsc_f16 if f16 else plan.fsc
+    d = _dummy(x.device, x.dtype)
+    _linear_kernel[grid](
+        x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,
+        d, 0, d, 0, fsc, 0, d, fsc, 0, ws, ws.stride(0),
+        x.shape[0], plan.n, plan.k, plan.n1, plan.n2, 1, 1,
+        FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=False, HAS_LORA=False, HAS_RES=False,
+        SHRINK_NEXT=False, R=16, R_NEXT=16, F16=f16, LDT=_tl_dtype(x.dtype), SPLIT=split, **cfg,
     )
 
 
@@ -729,13 +783,16 @@ def nf4_lut(device: torch.device | str = "cpu") -> Tensor:
 
 
 def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_scale: list,
-              r: int, glu: bool, device: torch.device, raw: list | None = None) -> LinearPlan:
+              r: int, glu: bool, device: torch.device, raw: list | None = None,
+              workspace: Tensor | None = None) -> LinearPlan:
     """Build the device tables for one fused linear launch over 1-3 segments (or GLU gate/up).
 
     The tables hold the addresses of the model's own tensors (bf16 weights, LoRA B, biases) and of
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
     `raw`: per-segment [B_max, n] buffers into which cuBLAS writes x @ W^T for dense weights; the
     launch then only applies bias, LoRA, residual and GLU to them (format "raw").
+    `workspace`: zeroed fp32 [B_max, >= total n] shared scratch; with it, 4-bit launches may split K
+    over more programs (fp32 atomics into it) and finish with a raw launch that re-zeroes it.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -768,7 +825,13 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     gcd = 0
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
-    return LinearPlan(
+    epi = None
+    if workspace is not None and fmt in ("nvfp4", "nf4", "mxfp4"):
+        starts = [0, sizes[0]] if glu else [sum(sizes[:i]) for i in range(nseg)]
+        views = [workspace[:, st_: st_ + sz] for st_, sz in zip(starts, sizes)]
+        epi = make_plan("dense", weights, biases, lora_b, lora_scale, r, glu, device, raw=views)
+        epi.keep.append(workspace)
+    plan = LinearPlan(
         fmt="raw" if raw is not None else fmt, nseg=nseg, glu=glu, n=n, k=k,
         n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,
         tab=tab.to(device), fsc=fsc.to(device), fsc_f16=(fsc * torch.tensor([1.0, 16.0])).to(device), lut=lut.to(device) if lut is not None else None,
@@ -776,3 +839,5 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         lora_dtype=lora_b[0].dtype if lora_b is not None else None,
         keep=list(weights) + [b for b in biases if b is not None] + list(lora_b or []) + list(raw or []),
     )
+    plan.split_epilogue, plan.workspace = epi, workspace
+    return plan
