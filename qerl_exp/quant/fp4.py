@@ -171,9 +171,12 @@ def quantize_nvfp4(weight: torch.Tensor) -> FP4Tensor:
     """
     blocks = _blocks(weight, "nvfp4")
     amax = blocks.abs().amax(dim=-1)
-    tensor_scale = amax.amax() / (E2M1_MAX * E4M3_MAX)
+    # Divide by tensors, not Python numbers: CUDA computes x / number as x * (1 / number), which
+    # rounds differently from the CPU (and from torchao).
+    six, six_448 = (torch.tensor(v, device=blocks.device) for v in (E2M1_MAX, E2M1_MAX * E4M3_MAX))
+    tensor_scale = amax.amax() / six_448
     if tensor_scale > 0:
-        block_scales = ((amax / E2M1_MAX) / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        block_scales = ((amax / six) / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         inv_t = 1.0 / tensor_scale
         if torch.isinf(inv_t):  # tensor scale below 2**-128: scale in float64 so that nothing overflows
             inv_t = 1.0 / tensor_scale.double()
