@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from qerl_exp.config import ConfigError, register_configs, to_config
+from qerl_exp.config import Config, ConfigError, register_configs, to_config
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -81,11 +81,39 @@ def validate(overrides: list[str], multirun: bool) -> None:
         raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
     for job in jobs:
         try:
-            to_config(compose_config(job))
+            preflight(to_config(compose_config(job)))
         except ConfigError as e:
             raise UsageError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
             raise UsageError(_explain(e, job)) from None
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need the machine, not only the config: files exist, packages import, devices exist.
+
+    Raises:
+        ConfigError: one line naming the field and what to change.
+    """
+    for key, fmt in (("quant.format", cfg.quant.format), ("rollout.quant", cfg.rollout.quant)):
+        if fmt == "nf4":
+            try:
+                import bitsandbytes  # noqa: F401
+            except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
+                raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
+                                  "pip install bitsandbytes, or choose quant=nvfp4") from None
+    for key, path in (("task.path", cfg.task.path), ("task.eval_path", cfg.task.eval_path)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
+    if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
+        raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
+    if cfg.model.name != "tiny" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
+        raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
+    if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
+        import torch
+
+        if not torch.cuda.is_available():
+            key = "train.device=cuda" if cfg.train.device == "cuda" else "rollout.engine=fast"
+            raise ConfigError(f"{key} needs a CUDA device and none is visible; use {key.split('=')[0]}={'cpu' if key.startswith('train') else 'hf'}")
 
 
 def quiet_third_party_logs() -> None:

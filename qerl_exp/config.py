@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -489,12 +490,27 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=schema)
 
 
+def _unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys of `node` that its dataclass schema does not have (Hydra's `+key=...` can add them)."""
+    types = typing.get_type_hints(schema)
+    unknown = []
+    for key in node.keys():
+        if key not in types:
+            unknown.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(types[key]):
+            unknown += _unknown_keys(node[key], types[key], f"{prefix}{key}.")
+    return unknown
+
+
 def to_config(cfg: DictConfig) -> Config:
     """Turn a composed DictConfig into validated dataclasses (runs every `__post_init__`).
 
     Raises:
-        ConfigError: a value is out of range or not one of the valid choices.
+        ConfigError: a key is not in the schema, or a value is out of range or not one of the
+            valid choices.
     """
+    unknown = _unknown_keys(cfg, Config)
+    _check(not unknown, f"unknown config key '{unknown[0] if unknown else ''}'; check the spelling, or list the fields with --cfg job")
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config), type(obj)
     return obj

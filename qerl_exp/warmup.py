@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,7 +120,9 @@ def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
     probe = task.sample(128, np.random.default_rng(WARMUP_SEED + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.01)
     start, accuracy, step = time.time(), 0.0, 0
-    bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (embedded model, cached after)", unit="step")
+    # A terminal gets a live bar; a log file gets a line every 10 s rather than thousands.
+    bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (embedded model, cached after)", unit="step",
+               mininterval=0.1 if sys.stderr.isatty() else 10.0)
     for step in bar:
         model.train()
         ids, labels = _batch(task.sample(w.batch_size, rng), tokenizer)

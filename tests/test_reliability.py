@@ -142,7 +142,7 @@ def test_tracker_whose_online_init_raises_falls_back_to_offline(tmp_path, monkey
 
 def test_failed_job_in_a_multirun_keeps_its_siblings(tmp_path):
     # job 1 asks for a checkpoint the hub cannot give (no weights here): it fails, job 0 finishes
-    out = qerl("-m", "model.name=tiny,/nonexistent/model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}")
+    out = qerl("-m", "model.name=tiny,no-such-org/no-such-model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode != 0
     assert (tmp_path / "0_bf16_none_s0" / "summary.json").exists()
     assert "could not be loaded" in out.stderr
