@@ -360,7 +360,7 @@ def _named(raw: Any, what: str, table: dict[str, str], where: str) -> dict:
 def make_sampler(plan: Plan, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
     kwargs = {k: v for k, v in plan.sampler.items() if k != "name"}
     if kwargs.get("seed") is not None:
-        kwargs["seed"] = int(kwargs["seed"]) + seed_offset
+        kwargs["seed"] = (int(kwargs["seed"]) + seed_offset) % 2**32
     return _build(optuna.samplers, SAMPLERS[plan.sampler["name"]], kwargs, "sampler")
 
 

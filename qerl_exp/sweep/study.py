@@ -453,8 +453,10 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
         storage = open_storage(plan)
         probe = open_study(plan, storage, create=False)
         start = probe.get_trials(deepcopy=False)
-        concurrent = plan.n_jobs > 1 or any(t.state == TrialState.RUNNING for t in start)
-        offset = 1000 * len(start) + index + (os.getpid() % 1000) * 1_000_003 * concurrent
+        # Reproducible for one worker; distinct streams for workers of other commands or machines.
+        others = not plan.storage.startswith("sqlite") or any(t.state == TrialState.RUNNING for t in start)
+        salt = int.from_bytes(hashlib.sha1(f"{host()}:{os.getpid()}".encode()).digest()[:3], "big") if others else 0
+        offset = 1000 * len(start) + index + 1_000_003 * salt
         study = open_study(plan, storage, create=False, seed_offset=offset)
     except UsageError as e:
         log(f"error: {e}")

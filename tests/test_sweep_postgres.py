@@ -1,0 +1,126 @@
+"""Several machines on one study: three sweep commands share a PostgreSQL storage, one worker is
+SIGKILLed in the middle of a trial, and the study still ends with exactly n_trials finished trials.
+
+The server: `QERL_TEST_PG_URL` when set (`.ci/run` sources `.ci/postgres.sh`, which starts one);
+otherwise, where Debian's PostgreSQL is installed, this module starts a throwaway one with the same
+script. With no server the test fails under `CI=true` and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import uuid
+from glob import glob
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from conftest import ROOT
+from test_sweep import SPEC, TINY, sweep_cmd, wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """`(url, None)` for a reachable server, or `(None, reason)`."""
+    url, started = os.environ.get("QERL_TEST_PG_URL"), None
+    if not url and glob("/usr/lib/postgresql/*/bin/pg_ctl"):
+        out = subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "start", "--no-install"],
+                             capture_output=True, text=True, timeout=180)
+        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        url, started = env.get("QERL_TEST_PG_URL"), env.get("QERL_TEST_PG_DIR")
+        if not url:
+            yield None, f"could not start PostgreSQL with .ci/postgres.sh: {out.stderr.strip()[-500:]}"
+            return
+    if not url:
+        yield None, "no PostgreSQL server: source .ci/postgres.sh (sets QERL_TEST_PG_URL) or apt-get install postgresql"
+        return
+    try:
+        import psycopg
+
+        psycopg.connect(url, connect_timeout=10).close()
+    except Exception as e:  # noqa: BLE001
+        yield None, f"PostgreSQL at {url} is unreachable: {str(e).splitlines()[0]}"
+    else:
+        yield url, None
+    finally:
+        if started:
+            subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", started], timeout=120)
+
+
+@pytest.fixture
+def pg_url(postgres):
+    url, reason = postgres
+    if url is None:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(reason)  # CI promised a server: its absence is a failure, not a skip
+        pytest.skip(reason)
+    return url
+
+
+def _storage(url: str) -> str:
+    return url.replace("postgresql://", "postgresql+psycopg://", 1) if url.startswith("postgresql://") else url
+
+
+def test_three_workers_share_one_study_and_survive_a_killed_worker(pg_url, tmp_path):
+    name = f"pg_{uuid.uuid4().hex[:8]}"
+    storage = _storage(pg_url)
+    args = [str(SPEC), "n_trials=9", f"storage={pg_url}", f"study_name={name}", "train.steps=3",
+            "heartbeat_interval=1", "grace_period=4", *TINY]
+    # Three commands, as on three machines: each its own sweep dir, one worker each.
+    procs = [subprocess.Popen(sweep_cmd(*args, f"sweep_dir={tmp_path / f'machine{i}'}"), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+
+    def trials():
+        try:
+            return optuna.load_study(study_name=name, storage=storage).get_trials()
+        except Exception:  # noqa: BLE001 - not created yet
+            return []
+
+    def mid_trial():
+        stopped = [p for p in procs if p.poll() is not None]
+        if stopped:
+            raise AssertionError(f"a sweep command exited ({stopped[0].returncode}): {stopped[0].stderr.read()[-2000:]}")
+        return next((t for t in trials() if t.state == TrialState.RUNNING and t.intermediate_values
+                     and "worker_pid" in t.user_attrs), None)
+
+    try:
+        # Freeze a worker in the middle of a trial, check the trial is still running, kill it.
+        while True:
+            victim = wait_for(mid_trial, 900, "a trial in progress")
+            pid = victim.user_attrs["worker_pid"]
+            os.kill(pid, signal.SIGSTOP)
+            if trials()[victim.number].state == TrialState.RUNNING:
+                os.kill(pid, signal.SIGKILL)
+                break
+            os.kill(pid, signal.SIGCONT)  # it finished in between: try again
+        results = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 0, 1], [r[1][-2000:] for r in results]  # the machine whose worker died says so
+    killed_err = next(err for p, (_, err) in zip(procs, results) if p.returncode == 1)
+    assert "killed by signal 9" in killed_err.strip().splitlines()[-1]
+
+    all_trials = trials()
+    done = [t for t in all_trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(done) == 9 and len({t.number for t in done}) == 9
+    assert [t.number for t in all_trials] == list(range(len(all_trials)))
+    assert not [t for t in all_trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    failed = [t for t in all_trials if t.state == TrialState.FAIL]
+    assert [t.number for t in failed] == [victim.number] and len(all_trials) == 10
+    retries = [t for t in all_trials if t.system_attrs.get("failed_trial") == victim.number]
+    assert len(retries) == 1 and retries[0] in done and retries[0].params == victim.params
+    # All three machines ran trials; each finished trial's run dir sits in its machine's sweep dir.
+    workers = {t.user_attrs["worker"] for t in done}
+    assert len(workers) >= 2
+    for t in done:
+        assert Path(t.user_attrs["run_dirs"][0], "summary.json").exists()
