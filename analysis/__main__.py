@@ -2,9 +2,9 @@
 
 PATH: run directories, parents of run directories (searched recursively), globs, or offline W&B
 run files (`run-*.wandb`). Writes into DIR:
-  table.md, table.csv, table.tex   the strategy table (analysis/table.py)
+  strategy_table.md, .csv, .tex    the strategy table (analysis/table.py)
   figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
-  runs.md                          every run used, skipped (with the reason) or left out
+  strategy_runs.md                 every run used, skipped (with the reason) or left out
 
 Example:
     python -m analysis multirun/strategies --out docs
@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         notes += optuna_notes
     else:
         notes.append("no --optuna-storage: Optuna figures skipped")
-    (args.out / "runs.md").write_text(_runs_report(loaded, notes))
-    written.append(args.out / "runs.md")
+    (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
+    written.append(args.out / "strategy_runs.md")
     print(table.to_markdown(rows).split("\n\n")[0])
-    print(f"\n{len(loaded.runs)} runs used, {len(loaded.skipped)} skipped (see {args.out / 'runs.md'})")
+    print(f"\n{len(loaded.runs)} runs used, {len(loaded.skipped)} skipped (see {args.out / 'strategy_runs.md'})")
     for p in written:
         print(f"wrote {p}")
     return 0

@@ -342,11 +342,12 @@ def to_latex(rows: list[Row]) -> str:
 
 
 def write(rows: list[Row], out_dir: Path) -> list[Path]:
-    """Write `table.md`, `table.csv` and `table.tex` into `out_dir`; return their paths."""
+    """Write `strategy_table.md`, `.csv` and `.tex` into `out_dir`; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, text in (("table.md", to_markdown(rows)), ("table.csv", to_csv(rows)), ("table.tex", to_latex(rows))):
+    for suffix, text in ((".md", to_markdown(rows)), (".csv", to_csv(rows)), (".tex", to_latex(rows))):
+        name = "strategy_table" + suffix
         (out_dir / name).write_text(text)
         paths.append(out_dir / name)
     return paths

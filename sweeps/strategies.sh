@@ -14,18 +14,21 @@
 #   SEEDS       seeds of every configuration (default "0 1")
 #   STRATEGIES  the presets to run (default: all eight)
 #   ABLATIONS   1 (default) also runs the ablations of Figs. 9/15, 10 and 16-17; 0 skips them
+#   OMP_NUM_THREADS  torch CPU threads per run (default 1: on a shared CPU, more threads than
+#               free cores make OpenMP spin and steps 10-50x slower, which swamps the timings)
 #
 # Example (the CPU results page, docs/results.md):
-#   sweeps/strategies.sh runs/strategies train.steps=20 train.prompts_per_step=4 algo.group_size=4
+#   SEEDS="0 1 2" sweeps/strategies.sh runs/strategies train.steps=40 train.prompts_per_step=4 algo.group_size=4
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
 shift
 seeds=${SEEDS:-0 1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 strategies=${STRATEGIES:-full_precision nvfp4_rollout nvfp4_lora nf4_dq nf4_lora mxfp4_lora nvfp4_lora_noaqn bf16_aqn}
 failed=0
 

@@ -154,7 +154,7 @@ def _expected(good: dict[str, list[Path]]) -> dict[str, dict]:
 
 
 def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
-    rows = list(csv.DictReader((out / "table.csv").open()))
+    rows = list(csv.DictReader((out / "strategy_table.csv").open()))
     assert [r["strategy"] for r in rows] == [s for s in STRATEGIES if s in expected]
     claims = {"nvfp4_rollout": (0.75, 1.5, "slight"), "nvfp4_lora": (0.85, 1.3, "significant"), "nf4_dq": (0.80, None, None)}
     for row in rows:
@@ -187,8 +187,8 @@ def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
 
 
 def _check_md_tex(out: Path, expected: dict[str, dict]) -> None:
-    md = (out / "table.md").read_text()
-    tex = (out / "table.tex").read_text()
+    md = (out / "strategy_table.md").read_text()
+    tex = (out / "strategy_table.tex").read_text()
     for strategy, e in expected.items():
         line = next(line for line in md.splitlines() if line.startswith(f"| {strategy} |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -415,7 +415,7 @@ def test_analysis_command_on_real_runs(real_runs, tmp_path):
     p = subprocess.run([sys.executable, "-m", "analysis", str(root), "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    for name in ("table.md", "table.csv", "table.tex", "runs.md"):
+    for name in ("strategy_table.md", "strategy_table.csv", "strategy_table.tex", "strategy_runs.md"):
         assert (out / name).stat().st_size > 0
     for stem in FIGURES:
         assert (out / "figures" / f"{stem}.png").exists() and (out / "figures" / f"{stem}.pdf").exists()
