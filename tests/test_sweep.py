@@ -97,7 +97,9 @@ def test_shipped_specs_validate_against_the_config():
 def test_objective_reads_the_tail_or_the_area():
     rewards = [0.0, 1.0, 2.0, 3.0]
     assert Objective("reward", last=0.5).value(rewards, 4) == pytest.approx(2.5)
-    assert Objective("reward", last=1).value(rewards, 4) == pytest.approx(3.0)
+    assert Objective("reward", last=1.0).value(rewards, 4) == pytest.approx(1.5)
+    assert Objective("reward", last_steps=1).value(rewards, 4) == pytest.approx(3.0)
+    assert Objective("reward", last=0.25).value(rewards[:2], 4) == pytest.approx(1.0)  # running, step 1 of 4
     assert Objective("reward", reduce="auc").value(rewards, 4) == pytest.approx(1.5)
     assert Objective("reward", last=0.25).value([None, float("nan"), 1.0], 4) == pytest.approx(1.0)
 
@@ -116,6 +118,7 @@ def test_overrides_merge_and_format():
     ({"params": {"noise.sigma": {"type": "float", "low": 0.1, "high": 0.01}}}, [], "params.noise.sigma"),
     ({"params": {"noise.sigma": {"type": "float", "low": -1.0, "high": 1.0}}}, [], "noise.sigma must be a finite number >= 0"),
     ({"params": {"noise.sigma": {"type": "gaussian"}}}, [], "type 'gaussian' is not one of"),
+    ({"objective": {"metric": "reward", "last": 5}}, [], "count steps with last_steps"),
     ({"objectives": [{"metric": "reward"}, {"metric": "perf/step_s", "direction": "minimize"}]}, [], "exactly one of objective"),
     ({"objective": None, "objectives": [{"metric": "reward"}, {"metric": "perf/step_s"}], "pruner": {"name": "median"}}, [], "prunes single-objective"),
     ({"sampler": {"name": "annealing"}}, [], "sampler 'annealing' is not known"),
@@ -156,6 +159,45 @@ def test_command_line_errors_are_one_line_without_traceback(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_reports_of_a_finished_study(tmp_path, multi):
+    """best_overrides (or the Pareto front), trials.csv and the plots, from a study made by hand."""
+    from optuna.distributions import FloatDistribution
+
+    from qerl_exp.sweep.report import summary_lines, write_reports
+    from qerl_exp.sweep.study import open_storage, open_study
+
+    objectives = {"objectives": [{"metric": "reward"}, {"metric": "perf/step_s", "direction": "minimize"}],
+                  "pruner": {"name": "none"}} if multi else {}
+    spec = write_spec(tmp_path, study_name="rep", base=["train.steps=2"], **objectives)
+    if multi:
+        raw = yaml.safe_load(spec.read_text())
+        raw.pop("objective")
+        spec.write_text(yaml.safe_dump(raw))
+    plan = load_plan(spec, [f"sweep_dir={tmp_path / 's'}"])
+    study = open_study(plan, open_storage(plan), create=True)
+    dist = {"noise.sigma": FloatDistribution(1e-4, 1e-2, log=True)}
+    for i, sigma in enumerate([1e-4, 1e-3, 1e-2, 3e-3]):
+        values = [[1.0, 2.0], [2.0, 1.5], [3.0, 2.0], [0.5, 0.5]][i] if multi else [1.0 + i % 3]
+        study.add_trial(optuna.create_trial(params={"noise.sigma": sigma}, distributions=dist, values=values,
+                                            intermediate_values={0: 0.5, 1: values[0]},
+                                            user_attrs={"overrides": ["train.steps=2", f"noise.sigma={sigma!r}"]}))
+    paths = {p.relative_to(plan.sweep_dir).as_posix() for p in write_reports(plan, study)}
+    assert "trials.csv" in paths
+    rows = (plan.sweep_dir / "trials.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[1].startswith("0,COMPLETE,1.0")
+    if multi:
+        assert {"pareto_front.yaml", "plots/pareto_front.png", "plots/param_importances_reward.png"} <= paths
+        front = yaml.safe_load((plan.sweep_dir / "pareto_front.yaml").read_text())
+        assert [e["trial"] for e in front] == [1, 2, 3] and front[0]["overrides"][-1] == "seed=0"
+        assert (plan.sweep_dir / "pareto" / "trial0001.txt").read_text().split() == front[0]["overrides"]
+    else:
+        assert {"best_overrides.yaml", "best_overrides.txt", "plots/optimization_history.png",
+                "plots/param_importances.png", "plots/parallel_coordinate.png", "plots/slice.png"} <= paths
+        assert yaml.safe_load((plan.sweep_dir / "best_overrides.yaml").read_text()) == ["train.steps=2", "noise.sigma=0.01", "seed=0"]
+        assert "best trial 2: reward = 3" in "\n".join(summary_lines(plan, study))
 
 
 # ---------------------------------------------------------------------------------------------

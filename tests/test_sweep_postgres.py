@@ -53,8 +53,7 @@ def postgres():
             subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", started], timeout=120)
 
 
-@pytest.fixture
-def pg_url(postgres):
+def require_server(postgres) -> str:
     url, reason = postgres
     if url is None:
         if os.environ.get("CI", "").lower() in ("true", "1"):
@@ -67,7 +66,8 @@ def _storage(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg://", 1) if url.startswith("postgresql://") else url
 
 
-def test_three_workers_share_one_study_and_survive_a_killed_worker(pg_url, tmp_path):
+def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp_path):
+    pg_url = require_server(postgres)
     name = f"pg_{uuid.uuid4().hex[:8]}"
     storage = _storage(pg_url)
     args = [str(SPEC), "n_trials=9", f"storage={pg_url}", f"study_name={name}", "train.steps=3",

@@ -30,7 +30,7 @@ from qerl_exp.cli import CONF_DIR, UsageError, compose_config, expand_sweep, gro
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",
             "max_retry", "max_failures")
 SPEC_KEYS = ("study_name", "base", "params", "space", "objective", "objectives", "seeds", "sampler", "pruner",
-             "enqueue", *SETTINGS[:1], *SETTINGS[2:])
+             "enqueue", *SETTINGS)
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "cmaes": "CmaEsSampler",
             "nsgaii": "NSGAIISampler", "nsgaiii": "NSGAIIISampler", "qmc": "QMCSampler"}
 PRUNERS = {"median": "MedianPruner", "percentile": "PercentilePruner", "hyperband": "HyperbandPruner",
@@ -49,17 +49,19 @@ class Objective:
         direction: `maximize` or `minimize`.
         reduce: `mean` averages the last `last` steps; `auc` is the area under the whole curve
             divided by its length (trapezoids), so it rewards learning early.
-        last: `mean` only: a whole number of steps, or a fraction in (0, 1] of the run's steps.
+        last: `mean` only: the fraction in (0, 1] of the run's steps, counted from its end.
+        last_steps: `mean` only: a number of steps instead (takes precedence over `last`).
     """
 
     metric: str
     direction: str = "maximize"
     reduce: str = "mean"
     last: float = 0.25
+    last_steps: int | None = None
 
     def window(self, steps: int) -> int:
         """How many trailing steps `mean` averages for a run of `steps` steps."""
-        n = int(self.last) if float(self.last).is_integer() and self.last >= 1 else math.ceil(self.last * steps)
+        n = self.last_steps if self.last_steps is not None else math.ceil(self.last * steps - 1e-9)
         return max(1, min(steps, n))
 
     def value(self, series: list[float], steps: int) -> float:
@@ -75,8 +77,10 @@ class Objective:
     def describe(self) -> str:
         if self.reduce == "auc":
             how = "area under the curve"
+        elif self.last_steps is not None:
+            how = f"mean of the last {self.last_steps} steps"
         elif self.last >= 1:
-            how = f"mean of the last {self.last:g} steps"
+            how = "mean over all steps"
         else:
             how = f"mean of the last {self.last:.0%} of the steps"
         return f"{self.direction} {self.metric} ({how})"
@@ -329,17 +333,18 @@ def _objectives(spec: dict, where: str) -> list[Objective]:
         at = f"{where}: objective" + (f" {i}" if "objectives" in spec else "")
         if not isinstance(o, dict) or not isinstance(o.get("metric"), str):
             raise UsageError(f"{at}: needs metric: <a logged metric name, e.g. reward>")
-        extra = set(o) - {"metric", "direction", "reduce", "last"}
+        extra = set(o) - {"metric", "direction", "reduce", "last", "last_steps"}
         if extra:
-            raise UsageError(f"{at}: unknown field '{sorted(extra)[0]}'; valid: metric, direction, reduce, last")
+            raise UsageError(f"{at}: unknown field '{sorted(extra)[0]}'; valid: metric, direction, reduce, last, last_steps")
+        last_steps = None if o.get("last_steps") is None else _int(o["last_steps"], f"{at}: last_steps", 1)
         obj = Objective(o["metric"], str(o.get("direction", "maximize")), str(o.get("reduce", "mean")),
-                        _num(o.get("last", 0.25), at))
+                        _num(o.get("last", 0.25), at), last_steps)
         if obj.direction not in ("maximize", "minimize"):
             raise UsageError(f"{at}: direction={obj.direction!r}; choose maximize or minimize")
         if obj.reduce not in REDUCES:
             raise UsageError(f"{at}: reduce={obj.reduce!r}; choose one of: {', '.join(REDUCES)}")
-        if not (obj.last > 0 and (obj.last <= 1 or float(obj.last).is_integer())):
-            raise UsageError(f"{at}: last={obj.last:g} must be a fraction in (0, 1] or a whole number of steps")
+        if not 0 < obj.last <= 1:
+            raise UsageError(f"{at}: last={obj.last:g} must be a fraction in (0, 1]; count steps with last_steps: N")
         out.append(obj)
     return out
 
