@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import statistics
 import time
@@ -148,14 +149,19 @@ def print_time(title: str, med: dict, warm: dict, repeats: int) -> None:
         print(f"  {fmt:<7}{cols}   {wcols:>22}")
 
 
+def _load() -> str:
+    # Other processes on the same cores inflate every timing; print how busy the machine was.
+    return "load average %.2f / %.2f / %.2f (1 / 5 / 15 min)" % os.getloadavg()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timing-layers", type=int, default=4, help="decoder layers of the 0.5B shape when timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per format and shape")
     args = parser.parse_args()
     start = time.perf_counter()
-    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads; activations bf16; "
-          f"shapes (batch x tokens): {', '.join(SHAPES)}")
+    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
+          f"activations bf16; shapes (batch x tokens): {', '.join(SHAPES)}; {_load()}")
 
     tiny = tiny_config()
     print_bytes("tiny (Qwen2, hidden 128, MLP 256, 2 layers, vocab %d)" % tiny.vocab_size, measure_bytes(tiny))
@@ -171,7 +177,8 @@ def main() -> None:
     checks = [f"{fmt} {big[fmt][0] / lin0:.3f} <= {limit} {'ok' if big[fmt][0] / lin0 <= limit else 'FAIL'}"
               for fmt, limit in LIMITS.items()]
     print("\nQwen2.5-0.5B shape, quantized-linear bytes / bf16: " + "; ".join(checks))
-    print(f"total runtime {time.perf_counter() - start:.1f} s")
+    print(f"total runtime {time.perf_counter() - start:.1f} s; {_load()}")
+
 
 
 if __name__ == "__main__":
