@@ -108,7 +108,7 @@ def measure_bytes(config) -> dict[str, tuple[int, int, int]]:
 
 @torch.inference_mode()
 def measure_time(config, repeats: int) -> tuple[dict, dict]:
-    """(format -> shape -> median seconds, format -> shape -> warm-up seconds)."""
+    """(format -> shape -> sorted timed seconds, format -> shape -> warm-up seconds)."""
     base = build(config)
     models = {fmt: quantized(base, fmt) for fmt in FORMATS}
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def measure_time(config, repeats: int) -> tuple[dict, dict]:
                     warm[fmt][shape] = dt
                 else:
                     runs[fmt][shape].append(dt)
-    return {f: {s: statistics.median(v) for s, v in d.items()} for f, d in runs.items()}, warm
+    return {f: {s: sorted(v) for s, v in d.items()} for f, d in runs.items()}, warm
 
 
 def print_bytes(title: str, sizes: dict) -> None:
@@ -138,13 +138,15 @@ def print_bytes(title: str, sizes: dict) -> None:
               f"{mod:>14,d} {mod / MiB:>9.2f} {mod / mod0:>6.3f}")
 
 
-def print_time(title: str, med: dict, warm: dict, repeats: int) -> None:
-    print(f"\n{title}: CPU forward time of the decoder stack, median of {repeats} after 1 warm-up, "
-          f"{torch.get_num_threads()} torch threads")
-    head = "".join(f" {s + ' ms':>16} {'ratio':>6}" for s in SHAPES)
+def print_time(title: str, runs: dict, warm: dict, repeats: int) -> None:
+    print(f"\n{title}: CPU forward time of the decoder stack, median (and min) of {repeats} after "
+          f"1 warm-up, {torch.get_num_threads()} torch threads; ratio of medians")
+    head = "".join(f" {s + ' ms':>22} {'ratio':>6}" for s in SHAPES)
     print(f"  {'format':<7}{head}   {'warm-up ms':>22}")
-    for fmt in med:
-        cols = "".join(f" {1e3 * med[fmt][s]:>16.2f} {med[fmt][s] / med['bf16'][s]:>6.2f}" for s in SHAPES)
+    med = {f: {s: statistics.median(v) for s, v in d.items()} for f, d in runs.items()}
+    for fmt in runs:
+        cols = "".join(f" {1e3 * med[fmt][s]:>12.2f} ({1e3 * runs[fmt][s][0]:>7.2f}) "
+                       f"{med[fmt][s] / med['bf16'][s]:>6.2f}" for s in SHAPES)
         wcols = " / ".join(f"{1e3 * warm[fmt][s]:.1f}" for s in SHAPES)
         print(f"  {fmt:<7}{cols}   {wcols:>22}")
 
