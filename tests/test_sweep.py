@@ -49,7 +49,9 @@ def write_spec(tmp_path: Path, **fields) -> Path:
 
 
 def load(db: Path, name: str) -> optuna.Study:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    # skip_table_creation: never race the sweep that creates the tables of a fresh storage
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}", skip_table_creation=True)
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -87,7 +89,7 @@ def running_mid_trial(db: Path, name: str, min_finished: int):
 def test_shipped_specs_validate_against_the_config():
     plan = load_plan(SPEC, ["n_trials=6", "train.steps=6"])
     assert plan.study_name == "noise_schedule" and plan.n_trials == 6 and plan.pruner["name"] == "median"
-    assert plan.storage == f"sqlite:///{ROOT / 'sweeps/runs/noise_schedule/study.db'}" or plan.storage.endswith("noise_schedule/study.db")
+    assert plan.storage == f"sqlite:///{Path.cwd() / 'sweeps/runs/noise_schedule/study.db'}"  # relative to the cwd
     assert "train.steps=6" in plan.overrides and "train.steps=60" not in plan.overrides
     multi = load_plan(ROOT / "sweeps" / "multi_objective.yaml", [])
     assert multi.directions == ["maximize", "maximize"] and multi.pruner["name"] == "none"
@@ -211,7 +213,7 @@ def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
     and the sweep dir holds best overrides, trials.csv and plots."""
     sweep_dir = tmp_path / "sweep"
     args = [str(SPEC), "n_trials=6", "train.steps=3", f"sweep_dir={sweep_dir}", "heartbeat_interval=1",
-            "grace_period=3", *TINY]
+            "grace_period=6", *TINY]
     db = sweep_dir / "study.db"
 
     # 1. Ctrl-C in the middle of the third trial.

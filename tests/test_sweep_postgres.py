@@ -71,14 +71,15 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
     name = f"pg_{uuid.uuid4().hex[:8]}"
     storage = _storage(pg_url)
     args = [str(SPEC), "n_trials=9", f"storage={pg_url}", f"study_name={name}", "train.steps=3",
-            "heartbeat_interval=1", "grace_period=4", *TINY]
+            "heartbeat_interval=1", "grace_period=6", *TINY]
     # Three commands, as on three machines: each its own sweep dir, one worker each.
     procs = [subprocess.Popen(sweep_cmd(*args, f"sweep_dir={tmp_path / f'machine{i}'}"), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
 
     def trials():
         try:
-            return optuna.load_study(study_name=name, storage=storage).get_trials()
+            rdb = optuna.storages.RDBStorage(storage, skip_table_creation=True)
+            return optuna.load_study(study_name=name, storage=rdb).get_trials()
         except Exception:  # noqa: BLE001 - not created yet
             return []
 

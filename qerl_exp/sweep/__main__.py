@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C and kill both stop the study cleanly, even when started where SIGINT is ignored
+    # (a background job of a script).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
     quiet_optuna()
     quiet_third_party_logs()  # validation may import bitsandbytes (nf4 preflight)
     spec_path, rest = argv[0], argv[1:]

@@ -98,12 +98,19 @@ def open_storage(plan: Plan) -> RDBStorage:
         engine_kwargs = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs["connect_args"] = {"connect_timeout": 10}
-    try:
-        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=plan.heartbeat_interval,
-                          grace_period=plan.grace_period,
-                          heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry))
-    except Exception as e:  # noqa: BLE001 - drivers raise many types; all mean "cannot open"
-        raise UsageError(f"cannot open storage {shown(plan.storage)}: {_first_line(e)}") from None
+    for attempt in range(5):
+        try:
+            # Several processes may open a fresh storage at once: creating its tables is serialized
+            # by the claim lock, and a creation that still collides is retried.
+            with claim_lock(plan):
+                return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=plan.heartbeat_interval,
+                                  grace_period=plan.grace_period,
+                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry))
+        except Exception as e:  # noqa: BLE001 - drivers raise many types; all mean "cannot open"
+            if "already exists" in str(e) and attempt < 4:
+                time.sleep(0.5 + attempt)
+                continue
+            raise UsageError(f"cannot open storage {shown(plan.storage)}: {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -145,7 +152,8 @@ def _pg_engine(url: str):
     import sqlalchemy
 
     if url not in _ENGINES:
-        _ENGINES[url] = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+        _ENGINES[url] = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
+                                                 connect_args={"connect_timeout": 10})
     return _ENGINES[url]
 
 
@@ -286,10 +294,6 @@ def _trial_id(trial: optuna.Trial) -> int:
 # Trials
 
 
-class TrialFailed(Exception):
-    """A trial raised; the worker goes on with the next one."""
-
-
 class _Reporter:
     """The `on_step` hook: checks the objective metrics exist, reports the running objective and
     raises `TrialPruned` when the pruner says so."""
@@ -392,23 +396,29 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
             log(f"trial {trial.number} failed: objective is not finite ({result})")
             return TrialState.FAIL
         with signals.deferred():
-            study.tell(trial, result)
+            told = study.tell(trial, result, skip_if_finished=True)
+        if told.state != TrialState.COMPLETE:
+            log(f"trial {trial.number} finished, but another worker had declared it dead (missed heartbeats: "
+                f"raise grace_period); its retry runs it again")
+            return told.state
         log(f"trial {trial.number} complete in {time.time() - t0:.0f} s: "
             + ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(plan.objectives, result)))
         return TrialState.COMPLETE
     except optuna.TrialPruned as e:
         heartbeat.stop()
         with signals.deferred():
-            study.tell(trial, state=TrialState.PRUNED)
+            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
         log(f"trial {trial.number} {e}")
         return TrialState.PRUNED
     except KeyboardInterrupt:
         heartbeat.stop()
         _ignore_signals()
-        trial.set_user_attr("interrupted", True)
-        frozen = study.tell(trial, state=TrialState.FAIL)
-        # The same retry a heartbeat timeout would make, without the wait.
-        RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry)(study, frozen)
+        frozen = study.get_trials(deepcopy=False)[trial.number]
+        if not frozen.state.is_finished():  # else another worker already failed and retried it
+            trial.set_user_attr("interrupted", True)
+            frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+            # The same retry a heartbeat timeout would make, without the wait.
+            RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry)(study, frozen)
         log(f"trial {trial.number} interrupted: marked FAIL and re-enqueued with the same parameters")
         raise
     except Exception as e:  # noqa: BLE001 - the trial fails; the study goes on
@@ -418,12 +428,15 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
             (Path(run_dirs[-1]) / "error.txt").write_text(traceback.format_exc())
             message += f" (traceback in {run_dirs[-1]}/error.txt)"
         with signals.deferred():
-            trial.set_user_attr("error", message)
-            study.tell(trial, state=TrialState.FAIL)
+            if not study.get_trials(deepcopy=False)[trial.number].state.is_finished():
+                trial.set_user_attr("error", message)
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
         log(f"trial {trial.number} failed: {message}")
         if isinstance(e, UsageError):
             raise
         return TrialState.FAIL
+    finally:
+        heartbeat.stop()
 
 
 def _fmt(v) -> str:
