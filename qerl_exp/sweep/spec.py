@@ -448,9 +448,14 @@ def trial_overrides(plan: Plan, values: dict[str, Any]) -> list[str]:
     return merge_overrides(plan.overrides, [override(k, v) for k, v in values.items()])
 
 
+_SPACES: dict[str, Callable] = {}
+
+
 def _space_function(plan: Plan) -> Callable[[optuna.Trial], dict]:
     file, _, name = plan.space.rpartition(":")
     path = (plan.spec_path.parent / file).resolve()
+    if f"{path}:{name}" in _SPACES:
+        return _SPACES[f"{path}:{name}"]
     if not path.is_file():
         raise UsageError(f"{plan.spec_path}: space file {path} does not exist")
     mod_name = f"_qerl_sweep_space_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
@@ -463,6 +468,7 @@ def _space_function(plan: Plan) -> Callable[[optuna.Trial], dict]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"{path} has no function '{name}'")
+    _SPACES[f"{path}:{name}"] = fn
     return fn
 
 
