@@ -18,7 +18,7 @@ as PNG and PDF.
 
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,7 +143,7 @@ def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False) -
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    if len(curves) > 4:  # many curves: the legend goes beside the axes, not over the bands
+    if len(curves) > 6:  # many curves: the legend goes beside the axes, not over the bands
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     elif any(c.steps for c in curves):
         ax.legend(fontsize=8)
@@ -151,9 +151,10 @@ def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False) -
         ax.text(0.5, 0.5, "no runs for this panel", ha="center", va="center", transform=ax.transAxes)
 
 
-def _save(fig, out_dir: Path, stem: str, suptitle: str) -> list[Path]:
+def _save(fig, out_dir: Path, stem: str, suptitle: str, band_note: bool = True) -> list[Path]:
     fig.suptitle(suptitle, fontsize=11)
-    fig.text(0.99, 0.01, BAND_NOTE, ha="right", va="bottom", fontsize=7, color="0.4")
+    if band_note:
+        fig.text(0.99, 0.01, BAND_NOTE, ha="right", va="bottom", fontsize=7, color="0.4")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
     for p in paths:
@@ -188,11 +189,12 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
 
 
 def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, ...], title: str,
-                    keep=None, smooth: int = 1) -> list[Path]:
+                    keep=None, relabel: dict[str, str] | None = None, smooth: int = 1) -> list[Path]:
     """Reward vs step per value of `vary`, one panel per anchor (QeRL and full precision).
 
     Args:
         keep: a predicate on a group's first run; groups it rejects are not drawn.
+        relabel: curve labels to replace (e.g. `{"schedule=none": "AQN off"}`).
     """
     plt = _plt()
     panels = []
@@ -204,7 +206,7 @@ def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, 
             panels.append((anchor, groups))
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6.2 * max(1, len(panels)), 4.2), squeeze=False)
     for ax, (anchor, groups) in zip(axes[0], panels):
-        curves = [curve(label, members, "reward", smooth) for label, members in groups.items()]
+        curves = [curve((relabel or {}).get(label, label), members, "reward", smooth) for label, members in groups.items()]
         _draw(ax, curves, _reward_label(smooth), f"around {anchor}{_single_note(groups)}")
     if not panels:
         _draw(axes[0][0], [], _reward_label(smooth), "no anchor runs (nvfp4_lora or full_precision)")
@@ -224,6 +226,9 @@ def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pat
     return _save(fig, out_dir, "fig9_15_schedules", "Noise schedules: reward (paper Fig. 9) and sigma (paper Fig. 15)")
 
 
+AQN_LABELS = {"schedule=exp": "AQN on (exp schedule)", "schedule=none": "AQN off"}
+
+
 def _aqn_on_or_off(run: Run) -> bool:
     """Fig. 8 compares the paper's schedule (exp, as in nvfp4_lora and bf16_aqn) with no AQN."""
     return run.get("noise.schedule") in ("exp", "none")
@@ -235,7 +240,7 @@ def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = strategy_figures(runs, out_dir, smooth)
     paths += ablation_figure(runs, out_dir, "fig8_aqn", ("noise",), "AQN on vs off (paper Fig. 8)",
-                             keep=_aqn_on_or_off, smooth=smooth)
+                             keep=_aqn_on_or_off, relabel=AQN_LABELS, smooth=smooth)
     paths += schedule_figure(runs, out_dir, smooth)
     paths += ablation_figure(runs, out_dir, "fig10_lora_rank", ("lora",), "LoRA rank (paper Fig. 10)", smooth=smooth)
     paths += ablation_figure(runs, out_dir, "fig16_17_lr", ("train.lr",),
@@ -248,6 +253,9 @@ def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
 
 def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple[list[Path], list[str]]:
     """The optimization history and the parameter importances of an Optuna study.
+
+    A multi-objective study gets one history panel per objective and the importances of its
+    first objective. Importances are drawn only when the objective varies across trials.
 
     Args:
         storage: an Optuna storage URL (e.g. `sqlite:///sweeps.db`, `postgresql://...`).
@@ -266,40 +274,59 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
             return [], [f"storage holds {len(names)} studies ({', '.join(names)}); pass --optuna-study"]
         study_name = names[0]
     study = optuna.load_study(study_name=study_name, storage=storage)
-    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None]
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.values]
     pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
     if not done:
-        return [], [f"study {study_name} has no complete trials"]
+        return [], [f"study {study_name}: no complete trials"]
     plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.scatter([t.number for t in done], [t.value for t in done], s=18, label="complete trial")
-    best, best_line = -math.inf if maximize else math.inf, []
-    for t in done:
-        best = max(best, t.value) if maximize else min(best, t.value)
-        best_line.append(best)
-    ax.step([t.number for t in done], best_line, where="post", color="C3", label="best so far")
+    names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
+    fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.2), squeeze=False)
+    for i, (ax, name, direction) in enumerate(zip(axes[0], names, study.directions)):
+        _draw_history(ax, done, pruned, i, name, direction == optuna.study.StudyDirection.MAXIMIZE)
+    fig.suptitle(f"Optuna optimization history: {study_name}, {len(done)} complete, {len(pruned)} pruned", fontsize=11)
+    paths = _save(fig, out_dir, "optuna_history", fig._suptitle.get_text(), band_note=False)
+    values = {t.values[0] for t in done}
+    if len(done) < 2 or not any(t.params for t in done):
+        return paths, [f"study {study_name}: importance needs two complete trials with parameters"]
+    if len(values) == 1:
+        return paths, [f"study {study_name}: every complete trial has {names[0]} = {values.pop():g}; "
+                       "parameter importance is undefined, so optuna_importance is not drawn"]
+    # PED-ANOVA (Optuna's default; fANOVA would need scikit-learn): how much each parameter's
+    # distribution differs between the best trials and all trials. It ranks for low targets.
+    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    evaluator = optuna.importance.PedAnovaImportanceEvaluator()
+    with warnings.catch_warnings():  # its reminder that it ranks for low targets: handled by `sign`
+        warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes")
+        importances = optuna.importance.get_param_importances(study, evaluator=evaluator,
+                                                              target=lambda t: sign * t.values[0])
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(importances) + 1.8))
+    params = list(importances)[::-1]
+    ax.barh(params, [importances[p] for p in params], label=f"PED-ANOVA importance for {names[0]}")
+    ax.set_xlabel("importance (normalized to sum 1)")
+    ax.set_ylabel("parameter")
+    ax.legend(fontsize=8, loc="lower right")
+    paths += _save(fig, out_dir, "optuna_importance", f"Optuna parameter importance: {study_name}", band_note=False)
+    return paths, []
+
+
+def _draw_history(ax, done, pruned, index: int, name: str, maximize: bool) -> None:
+    """One objective's value per complete trial, the best so far, and pruned trials as grey lines."""
+    numbers = [t.number for t in done]
+    values = [t.values[index] for t in done]
+    ax.scatter(numbers, values, s=18, label="complete trial")
+    best, line = None, []
+    for v in values:
+        best = v if best is None else (max(best, v) if maximize else min(best, v))
+        line.append(best)
+    ax.step(numbers, line, where="post", color="C3", label="best so far")
     for t in pruned:
         ax.axvline(t.number, color="0.8", lw=0.8, zorder=0)
+    if pruned:
+        ax.plot([], [], color="0.8", lw=0.8, label="pruned trial")
     ax.set_xlabel("trial number")
-    ax.set_ylabel("objective value")
-    ax.set_title(f"{study_name}: {len(done)} complete, {len(pruned)} pruned (grey lines)", fontsize=10)
+    ax.set_ylabel(f"{name} ({'maximize' if maximize else 'minimize'})")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths = _save(fig, out_dir, "optuna_history", "Optuna optimization history")
-    notes = []
-    if len(done) < 2 or not done[0].params:
-        notes.append(f"study {study_name}: parameter importance needs two complete trials with parameters")
-        return paths, notes
-    importances = optuna.importance.get_param_importances(study)
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(importances) + 1.5))
-    names = list(importances)[::-1]
-    ax.barh(names, [importances[n] for n in names], label="fANOVA importance")
-    ax.set_xlabel("importance (fraction of objective variance)")
-    ax.set_ylabel("parameter")
-    ax.set_title(f"{study_name}: parameter importance", fontsize=10)
-    ax.legend(fontsize=8)
-    paths += _save(fig, out_dir, "optuna_importance", "Optuna parameter importance")
-    return paths, notes
