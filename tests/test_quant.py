@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from qerl_exp.config import DECODER_LINEARS, QuantConfig
-from qerl_exp.quant import memory_bytes, quantize_model
+from qerl_exp.quant import dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.quant.fp4 import (
     E2M1_VALUES,
     FP4Linear,
@@ -494,3 +494,17 @@ def test_memory_bytes_of_the_unquantized_model():
     model = _tiny_model()
     n_params = sum(p.numel() for p in model.parameters())
     assert memory_bytes(model) == {"mem/weights_bytes": 4 * n_params + 2 * 16 * 4, "mem/quantized_linear_bytes": 0}
+
+
+@pytest.mark.parametrize("fmt", ["none", "nvfp4", "mxfp4", "nf4", "nf4_dq"])
+def test_dense_weight_is_what_the_layer_multiplies_by(fmt):
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    layer = linear if fmt == "none" else quantize_linear(linear, _quant_cfg(fmt), torch.float32)
+    w = dense_weight(layer)
+    assert w.shape == (64, 128) and w.dtype == torch.float32
+    x = torch.randn(4, 128)
+    torch.testing.assert_close(layer(x), x @ w.T + linear.bias, rtol=1e-5, atol=1e-5)
+    if fmt != "none":  # a real quantization: close to the original, not equal
+        err = (w - linear.weight).abs().max().item()
+        assert 0 < err < 0.2 * linear.weight.abs().max().item()

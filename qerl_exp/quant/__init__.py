@@ -130,6 +130,27 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
     return model
 
 
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of a linear, quantized or not, as a dense fp32 [out, in] matrix.
+
+    Args:
+        module: an `nn.Linear`, an `FP4Linear` or a bitsandbytes `Linear4bit` (their `weight` is
+            packed data, not the matrix).
+
+    Returns:
+        A new fp32 tensor: exactly what the layer multiplies by (before casting to the activations'
+        dtype).
+    """
+    import bitsandbytes as bnb
+
+    if isinstance(module, bnb.nn.Linear4bit):
+        w = module.weight
+        return bnb.functional.dequantize_4bit(w.data, w.quant_state).float()
+    if callable(getattr(type(module), "dequantize", None)):
+        return module.dequantize(torch.float32)
+    return module.weight.detach().float().clone()
+
+
 def memory_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes the model stores: `mem/weights_bytes` (every parameter and buffer, quantized layers
     counted with all their scales and state) and `mem/quantized_linear_bytes`."""
