@@ -148,20 +148,20 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
     """Quantize the policy's current weights (base + LoRA, merged) into the sampler's linears.
 
     Args:
-        policy: the peft-wrapped learner (its base must be unquantized).
+        policy: the peft-wrapped learner (its base may itself be quantized).
         sampler: a plain copy of the base model whose targeted linears get replaced.
         quant: the sampler's format and targets.
         dtype: the compute dtype.
     """
     from peft.tuners.lora import LoraLayer
 
-    from qerl_exp.quant import decoder_linears, quantize_linear
+    from qerl_exp.quant import decoder_linears, dense_weight, quantize_linear
 
     learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
     for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
         src = learner[path]
         base = src.get_base_layer() if isinstance(src, LoraLayer) else src
-        weight = base.weight.detach().float()
+        weight = dense_weight(base).detach()
         if isinstance(src, LoraLayer):
             for adapter in src.active_adapters:
                 weight = weight + src.get_delta_weight(adapter).float()

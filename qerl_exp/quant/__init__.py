@@ -81,21 +81,6 @@ def _handler(cfg: QuantConfig, compute_dtype: torch.dtype):
     raise ValueError(f"quant.format={cfg.format!r} has no handler; valid: none, nf4, nvfp4, mxfp4")
 
 
-def register_peft_layers(lora_config=None):
-    """Kept for callers that expect a registration step: none is needed.
-
-    bitsandbytes' `Linear4bit` and our `FP4Linear` are both `nn.Linear` subclasses whose `weight`
-    is their packed data; peft's bitsandbytes and default dispatchers take them as they are.
-
-    Args:
-        lora_config: ignored (a `peft.LoraConfig` or None).
-
-    Returns:
-        `lora_config`, unchanged.
-    """
-    return lora_config
-
-
 def decoder_linears(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """(name, parent, attribute, module) for each targeted linear inside the decoder blocks."""
     found = []
