@@ -163,8 +163,12 @@ def _save(fig, out_dir: Path, stem: str, suptitle: str, band_note: bool = True) 
     return paths
 
 
+def _metric_label(name: str, smooth: int) -> str:
+    return name + (f"\n(moving avg. over {smooth} steps)" if smooth > 1 else "")
+
+
 def _reward_label(smooth: int) -> str:
-    return "reward" + (f" (moving avg. over {smooth} steps)" if smooth > 1 else "")
+    return _metric_label("reward", smooth)
 
 
 def _single_note(groups: dict) -> str:
@@ -172,19 +176,26 @@ def _single_note(groups: dict) -> str:
 
 
 def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
-    """Figs. 4 and 5: reward and sampler entropy per strategy (the table's runs)."""
+    """Figs. 4 and 5 over the table's runs: reward per strategy; sampler entropy and entropy gain.
+
+    The entropy gain (sampler minus full-precision reference on the same tokens) removes the
+    prompt-to-prompt swings that every strategy shares, leaving what quantization and AQN add.
+    """
     plt = _plt()
     groups, _ = select(runs)
     groups = {name: groups[name] for name in table_order(groups)}
-    paths = []
-    for stem, metric, ylabel, fig_no in (
-        ("fig4_reward", "reward", _reward_label(smooth), "Fig. 4"),
-        ("fig5_entropy", "sampler/entropy", "sampler token entropy (nats)", "Fig. 5"),
-    ):
-        fig, ax = plt.subplots(figsize=(8.4, 4.2))
-        curves = [curve(name, members, metric, smooth if metric == "reward" else 1) for name, members in groups.items()]
-        _draw(ax, curves, ylabel, f"{metric} per strategy")
-        paths += _save(fig, out_dir, stem, f"{ylabel.split(' (')[0].capitalize()} vs step by strategy (paper {fig_no})")
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    _draw(ax, [curve(n, m, "reward", smooth) for n, m in groups.items()], _metric_label("reward", smooth),
+          "reward per strategy")
+    paths = _save(fig, out_dir, "fig4_reward", "Reward vs step by strategy (paper Fig. 4)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.2))
+    _draw(left, [curve(n, m, "sampler/entropy", smooth) for n, m in groups.items()],
+          _metric_label("sampler entropy (nats)", smooth), "sampler token entropy")
+    left.get_legend().remove()
+    _draw(right, [curve(n, m, "entropy_gain", smooth) for n, m in groups.items()],
+          _metric_label("entropy gain (nats)", smooth), "entropy gain over the full-precision reference")
+    right.axhline(0, color="0.3", lw=0.8)
+    paths += _save(fig, out_dir, "fig5_entropy", "Entropy vs step by strategy (paper Fig. 5)")
     return paths
 
 
@@ -281,7 +292,7 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
     plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
+    names = _objective_names(study)
     fig, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 4.2), squeeze=False)
     for i, (ax, name, direction) in enumerate(zip(axes[0], names, study.directions)):
         _draw_history(ax, done, pruned, i, name, direction == optuna.study.StudyDirection.MAXIMIZE)
@@ -309,6 +320,17 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
     ax.legend(fontsize=8, loc="lower right")
     paths += _save(fig, out_dir, "optuna_importance", f"Optuna parameter importance: {study_name}", band_note=False)
     return paths, []
+
+
+def _objective_names(study) -> list[str]:
+    """Optuna's metric names; else the metrics recorded by `qerl_exp.sweep`; else `objective i`."""
+    if study.metric_names:
+        return list(study.metric_names)
+    recorded = study.user_attrs.get("qerl_sweep", {}).get("identity", {}).get("objectives") or []
+    names = [o.get("metric") for o in recorded if isinstance(o, dict)]
+    if len(names) == len(study.directions) and all(names):
+        return names
+    return [f"objective {i}" for i in range(len(study.directions))]
 
 
 def _draw_history(ax, done, pruned, index: int, name: str, maximize: bool) -> None:

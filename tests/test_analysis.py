@@ -308,25 +308,31 @@ def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monke
     save = figures._save
 
     def capture(fig, out_dir, stem, suptitle, band_note=True):
-        drawn[stem] = [(ax.get_xlabel(), ax.get_ylabel(), ax.get_legend(),
-                        [c for c in ax.collections if isinstance(c, PolyCollection)],
-                        [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [])
-                       for ax in fig.axes]
-        return save(fig, out_dir, stem, suptitle)
+        drawn[stem] = [{
+            "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+            "legend": [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else None,
+            "bands": sum(isinstance(c, PolyCollection) for c in ax.collections),
+            "curves": sum(1 for line in ax.get_lines() if not line.get_label().startswith("_")),
+        } for ax in fig.axes]
+        return save(fig, out_dir, stem, suptitle, band_note)
 
     monkeypatch.setattr(figures, "_save", capture)
-    paths = figures.write_all(loaded.runs, tmp_path)
+    paths = figures.write_all(loaded.runs, tmp_path, smooth=3)
     assert sorted(drawn) == sorted(FIGURES)
     for stem, axes in drawn.items():
-        for xlabel, ylabel, legend, bands, labels in axes:
-            assert xlabel and ylabel and legend is not None, stem
-            assert len(bands) == len(labels) >= 1, stem  # every curve (n=2 seeds) has its band
-    assert sorted(drawn["fig4_reward"][0][4]) == sorted(f"{s} (n=2)" for s in STRATEGIES)
-    assert drawn["fig8_aqn"][0][4] == ["AQN on (exp schedule) (n=2)", "AQN off (n=2)"]
-    assert sorted(drawn["fig9_15_schedules"][0][4]) == ["schedule=exp (n=2)", "schedule=linear (n=2)",
-                                                        "schedule=none (n=2)"]
-    assert sorted(drawn["fig10_lora_rank"][0][4]) == ["alpha=16, r=16 (n=2)", "alpha=32, r=32 (n=2)"]
-    assert [len(a[4]) for a in drawn["fig16_17_lr"]] == [2, 2]  # around nvfp4_lora and full_precision
+        assert any(a["legend"] for a in axes), stem
+        for a in axes:
+            assert a["xlabel"] == "RL step" and a["ylabel"], stem
+            assert a["curves"] >= 1 and a["bands"] == a["curves"], stem  # every curve (2 seeds) has its band
+            assert a["legend"] is None or len(a["legend"]) == a["curves"], stem
+    assert drawn["fig4_reward"][0]["legend"] == [f"{s} (n=2)" for s in STRATEGIES]  # table order
+    assert drawn["fig5_entropy"][1]["legend"] == [f"{s} (n=2)" for s in STRATEGIES]
+    assert "moving avg. over 3 steps" in drawn["fig5_entropy"][0]["ylabel"]
+    assert drawn["fig8_aqn"][0]["legend"] == ["AQN on (exp schedule) (n=2)", "AQN off (n=2)"]
+    assert sorted(drawn["fig9_15_schedules"][0]["legend"]) == ["schedule=exp (n=2)", "schedule=linear (n=2)",
+                                                               "schedule=none (n=2)"]
+    assert sorted(drawn["fig10_lora_rank"][0]["legend"]) == ["alpha=16, r=16 (n=2)", "alpha=32, r=32 (n=2)"]
+    assert [len(a["legend"]) for a in drawn["fig16_17_lr"]] == [2, 2]  # around nvfp4_lora and full_precision
     import matplotlib.image
 
     for p in paths:
