@@ -268,12 +268,18 @@ def _x(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.2f}{_TIMES}"
 
 
+def _num(x: float, digits: int) -> str:
+    """Fixed-point, without the sign of a value that rounds to zero ("-0.000")."""
+    text = f"{x:.{digits}f}"
+    return text.lstrip("-") if float(text) == 0 else text
+
+
 def _ci(iv: Interval, digits: int = 3) -> str:
     if math.isnan(iv.mean):
         return "n/a"
     if math.isnan(iv.low):
-        return f"{iv.mean:.{digits}f} (1 seed)"
-    return f"{iv.mean:.{digits}f} [{iv.low:.{digits}f}, {iv.high:.{digits}f}]"
+        return f"{_num(iv.mean, digits)} (1 seed)"
+    return f"{_num(iv.mean, digits)} [{_num(iv.low, digits)}, {_num(iv.high, digits)}]"
 
 
 def _verdict(holds: bool | None) -> str:
@@ -292,7 +298,7 @@ def _cells(r: Row) -> list[str]:
         r.strategy, str(r.seeds),
         _x(r.weights_ratio), memory, _x(r.peak_ratio),
         _x(r.tok_s_ratio), speed, _x(r.step_s_ratio),
-        _ci(r.sampler_entropy), _ci(r.entropy_gain), explore, _ci(r.final_reward), paper,
+        _ci(r.sampler_entropy), _ci(r.entropy_gain, 4), explore, _ci(r.final_reward), paper,
     ]
 
 

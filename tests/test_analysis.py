@@ -194,10 +194,10 @@ def _check_md_tex(out: Path, expected: dict[str, dict]) -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[2] == f"{e['weights_ratio']:.2f}x" and cells[4] == f"{e['peak_ratio']:.2f}x"
         assert cells[5] == f"{e['tok_s_ratio']:.2f}x" and cells[7] == f"{e['step_s_ratio']:.2f}x"
-        m, lo, hi = e["final"]
-        assert cells[11] == f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+        m, lo, hi = (f"{v:.3f}".replace("-0.000", "0.000") for v in e["final"])
+        assert cells[11] == f"{m} [{lo}, {hi}]"
         tex_line = next(line for line in tex.splitlines() if line.startswith(strategy.replace("_", r"\_") + " &"))
-        assert f"{e['weights_ratio']:.2f}$\\times$" in tex_line and f"{m:.3f} [{lo:.3f}, {hi:.3f}]" in tex_line
+        assert f"{e['weights_ratio']:.2f}$\\times$" in tex_line and f"{m} [{lo}, {hi}]" in tex_line
     assert r"\begin{tabular}" in tex and r"\bottomrule" in tex and "issue 6" in md
 
 
