@@ -11,6 +11,7 @@ import copy
 import csv
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -21,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, qerl
+from conftest import ROOT
 
 from analysis import figures, runs as R, stats, table
 
-STRATEGIES = ["full_precision", "nvfp4_rollout", "nvfp4_lora", "nf4_dq",
-              "nf4_lora", "mxfp4_lora", "nvfp4_lora_noaqn", "bf16_aqn"]
+FOUR_WAY = ["full_precision", "nvfp4_rollout", "nvfp4_lora", "nf4_dq"]
+STRATEGIES = [*FOUR_WAY, "nf4_lora", "mxfp4_lora", "nvfp4_lora_noaqn", "bf16_aqn"]
 FIGURES = ["fig4_reward", "fig5_entropy", "fig8_aqn", "fig9_15_schedules", "fig10_lora_rank", "fig16_17_lr"]
 
 # Student t 0.975 quantiles from a printed table (df: value), for the independent recomputation.
@@ -410,47 +411,38 @@ def test_wandb_project_through_the_public_api():
 
 # --------------------------------------------------------------------------- real runs (slow)
 
-TINY = ["train.steps=3", "train.prompts_per_step=2", "algo.group_size=2", "monitor.every=1"]
+TINY = ["train.steps=3", "train.prompts_per_step=2", "algo.group_size=2", "monitor.every=1", "tracker.mode=offline"]
 
 
 @pytest.fixture(scope="session")
 def real_runs(tmp_path_factory):
-    """The strategy command's shape at tiny size: 2 strategies x 2 seeds, the first with W&B offline."""
-    root = tmp_path_factory.mktemp("real")
-    made = defaultdict(list)
-    for strategy in ("full_precision", "nf4_dq"):
-        for seed in (0, 1):
-            d = root / strategy / f"s{seed}"
-            offline = not made
-            tracker = ["tracker.mode=offline"] if offline else ["tracker.mode=disabled"]
-            # One torch thread: on a shared 2-core machine more threads make OpenMP spin.
-            env = {"OMP_NUM_THREADS": "1", **({"WANDB_MODE": "offline"} if offline else {})}
-            p = qerl(f"strategy={strategy}", f"seed={seed}", *TINY, *tracker, f"hydra.run.dir={d}", env=env)
-            assert p.returncode == 0, p.stderr[-2000:]
-            made[strategy].append(d)
-    return root, made
+    """The strategy command itself at tiny size: the four-way presets x 2 seeds, W&B offline."""
+    out = tmp_path_factory.mktemp("strategies")
+    env = {**os.environ, "SEEDS": "0 1", "STRATEGIES": " ".join(FOUR_WAY), "ABLATIONS": "0", "WANDB_MODE": "offline"}
+    p = subprocess.run(["bash", "sweeps/strategies.sh", str(out), *TINY], cwd=ROOT, capture_output=True, text=True,
+                       timeout=1800, env=env)
+    assert p.returncode == 0 and "failed runs: 0" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
+    return out, {s: [out / s / f"s{seed}" for seed in (0, 1)] for s in FOUR_WAY}
 
 
 @pytest.mark.slow
-def test_analysis_command_on_real_runs(real_runs, tmp_path):
-    root, made = real_runs
-    out = tmp_path / "report"
-    p = subprocess.run([sys.executable, "-m", "analysis", str(root), "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
+def test_strategy_command_writes_the_table_and_every_figure(real_runs):
+    out, made = real_runs
+    report = out / "report"
     for name in ("strategy_table.md", "strategy_table.csv", "strategy_table.tex", "strategy_runs.md"):
-        assert (out / name).stat().st_size > 0
+        assert (report / name).stat().st_size > 0
     for stem in FIGURES:
-        assert (out / "figures" / f"{stem}.png").exists() and (out / "figures" / f"{stem}.pdf").exists()
+        assert (report / "figures" / f"{stem}.png").exists() and (report / "figures" / f"{stem}.pdf").exists()
     expected = _expected(made)
-    _check_csv(out, expected)
-    _check_md_tex(out, expected)
+    _check_csv(report, expected)
+    _check_md_tex(report, expected)
+    assert "- none" in (report / "strategy_runs.md").read_text().split("## Skipped")[1]
 
 
 @pytest.mark.slow
 def test_offline_wandb_file_matches_metrics_jsonl(real_runs):
     _, made = real_runs
-    d = made["full_precision"][0]
+    d = made["nvfp4_lora"][0]
     (wandb_file,) = d.glob("wandb/offline-run-*/run-*.wandb")
     from_file, from_dir = R.read_wandb_file(wandb_file), R.read_run_dir(d)
     assert from_file.finished and not R.problems(from_file)
