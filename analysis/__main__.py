@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
     p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
     p.add_argument("--smooth", type=int, default=1, metavar="K",
-                   help="moving average over K steps on reward curves (default 1: none)")
+                   help="moving average over K steps on reward and entropy curves (default 1: none)")
     return p
 
 

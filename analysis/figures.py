@@ -246,7 +246,20 @@ def _aqn_on_or_off(run: Run) -> bool:
 
 
 def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
-    """Write every run-based figure into `out_dir` (PNG and PDF); return the paths."""
+    """Write every run-based figure into `out_dir` (PNG and PDF); return the paths.
+
+    Args:
+        runs: complete, labelled runs (`analysis.runs.load(...).runs`).
+        out_dir: the figures' directory (created if needed).
+        smooth: moving average over this many steps on reward and entropy curves (1: none).
+
+    Example:
+        .. code-block:: python
+
+            from analysis import figures, runs
+
+            paths = figures.write_all(runs.load(["runs/strategies"]).runs, "report/figures", smooth=5)
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = strategy_figures(runs, out_dir, smooth)

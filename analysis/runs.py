@@ -433,6 +433,16 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
 
     Returns:
         `Loaded`: complete runs (labelled with their strategy) and skipped sources with reasons.
+
+    Example:
+        .. code-block:: python
+
+            from analysis.runs import load
+
+            loaded = load(["runs/strategies"])
+            for source, why in loaded.skipped:
+                print("skipped", source, why)
+            print({r.strategy for r in loaded.runs})
     """
     run_dirs, wandb_files, skipped = discover(paths)
     runs: list[Run] = []

@@ -179,7 +179,17 @@ def order(names) -> list[str]:
 
 
 def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
-    """The table's rows, in the order four-way, extras, others; and notes on left-out runs."""
+    """The table's rows, in the order four-way, extras, others; and notes on left-out runs.
+
+    Example:
+        .. code-block:: python
+
+            from analysis import runs, table
+
+            rows, notes = table.build(runs.load(["runs/strategies"]).runs)
+            print(table.to_markdown(rows))
+            table.write(rows, "report")  # strategy_table.md, .csv, .tex
+    """
     groups, notes = select(runs)
     rows = []
     for name in order(groups):
