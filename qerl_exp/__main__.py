@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
-    choices = {g: str(hc.runtime.choices[g]) for g in GROUPS if hc.runtime.choices.get(g) is not None}
+    choices = {g: str(hc.runtime.choices[g]) for g in (*GROUPS, "strategy") if hc.runtime.choices.get(g) is not None}
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:

@@ -161,6 +161,11 @@ def run(
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio))
     data_rng = np.random.default_rng(cfg.seed)
     weights = memory_bytes(policy)
+    if separate_sampler:  # the rollout copy is memory the strategy pays for too
+        sampler_bytes = memory_bytes(models.sampler)
+        weights = {k: weights[k] + sampler_bytes[k] for k in weights}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     def state(next_step: int) -> dict:
         return {
@@ -185,7 +190,8 @@ def run(
     history = _truncate_metrics(run_dir, start)
 
     tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
-                      group=group or cfg.task.name, job_type="train", tags=run_tags(choices), run_id=wandb_id)
+                      group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
+                      run_id=wandb_id)
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()

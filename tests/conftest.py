@@ -20,7 +20,8 @@ def qerl(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.
     """Run `python -m qerl_exp ARGS` from the repository root and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "qerl_exp", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        # One thread per run: OpenMP threads of concurrent runs spin against each other on 2 cores.
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
