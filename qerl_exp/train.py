@@ -153,7 +153,8 @@ def run(
     dtype = resolve_dtype(cfg.model.dtype, device)
     algo, G = cfg.algo, cfg.algo.group_size
     batch = cfg.train.prompts_per_step * G
-    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device, batch, max_seq_len=512)
+    # The fast engine's static KV cache holds prompts of up to 1024 tokens plus the completion.
+    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device, batch, max_seq_len=1024 + algo.max_new_tokens)
     aqn = AQN(models.sampler, cfg.noise, seed=cfg.seed + 1)
     schedule = Schedule(cfg.noise, cfg.train.steps)
     params = [p for p in policy.parameters() if p.requires_grad]

@@ -70,7 +70,8 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
     pg_url = require_server(postgres)
     name = f"pg_{uuid.uuid4().hex[:8]}"
     storage = _storage(pg_url)
-    args = [str(SPEC), "n_trials=9", f"storage={pg_url}", f"study_name={name}", "train.steps=3",
+    # 10 steps a trial: long enough on a quiet machine to catch a trial mid-run.
+    args = [str(SPEC), "n_trials=9", f"storage={pg_url}", f"study_name={name}", "train.steps=10",
             "heartbeat_interval=1", "grace_period=6", *TINY]
     # Three commands, as on three machines: each its own sweep dir, one worker each.
     procs = [subprocess.Popen(sweep_cmd(*args, f"sweep_dir={tmp_path / f'machine{i}'}"), cwd=ROOT,
@@ -123,5 +124,6 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
     # All three machines ran trials; each finished trial's run dir sits in its machine's sweep dir.
     workers = {t.user_attrs["worker"] for t in done}
     assert len(workers) >= 2
-    for t in done:
-        assert Path(t.user_attrs["run_dirs"][0], "summary.json").exists()
+    for t in done:  # a pruned trial stopped early: its run has metrics but no summary
+        finished = "summary.json" if t.state == TrialState.COMPLETE else "metrics.jsonl"
+        assert Path(t.user_attrs["run_dirs"][0], finished).exists()
