@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 
+ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes
+
+
 def rng_state(data_rng: np.random.Generator) -> dict:
     """Every RNG a step draws from: python, numpy, torch (and CUDA), and the data stream."""
     state = {
@@ -86,7 +89,7 @@ def latest(run_dir: Path) -> tuple[Path, dict] | None:
     for path in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
         try:
             state = torch.load(path / "state.pt", weights_only=False)
-            if not (path / "adapter" / "adapter_model.safetensors").exists():
+            if not (path / "adapter" / ADAPTER_FILE).exists():
                 raise FileNotFoundError("adapter_model.safetensors missing")
             return path, state
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to an older one
@@ -94,12 +97,34 @@ def latest(run_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def load_adapter(policy, path: Path) -> None:
-    """Load the LoRA weights saved in `path/adapter` into the peft-wrapped `policy`."""
-    from peft import set_peft_model_state_dict
+def load_adapter(policy, adapter_dir: str | Path) -> int:
+    """Load a saved LoRA adapter (peft format) into `policy`'s active adapter, in place.
+
+    Args:
+        policy: a peft-wrapped model with the same LoRA layout (targets, rank) as the saved one.
+        adapter_dir: a directory written by `save_pretrained`, e.g. `RUN/final/adapter`.
+
+    Returns:
+        The number of tensors loaded.
+
+    Raises:
+        FileNotFoundError: no adapter file in `adapter_dir`.
+        ValueError: the file lacks some of the policy's LoRA weights, has others, or shapes differ.
+    """
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    weights = load_file(str(Path(path) / "adapter" / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(policy, weights)
-    if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"checkpoint {path} does not match the model: unexpected keys {result.unexpected_keys[:3]}")
+    path = Path(adapter_dir) / ADAPTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: the run saved no trained adapter (did it finish?)")
+    saved = load_file(str(path), device=str(next(policy.parameters()).device))
+    expected = get_peft_model_state_dict(policy)
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    shapes = [key for key in set(expected) & set(saved) if expected[key].shape != saved[key].shape]
+    if missing or extra or shapes:
+        raise ValueError(
+            f"{path} does not match the rebuilt policy's LoRA: {len(missing)} missing (e.g. {missing[:1]}), "
+            f"{len(extra)} unexpected (e.g. {extra[:1]}), {len(shapes)} of another shape (e.g. {shapes[:1]})"
+        )
+    set_peft_model_state_dict(policy, saved)
+    return len(saved)

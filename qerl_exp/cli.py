@@ -28,7 +28,7 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _explain(exc: BaseException, overrides: list[str]) -> str:
+def _explain(exc: BaseException) -> str:
     """One line for a Hydra/OmegaConf composition error."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
@@ -85,7 +85,7 @@ def validate(overrides: list[str], multirun: bool) -> None:
         except ConfigError as e:
             raise UsageError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
-            raise UsageError(_explain(e, job)) from None
+            raise UsageError(_explain(e)) from None
 
 
 def preflight(cfg: Config) -> None:

@@ -40,10 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qerl_exp.checkpoint import load_adapter
 from qerl_exp.rollout import encode_prompts
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem
-
-ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -234,39 +233,6 @@ def run_config(run_dir: str | Path):
     saved = json.loads(path.read_text())
     saved.pop("choices", None)
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
-
-
-def load_adapter(policy, adapter_dir: str | Path) -> int:
-    """Load a saved LoRA adapter (peft format) into `policy`'s active adapter, in place.
-
-    Args:
-        policy: a peft-wrapped model with the same LoRA layout (targets, rank) as the saved one.
-        adapter_dir: a directory written by `save_pretrained`, e.g. `RUN/final/adapter`.
-
-    Returns:
-        The number of tensors loaded.
-
-    Raises:
-        FileNotFoundError: no adapter file in `adapter_dir`.
-        ValueError: the file lacks some of the policy's LoRA weights, has others, or shapes differ.
-    """
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    path = Path(adapter_dir) / ADAPTER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: the run saved no trained adapter (did it finish?)")
-    saved = load_file(str(path), device=str(_device(policy)))
-    expected = get_peft_model_state_dict(policy)
-    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-    shapes = [key for key in set(expected) & set(saved) if expected[key].shape != saved[key].shape]
-    if missing or extra or shapes:
-        raise ValueError(
-            f"{path} does not match the rebuilt policy's LoRA: {len(missing)} missing (e.g. {missing[:1]}), "
-            f"{len(extra)} unexpected (e.g. {extra[:1]}), {len(shapes)} of another shape (e.g. {shapes[:1]})"
-        )
-    set_peft_model_state_dict(policy, saved)
-    return len(saved)
 
 
 def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True):

@@ -89,7 +89,7 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-def _open_run_dir(cfg: Config, run_dir: Path, config: dict) -> tuple[Path, dict] | None:
+def _open_run_dir(run_dir: Path, config: dict) -> tuple[Path, dict] | None:
     """Create the run directory, or find the checkpoint to resume an unfinished run from."""
     if (run_dir / "summary.json").exists():
         raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
@@ -141,7 +141,7 @@ def run(
     run_dir = Path(run_dir)
     choices = choices or {}
     config = {**as_dict(cfg), "choices": choices}
-    resume_from = _open_run_dir(cfg, run_dir, config)
+    resume_from = _open_run_dir(run_dir, config)
 
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
@@ -178,7 +178,7 @@ def run(
     start, nonfinite, wandb_id, history = 0, 0, None, []
     if resume_from is not None:
         path, saved = resume_from
-        checkpoint.load_adapter(policy, path)
+        checkpoint.load_adapter(policy, path / "adapter")
         opt.load_state_dict(saved["optimizer"])
         lr_sched.load_state_dict(saved["lr_scheduler"])
         schedule.load_state_dict(saved["noise"])

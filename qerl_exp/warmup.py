@@ -48,7 +48,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     """
     from transformers import AutoModelForCausalLM
 
-    from qerl_exp.model import tiny_cache_key, tiny_config
+    from qerl_exp.model import tiny_cache_key
 
     task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
     if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path

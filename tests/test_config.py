@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT, qerl
 from qerl_exp.cli import UsageError, compose_config, group_options, validate
-from qerl_exp.config import GROUPS, Config, ConfigError, to_config
+from qerl_exp.config import GROUPS, Config, to_config
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -94,10 +94,6 @@ def test_multirun_validates_every_job():
     validate(["noise=adaptive,fixed"], multirun=True)
     with pytest.raises(UsageError, match="noise=bogus is not a preset"):
         validate(["noise=fixed,bogus"], multirun=True)
-
-
-def test_config_error_is_a_value_error():
-    assert issubclass(ConfigError, ValueError)
 
 
 def test_cli_bad_choice_exits_nonzero_with_one_line():
