@@ -1,7 +1,7 @@
 """Weight-only 4-bit GEMM kernels against bf16 cuBLAS at decode shapes (one process, one GPU).
 
     python bench/kernels.py                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
-    python bench/kernels.py --sweep         # also try tile configs for NVFP4 and print the best
+    python bench/kernels.py --sweep         # also try tile configs (NVFP4 and dense) and print the best
 
 Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
 to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
@@ -91,7 +91,7 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws = [pw] + [K.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
-    scratch = torch.zeros(256, w.shape[0], device=dev)  # split-K workspace (as the engine has)
+    scratch = torch.zeros(K.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
     return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
 
 
@@ -144,40 +144,42 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool
     """Time every tile config of `sweep_configs()` for one shape and M; print and return the best."""
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-    packs = {fmt: _packed(fmt, w)}
-    plans, _ = _plans(fmt, w, packs, [w])
+    packs = {fmt: _packed(fmt, w)} if fmt != "dense" else {}
+    plans, _ = _plans(fmt, w, packs, [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)])
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
     base = K.linear_config(m, n, k, fmt, n, False)
     results = []
     for c in sweep_configs():
         cfg = {**base, **c}
-        if n % cfg["BLOCK_N"] or (k // 32) % cfg["UNROLL"]:
+        if n % cfg["BLOCK_N"] or (k // cfg["BLOCK_K"]) % cfg["SPLIT"]:
             continue
         try:
             t = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16, config=cfg) for p in plans])
         except Exception as e:
-            print(f"  sweep {name} M={m} {c}: {type(e).__name__}", flush=True)
+            print(f"  sweep {name} {fmt} M={m} {c}: {type(e).__name__}", flush=True)
             continue
         results.append((t, cfg))
     results.sort(key=lambda r: r[0])
     t0 = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16) for p in plans])
     for t, cfg in results[:3]:
-        print(f"  sweep {name} M={m}: {t * 1e6:7.1f} us  {cfg}   (heuristic: {t0 * 1e6:.1f} us)", flush=True)
+        print(f"  sweep {name} {fmt} M={m}: {t * 1e6:7.1f} us  {cfg}   (heuristic: {t0 * 1e6:.1f} us)", flush=True)
     return results[0][1] if results else None
 
 
 def sweep_configs() -> list[dict]:
-    return [dict(BLOCK_N=bn, num_stages=st, UNROLL=un, num_warps=4)
-            for bn in (16, 32, 64, 128) for st in (2, 4) for un in (2, 4)]
+    """`_splitk_kernel` configs (dense and NVFP4)."""
+    return [dict(BLOCK_N=bn, num_stages=st, SPLIT=sp, num_warps=nw)
+            for bn in (64, 128, 256) for st in (3, 4) for sp in (1, 2, 4, 8) for nw in (4, 8) if bn < 256 or nw == 8]
 
 
 def main(argv: list[str] | None = None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b", help="7b or 0.5b")
     ap.add_argument("--m", default="1,8,64,256", help="rows (batch) to time")
-    ap.add_argument("--variants", default="dense,nvfp4_f16,nvfp4_bf16,nf4_f16,bnb_nf4")
-    ap.add_argument("--sweep", action="store_true", help="search NVFP4 tile configs (M=8 and 64)")
+    ap.add_argument("--variants", default="dense,nvfp4,nf4_f16,bnb_nf4",
+                    help="dense = the Triton bf16 kernel; nvfp4; nf4_f16 / nf4_bf16; bnb_nf4 = bitsandbytes")
+    ap.add_argument("--sweep", action="store_true", help="search NVFP4 and dense tile configs (M=8 and 64)")
     a = ap.parse_args(argv)
     shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_05B
     ms = [int(v) for v in a.m.split(",")]
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> list:
     for name, k, n in shapes:
         if a.sweep:
             for m in (8, 64):
-                sweep_shape(name, k, n, m)
+                for fmt in ("nvfp4", "dense"):
+                    sweep_shape(name, k, n, m, fmt)
         rows = bench_shape(name, k, n, ms, variants)
         for v, m, t, gbs, sp, err in rows:
             print(f"{name:22} {v:12} {m:>4} {t * 1e6:>9.1f} {gbs:>12.0f} {sp:>8.2f}x {err:>9.1e}", flush=True)

@@ -247,6 +247,7 @@ class _State:
         self.arange = torch.arange(s, device=dev)
         self.t = z(len(m.layers), 4, b, rt, dtype=torch.float32)  # LoRA shrink accumulators
         h = m.embed.shape[1]
+        self.ss = z(h // 16, b, dtype=torch.float32)  # partial sums of squares of the residual rows
         self.h = torch.zeros(b, h, dtype=dt, device=dev)
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
         self.generator: torch.Generator | None = None
@@ -339,10 +340,12 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bo
     b = st.b
     x = F.embedding(st.tok, m.embed)  # [B, H], updated in place by the residual epilogues
     st.t.zero_()
+    st.ss.zero_()  # later rows are written by the residual epilogues (ss_out), row 0 here
+    st.ss[0] = x.float().pow(2).sum(-1)
     for li, ly in enumerate(m.layers):
         t = st.t[li]  # [4, B, RT]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0], ly.qkv.plan.lora_dtype)
+        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0], ly.qkv.plan.lora_dtype, ss=st.ss)
         _base_cublas(ly.qkv, st.h)
         K.fused_linear(ly.qkv.plan, st.h, qkv_out, t=t[0] if ly.qkv.a_tab is not None else None, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
@@ -350,8 +353,10 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bo
         if ly.o.a_tab is not None:
             K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1], ly.o.plan.lora_dtype)
         _base_cublas(ly.o, att)
-        K.fused_linear(ly.o.plan, att, x, t=t[1] if ly.o.a_tab is not None else None, residual=x, f16=f16)
-        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2], ly.gate_up.plan.lora_dtype)
+        K.fused_linear(ly.o.plan, att, x, t=t[1] if ly.o.a_tab is not None else None, residual=x, f16=f16,
+                       ss_out=st.ss)
+        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2], ly.gate_up.plan.lora_dtype,
+                      ss=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
         has_dn = ly.down.a_tab is not None
         _base_cublas(ly.gate_up, st.h)
@@ -359,8 +364,8 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bo
                        a_next=ly.down.lora_a[0] if has_dn else None, t_next=t[3] if has_dn else None,
                        r_next=ly.down.r, f16=f16)
         _base_cublas(ly.down, inter)
-        K.fused_linear(ly.down.plan, inter, x, t=t[3] if has_dn else None, residual=x, f16=f16)
-    K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None)
+        K.fused_linear(ly.down.plan, inter, x, t=t[3] if has_dn else None, residual=x, f16=f16, ss_out=st.ss)
+    K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 
 
@@ -493,7 +498,7 @@ class FastEngine:
             if self.backend == "triton":
                 widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
                              for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-                ws = torch.zeros(self.max_batch_size, widest, dtype=torch.float32, device=dev)  # split-K scratch
+                ws = torch.zeros(K.SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
                 raw: dict = {}  # shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):

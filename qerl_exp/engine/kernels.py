@@ -3,18 +3,20 @@
 The torch twins define what every kernel computes and run anywhere (CPU tests, prefill, machines
 without Triton); the Triton kernels are the fast path for decode shapes (M = 1..256 rows).
 
-Kernel weight layout ("k32"), built once per linear at engine-build time from the model's own
-packed data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales are kept:
-- `codes` uint8 [K/32, N, 16]: for k-group g, output row n and byte j, the low element is
-  W[n, 32g + j] and the high element W[n, 32g + 16 + j]. A tile of BLOCK_N rows of one group is one
-  contiguous run of BLOCK_N * 16 bytes, and each half-byte feeds one K=16 tensor-core dot.
-- NVFP4: the two E2M1 nibbles are bit-permuted so that each becomes an FP8 E4M3 number with one
-  mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose value is e2m1 * 2^-6
-  (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal, so the conversion is exact).
-  `scales` float8_e4m3fn [K/16, N] (transposed block scales), `out_scale` = tensor scale.
-- MXFP4: the same E2M1 byte as NVFP4, `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
-- NF4: plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone at
-  build time), `lut` the 16 NF4 levels.
+Kernel weight layouts, built once per linear at engine-build time from the model's own packed
+data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales are kept:
+- E2M1 bytes (NVFP4, MXFP4): the two nibbles of a byte are bit-permuted so that each becomes an
+  FP8 E4M3 number with one mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose
+  value is e2m1 * 2^-6 (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal: exact). On the GPU
+  four bytes at a time become eight fp16 with `cvt.rn.f16x2.e4m3x2` (inline PTX).
+- NVFP4 ("k64"): `codes` uint8 [K/64, N, 32]: for chunk g, row n and byte j, the low element is
+  W[n, 64g + j], the high one W[n, 64g + 32 + j], so a tile of BLOCK_N rows of one chunk is one
+  contiguous run of BLOCK_N * 32 bytes (two 16-byte loads a row). `scales` int32 [K/64, N]: the
+  four E4M3 block scales of (chunk, row), block b in byte b. `out_scale` = tensor scale.
+- MXFP4 ("k32"): `codes` uint8 [K/32, N, 16] (low = W[n, 32g + j], high = W[n, 32g + 16 + j]),
+  `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
+- NF4 ("k32"): plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone
+  at build time), `lut` the 16 NF4 levels.
 Storage: 4.5 bits per weight for both (bitsandbytes' own NF4 with double quant: 4.127).
 """
 
@@ -59,8 +61,8 @@ class PackedWeight:
 
     Args:
         fmt: "nvfp4", "mxfp4" or "nf4".
-        codes: uint8 [k // 32, n, 16].
-        scales: nvfp4: float8_e4m3fn [k // 16, n]; mxfp4: uint8 E8M0 [k // 32, n];
+        codes: nvfp4: uint8 [k // 64, n, 32]; mxfp4, nf4: uint8 [k // 32, n, 16].
+        scales: nvfp4: int32 [k // 64, n] (four E4M3 bytes); mxfp4: uint8 E8M0 [k // 32, n];
             nf4: float32 [k // 64, n].
         out_scale: multiplies every output (the NVFP4 tensor scale; 1.0 for NF4).
         n: output features.
@@ -136,18 +138,25 @@ def quantize_nvfp4_reference(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return codes, s_b.contiguous(), s_t.float().reshape(())
 
 
-def _to_k32(nib: Tensor, fmt: str) -> Tensor:
-    """nibbles uint8 [n, k] -> kernel codes uint8 [k // 32, n, 16]."""
+def _to_chunks(nib: Tensor, fmt: str, chunk: int) -> Tensor:
+    """nibbles uint8 [n, k] -> kernel codes uint8 [k // chunk, n, chunk // 2] (low half, high half)."""
     n, k = nib.shape
-    if k % 32:
-        raise ValueError(f"in_features={k} must be a multiple of 32 for the 4-bit kernels")
-    g = nib.reshape(n, k // 32, 2, 16)
+    if k % chunk:
+        raise ValueError(f"in_features={k} must be a multiple of {chunk} for the {fmt} kernels")
+    g = nib.reshape(n, k // chunk, 2, chunk // 2)
     lo, hi = g[:, :, 0, :], g[:, :, 1, :]
     if fmt in ("nvfp4", "mxfp4"):
         byte = ((lo >> 3) << 7) | ((lo & 7) << 2) | ((hi >> 3) << 5) | (((hi >> 2) & 1) << 6) | (hi & 3)
     else:
         byte = lo | (hi << 4)
     return byte.permute(1, 0, 2).contiguous()
+
+
+def _e2m1_halves(c: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel's bit tricks on permuted E2M1 bytes: (low, high) elements as float32 * 2^-6."""
+    lo = (c & 0x9C).view(torch.float8_e4m3fn).float()
+    hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).view(torch.float8_e4m3fn).float()
+    return lo, hi
 
 
 def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float,
@@ -162,14 +171,13 @@ def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | f
     n = codes.shape[0]
     nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)
     k = nib.shape[1]
-    return PackedWeight(
-        fmt=fmt,
-        codes=_to_k32(nib, fmt),
-        scales=block_scales.t().contiguous(),
-        out_scale=float(tensor_scale),
-        n=n,
-        k=k,
-    )
+    if fmt == "nvfp4":
+        sc = block_scales.view(torch.uint8).reshape(n, -1, 4).to(torch.int32)
+        if sc.shape[1] * 64 != k:
+            raise ValueError(f"in_features={k} must be a multiple of 64 for the nvfp4 kernels")
+        word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)
+        return PackedWeight(fmt, _to_chunks(nib, fmt, 64), word.t().contiguous(), float(tensor_scale), n, k)
+    return PackedWeight(fmt, _to_chunks(nib, fmt, 32), block_scales.t().contiguous(), float(tensor_scale), n, k)
 
 
 def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int = 64) -> PackedWeight:
@@ -196,7 +204,7 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
     levels = lut.float().to(weight_deq.device)
     return PackedWeight(
         fmt="nf4",
-        codes=_to_k32(nib, "nf4"),
+        codes=_to_chunks(nib, "nf4", 32),
         scales=am.t().contiguous(),
         out_scale=1.0,
         n=n,
@@ -207,15 +215,17 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
 
 def dequantize_packed(pw: PackedWeight) -> Tensor:
     """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
-    c = pw.codes  # [G, n, 16]
-    if pw.fmt in ("nvfp4", "mxfp4"):
-        lo = (c & 0x9C).view(torch.float8_e4m3fn).float()
-        hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).view(torch.float8_e4m3fn).float()
-        vals = torch.stack([lo, hi], dim=2) * 64.0  # [G, n, 2, 16] e2m1 values
-        if pw.fmt == "nvfp4":
-            scale = pw.scales.float().t().reshape(pw.n, -1, 2, 1)  # [n, G, 2, 1]
-        else:
-            scale = torch.exp2(pw.scales.float().t() - 127.0).reshape(pw.n, -1, 1, 1)
+    c = pw.codes  # [G, n, chunk / 2]
+    if pw.fmt == "nvfp4":
+        vals = torch.stack(_e2m1_halves(c), dim=2) * 64.0  # [G, n, 2, 32] e2m1 values
+        word = pw.scales.t()  # [n, G]: four E4M3 bytes, block b of the chunk in byte b
+        sc = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], -1).to(torch.uint8)
+        scale = sc.view(torch.float8_e4m3fn).float().reshape(pw.n, -1, 2, 2, 1)  # [n, G, half, block, 1]
+        w = vals.permute(1, 0, 2, 3).reshape(pw.n, -1, 2, 2, 16) * scale
+        return w.reshape(pw.n, pw.k) * pw.out_scale
+    if pw.fmt == "mxfp4":
+        vals = torch.stack(_e2m1_halves(c), dim=2) * 64.0  # [G, n, 2, 16]
+        scale = torch.exp2(pw.scales.float().t() - 127.0).reshape(pw.n, -1, 1, 1)
         w = vals.permute(1, 0, 2, 3) * scale
         return w.reshape(pw.n, pw.k) * pw.out_scale
     lut = pw.lut.to(c.device)
@@ -232,30 +242,29 @@ if HAS_TRITON:
 
     @triton.jit
     def _norm_shrink_kernel(
-        x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm,
-        M, K, r, eps, KCHUNK,
-        NORM: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr, LDT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
+        M, K, r, eps, KCHUNK, T,
+        NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
+        LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        # h = RMSNorm(x) * g (HF rounding), written to h; t[:, s*R + j] += h @ A_s[j]^T over this
-        # program's K chunk (split-K with fp32 atomics; t is zeroed once per decode step).
+        # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
+        # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
+        # has to read whole rows); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk
+        # (split-K with fp32 atomics; t is zeroed once per decode step).
         ACT = x_ptr.dtype.element_ty
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         if NORM:
-            ss = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
-                ss += tl.sum(x * x, 1)
-            rstd = tl.rsqrt(ss / K + eps)
+            tt = tl.arange(0, T_PAD)
+            ssp = tl.load(ss_ptr + tt[:, None] * stride_ss + offs_m[None, :], mask=(tt[:, None] < T) & m_ok[None, :],
+                          other=0.0)
+            rstd = tl.rsqrt(tl.sum(ssp, 0) / K + eps)
         jj = tl.arange(0, RT)
         seg = jj // R
         j_ok = (seg < NSEG) & ((jj % R) < r)
-        a_row = tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(LDT))
+        a_row = tl.multiple_of(tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(LDT)), 16)
         a_row = a_row + (jj % R) * K
         acc = tl.zeros((BLOCK_M, RT), tl.float32)
         for k0 in range(pid_k * KCHUNK, pid_k * KCHUNK + KCHUNK, BLOCK_K):
@@ -269,35 +278,38 @@ if HAS_TRITON:
                 x = (gam[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
                 tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
                          mask=m_ok[:, None] & k_ok[None, :])
-            a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(x, a.to(ACT), acc)
-        tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
-                      mask=m_ok[:, None] & j_ok[None, :])
+            if LORA:
+                a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(x, a.to(ACT), acc)
+        if LORA:
+            tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
+                          mask=m_ok[:, None] & j_ok[None, :])
+
+    @triton.jit
+    def _tab(tab_ptr, i):
+        # A size or an address from a plan table. `make_plan` checks that both are multiples of 16:
+        # with the hint, loads through them become 16-byte vector loads.
+        return tl.multiple_of(tl.load(tab_ptr + i), 16)
+
+    @triton.jit
+    def _tab_ptr(tab_ptr, i, DT: tl.constexpr):
+        return tl.multiple_of(tl.load(tab_ptr + i).to(tl.pointer_type(DT)), 16)
 
     @triton.jit
     def _seg_ptrs(tab_ptr, seg, FMT: tl.constexpr):
         # (codes, scales, rows) of segment `seg` for a 4-bit format
-        code_ptr = tl.load(tab_ptr + seg * 8 + 0).to(tl.pointer_type(tl.uint8))
+        code_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
         if FMT != 2:
-            sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.uint8))
+            sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.uint8)
         else:
-            sc_ptr = tl.load(tab_ptr + seg * 8 + 1).to(tl.pointer_type(tl.float32))
-        return code_ptr, sc_ptr, tl.load(tab_ptr + seg * 8 + 4)
+            sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.float32)
+        return code_ptr, sc_ptr, _tab(tab_ptr, seg * 8 + 4)
 
     @triton.jit
     def _load_w_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
-        # One k-group (32 inputs) of BLOCK_N weight rows, dequantized: (w_lo, w_hi), each [BN, 16].
+        # One k-group (32 inputs) of BLOCK_N MXFP4/NF4 weight rows, dequantized: (w_lo, w_hi), [BN, 16].
         c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
-        if FMT == 1:
-            s_lo = tl.load(sc_ptr + (2 * g) * nrows + rows).to(tl.float8e4nv, bitcast=True)
-            s_hi = tl.load(sc_ptr + (2 * g + 1) * nrows + rows).to(tl.float8e4nv, bitcast=True)
-            s_lo = (s_lo.to(tl.float32) * 64.0).to(DT)
-            s_hi = (s_hi.to(tl.float32) * 64.0).to(DT)
-            lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT)
-            hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT)
-            w_lo = lo * s_lo[:, None]
-            w_hi = hi * s_hi[:, None]
-        elif FMT == 3:
+        if FMT == 3:
             e = tl.load(sc_ptr + g * nrows + rows).to(tl.float32)
             s = tl.exp2(e - 121.0).to(DT)  # 2^(e - 127) * 64
             w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
@@ -312,14 +324,7 @@ if HAS_TRITON:
     def _load_w_tile3(code_ptr, sc_ptr, nrows, gidx, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
         # GB k-groups at once: (w_lo, w_hi), each [GB, BN, 16]; many independent loads in flight.
         c = tl.load(code_ptr + gidx[:, None, None] * nrows * 16 + rows[None, :, None] * 16 + jj[None, None, :])
-        if FMT == 1:
-            s_lo = tl.load(sc_ptr + (2 * gidx)[:, None] * nrows + rows[None, :]).to(tl.float8e4nv, bitcast=True)
-            s_hi = tl.load(sc_ptr + (2 * gidx + 1)[:, None] * nrows + rows[None, :]).to(tl.float8e4nv, bitcast=True)
-            s_lo = (s_lo.to(tl.float32) * 64.0).to(DT)
-            s_hi = (s_hi.to(tl.float32) * 64.0).to(DT)
-            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * s_lo[:, :, None]
-            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * s_hi[:, :, None]
-        elif FMT == 3:
+        if FMT == 3:
             e = tl.load(sc_ptr + gidx[:, None] * nrows + rows[None, :]).to(tl.float32)
             sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
             w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * sc
@@ -330,13 +335,116 @@ if HAS_TRITON:
             w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am).to(DT)
         return w_lo, w_hi
 
+    # Four permuted E2M1 bytes ($4) -> eight fp16 (low elements $0 $1, high $2 $3), each times its
+    # block scale ($5..$8, fp16 pairs): bit masks, then Hopper's e4m3x2 -> f16x2 conversion.
+    _E2M1X4_TO_F16 = tl.constexpr("""
+    {
+    .reg .b32 lo, hi, t;
+    .reg .b16 l0, l1, h0, h1;
+    and.b32 lo, $4, 0x9C9C9C9C;
+    shl.b32 t, $4, 2;
+    and.b32 hi, t, 0x8C8C8C8C;
+    shr.b32 t, $4, 2;
+    and.b32 t, t, 0x10101010;
+    or.b32 hi, hi, t;
+    mov.b32 {l0, l1}, lo;
+    mov.b32 {h0, h1}, hi;
+    cvt.rn.f16x2.e4m3x2 $0, l0;
+    cvt.rn.f16x2.e4m3x2 $1, l1;
+    cvt.rn.f16x2.e4m3x2 $2, h0;
+    cvt.rn.f16x2.e4m3x2 $3, h1;
+    mul.rn.f16x2 $0, $0, $5;
+    mul.rn.f16x2 $1, $1, $6;
+    mul.rn.f16x2 $2, $2, $7;
+    mul.rn.f16x2 $3, $3, $8;
+    }
+    """)
+
+    @triton.jit
+    def _e4m3_byte(word, b: tl.constexpr):
+        return ((word >> (8 * b)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+    @triton.jit
+    def _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+        # One 64-input chunk of BLOCK_N NVFP4 rows as fp16 (w_lo, w_hi), each [BN, 32], in units of
+        # 2^-6 (exact: e2m1 * e4m3 needs 6 significant bits and stays inside fp16's range).
+        b2 = tl.arange(0, 2)
+        j16 = tl.arange(0, 16)
+        c = tl.load(c_ptr + g * nrows * 32 + rows[:, None, None] * 32 + b2[None, :, None] * 16 + j16[None, None, :])
+        word = tl.load(s_ptr + g * nrows + rows)
+        s_lo = tl.broadcast_to(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1))[:, :, None], (BLOCK_N, 2, 16))
+        s_hi = tl.broadcast_to(tl.join(_e4m3_byte(word, 2), _e4m3_byte(word, 3))[:, :, None], (BLOCK_N, 2, 16))
+        if ASM:
+            w_lo, w_hi = tl.inline_asm_elementwise(
+                asm=_E2M1X4_TO_F16, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s_lo, s_hi],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:  # the interpreter cannot run PTX: the same bit tricks with Triton ops
+            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(tl.float16) * s_lo
+            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(tl.float16) * s_hi
+        return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
+
+    @triton.jit
+    def _splitk_kernel(
+        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, M, K, N1, N2, CPS,
+        FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # ws[pid_k, m, n] = x[m, K slice pid_k] @ W_seg[n - start_seg]^T in fp32, for up to three
+        # segments side by side (q|k|v, gate|up); a raw `_linear_kernel` launch sums the slices and
+        # applies scale, bias, LoRA, GLU and residual. Dense (FMT 0): bf16/fp32 rows, BLOCK_K inputs a
+        # step. NVFP4 (FMT 1): 64 inputs a step, fp16 dot with the weight tile as the wide operand
+        # (x pre-scaled by 1/16; the epilogue's output scale undoes that and the 2^-6).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n0 = pid_n * BLOCK_N
+        if NSEG == 1:
+            seg = n0 * 0
+            start = n0 * 0
+        elif NSEG == 2:
+            seg = (n0 >= N1).to(tl.int32)
+            start = tl.where(n0 >= N1, N1, 0)
+        else:
+            seg = (n0 >= N1).to(tl.int32) + (n0 >= N2).to(tl.int32)
+            start = tl.where(n0 >= N2, N2, tl.where(n0 >= N1, N1, 0))
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        rows = offs_n - start
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        c0 = pid_k * CPS
+        if FMT == 0:
+            kk = tl.arange(0, BLOCK_K)
+            w_ptr = _tab_ptr(tab_ptr, seg * 8, x_ptr.dtype.element_ty)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for kc in range(c0, c0 + CPS):
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kc * BLOCK_K + kk[None, :], mask=m_ok[:, None],
+                            other=0.0)
+                w = tl.load(w_ptr + rows[:, None] * K + kc * BLOCK_K + kk[None, :])
+                acc = tl.dot(x, tl.trans(w), acc)
+            tl.store(ws_ptr + pid_k * stride_ws + offs_m[:, None] * stride_wm + offs_n[None, :], acc,
+                     mask=m_ok[:, None])
+        else:
+            j = tl.arange(0, 32)
+            c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
+            s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
+            nrows = _tab(tab_ptr, seg * 8 + 4)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for g in range(c0, c0 + CPS):
+                xp = x_ptr + offs_m[:, None] * stride_xm + g * 64 + j[None, :]
+                x_lo = (tl.load(xp, mask=m_ok[:, None], other=0.0).to(tl.float32) * 0.0625).to(tl.float16)
+                x_hi = (tl.load(xp + 32, mask=m_ok[:, None], other=0.0).to(tl.float32) * 0.0625).to(tl.float16)
+                w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
+                acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+                acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+            tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
+                     mask=m_ok[None, :])
+
     @triton.jit
     def _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r,
                    R: tl.constexpr, ACT: tl.constexpr, LDT: tl.constexpr):
         # scaling * (t_seg @ B_seg[rows]^T): [BM, BN] fp32; t is rounded to the model dtype first,
         # as peft's lora_A output is.
         rr = tl.arange(0, R)
-        b_ptr = tl.load(tab_ptr + seg * 8 + 2).to(tl.pointer_type(LDT))
+        b_ptr = _tab_ptr(tab_ptr, seg * 8 + 2, LDT)
         tt = tl.load(t_ptr + offs_m[:, None] * stride_tm + seg * R + rr[None, :],
                      mask=m_ok[:, None] & (rr[None, :] < r), other=0.0).to(ACT)
         bb = tl.load(b_ptr + rows[None, :] * r + rr[:, None], mask=rr[:, None] < r, other=0.0).to(ACT)
@@ -346,20 +454,20 @@ if HAS_TRITON:
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm, ws_ptr, stride_wm,
+        an_ptr, tn_ptr, stride_tnm, stride_ws, NSPLIT, ss_ptr, stride_ss,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr,
+        HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr = 1, RAW_F32: tl.constexpr = False,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RAW_F32: tl.constexpr = False,
     ):
-        # SPLIT > 1: only the base product over this program's K slice, atomically added (fp32) to
-        # the workspace ws [M, N (GLU: 2N)]; a second launch (format raw, RAW_F32) finishes it.
+        # Format raw: the base product is already in buffers (cuBLAS output, or with RAW_F32 the
+        # NSPLIT fp32 K slices of `_splitk_kernel`, `stride_ws` apart), this launch finishes it.
         # out[:, n] = x @ W_seg[n - start_seg]^T * out_scale + bias + lora (+ residual), one launch
         # for up to three segments (q, k, v); GLU: out = silu(gate) * up with gate = segment 0 and
         # up = segment 1, both over the same N columns, and optionally the shrink of `out` for the
-        # next LoRA (t_next += out_tile @ A_next[:, tile]^T).
+        # next LoRA (t_next += out_tile @ A_next[:, tile]^T). SS_OUT: ss[pid_n, m] = the sum of
+        # squares of this tile's part of out's row m (the next RMSNorm's statistics, see norm_shrink).
         ACT = out_ptr.dtype.element_ty
         if F16:
             DT = tl.float16
@@ -384,36 +492,20 @@ if HAS_TRITON:
         seg2 = seg + 1  # GLU: the up projection
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if FMT == 0:
-            w_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(ACT))
-            if GLU:
-                w2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(ACT))
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptr + rows[None, :] * K + offs_k[:, None])
-                acc = tl.dot(x, w, acc)
-                if GLU:
-                    w2 = tl.load(w2_ptr + rows[None, :] * K + offs_k[:, None])
-                    acc2 = tl.dot(x, w2, acc2)
-        elif FMT == 4:  # raw: the base product came from cuBLAS (or a split launch) into buffers
+        if FMT == 4:  # raw
             if RAW_F32:
                 RDT = tl.float32
             else:
                 RDT = ACT
-            raw_ptr = tl.load(tab_ptr + seg * 8).to(tl.pointer_type(RDT))
-            rs = tl.load(tab_ptr + seg * 8 + 5)
-            rp = raw_ptr + offs_m[:, None] * rs + rows[None, :]
-            acc = tl.load(rp, mask=m_ok[:, None], other=0.0).to(tl.float32)
-            if RAW_F32:  # leave the split workspace zeroed for the next launch
-                tl.store(rp, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=m_ok[:, None])
+            raw_ptr = _tab_ptr(tab_ptr, seg * 8, RDT)
+            rp = raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :]
+            for sp in range(NSPLIT):
+                acc += tl.load(rp + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
             if GLU:
-                raw2_ptr = tl.load(tab_ptr + seg2 * 8).to(tl.pointer_type(RDT))
-                rs2 = tl.load(tab_ptr + seg2 * 8 + 5)
-                rp2 = raw2_ptr + offs_m[:, None] * rs2 + rows[None, :]
-                acc2 = tl.load(rp2, mask=m_ok[:, None], other=0.0).to(tl.float32)
-                if RAW_F32:
-                    tl.store(rp2, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=m_ok[:, None])
+                raw2_ptr = _tab_ptr(tab_ptr, seg2 * 8, RDT)
+                rp2 = raw2_ptr + offs_m[:, None] * _tab(tab_ptr, seg2 * 8 + 5) + rows[None, :]
+                for sp in range(NSPLIT):
+                    acc2 += tl.load(rp2 + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
         elif UNROLL > 1:  # GB = UNROLL k-groups per iteration, batched dot over the groups
             jj = tl.arange(0, 16)
             gg = tl.arange(0, UNROLL)
@@ -421,8 +513,7 @@ if HAS_TRITON:
             if GLU:
                 c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
             xm = m_ok[None, :, None]
-            gs = K // 32 // SPLIT
-            for g0 in range(tl.program_id(2) * gs, tl.program_id(2) * gs + gs, UNROLL):
+            for g0 in range(0, K // 32, UNROLL):
                 gidx = g0 + gg
                 xp = x_ptr + offs_m[None, :, None] * stride_xm + gidx[:, None, None] * 32 + jj[None, None, :]
                 x_lo = tl.load(xp, mask=xm, other=0.0)
@@ -445,32 +536,23 @@ if HAS_TRITON:
             c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
             if GLU:
                 c2_ptr, s2_ptr, nrows2 = _seg_ptrs(tab_ptr, seg2, FMT)
-            gs1 = K // 32 // SPLIT
-            for g0 in range(tl.program_id(2) * gs1, tl.program_id(2) * gs1 + gs1):
-                for u in tl.static_range(1):
-                    g = g0 + u
-                    xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
-                    x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
-                    x_hi = tl.load(xp + 16, mask=m_ok[:, None], other=0.0)
-                    if F16:
-                        x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
-                        x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
-                    w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
-                    acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-                    acc = tl.dot(x_hi, tl.trans(w_hi), acc)
-                    if GLU:
-                        v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
-                        acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
-                        acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
-        if SPLIT > 1:
-            wp = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
-            tl.atomic_add(wp, acc * tl.load(fsc_ptr + seg * 2 + 1), mask=m_ok[:, None])
-            if GLU:
-                tl.atomic_add(wp + N, acc2 * tl.load(fsc_ptr + seg2 * 2 + 1), mask=m_ok[:, None])
-            return
+            for g in range(0, K // 32):
+                xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
+                x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
+                x_hi = tl.load(xp + 16, mask=m_ok[:, None], other=0.0)
+                if F16:
+                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
+                acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+                acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+                if GLU:
+                    v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
+                    acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
+                    acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
         y = acc * tl.load(fsc_ptr + seg * 2 + 1)
         if HAS_BIAS:
-            bias_ptr = tl.load(tab_ptr + seg * 8 + 3).to(tl.pointer_type(ACT))
+            bias_ptr = _tab_ptr(tab_ptr, seg * 8 + 3, ACT)
             y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
         if HAS_LORA:
             y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
@@ -485,6 +567,9 @@ if HAS_TRITON:
             y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
         out = y.to(ACT)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
+        if SS_OUT:
+            of = out.to(tl.float32)
+            tl.store(ss_ptr + pid_n * stride_ss + offs_m, tl.sum(of * of, 1), mask=m_ok)
         if SHRINK_NEXT:
             rn = tl.arange(0, R_NEXT)
             a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0).to(ACT)
@@ -557,7 +642,7 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,
                 a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None,
-                lora_dtype: torch.dtype | None = None) -> None:
+                lora_dtype: torch.dtype | None = None, ss: Tensor | None = None) -> None:
     """Triton: h_out = RMSNorm(x) * gamma (if gamma given) and t_out += h @ A_s^T per segment.
 
     Args:
@@ -567,9 +652,13 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         lora_dtype: dtype of those matrices (peft keeps adapters in fp32 under a bf16 base);
             the dot runs in x's dtype.
         t_out: fp32 [M, >= nseg * R] accumulator, R = padded rank; must be zeroed by the caller.
+        ss: fp32 [T, >= M]: partial sums of squares of x's rows (their sum over T is the row's
+            sum), as `fused_linear(ss_out=...)` writes them; None computes them here with torch.
     """
     m, k = x.shape
-    if a_tab is None:  # norm only: one split, dummy LoRA
+    if gamma is not None and ss is None:
+        ss = x.float().pow(2).sum(-1)[None]
+    if a_tab is None:  # norm only
         nseg, r = 1, 0
     R = _pow2(r)
     RT = _pow2(nseg * R)
@@ -577,19 +666,25 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_blocks = triton.cdiv(m, block_m)
     chunks = k // block_k
-    split = 1 if a_tab is None else max(1, min(chunks, 32 // m_blocks))
+    split = max(1, min(chunks, 32 // m_blocks))
     while chunks % split:
         split -= 1
     dummy = _dummy(x.device, x.dtype)
+    f32 = _dummy(x.device, torch.float32)
     _norm_shrink_kernel[(split, m_blocks)](
         x, x.stride(0), gamma if gamma is not None else dummy,
         h_out if h_out is not None else dummy, h_out.stride(0) if h_out is not None else 0,
         a_tab if a_tab is not None else _dummy(x.device, torch.int64),
-        t_out if t_out is not None else _dummy(x.device, torch.float32), t_out.stride(0) if t_out is not None else 0,
-        m, k, r, eps, (chunks // split) * block_k,
-        NORM=gamma is not None, NSEG=nseg, R=R, RT=RT, LDT=_tl_dtype(lora_dtype or x.dtype),
+        t_out if t_out is not None else f32, t_out.stride(0) if t_out is not None else 0,
+        ss if ss is not None else f32, ss.stride(0) if ss is not None else 0,
+        m, k, r, eps, (chunks // split) * block_k, ss.shape[0] if ss is not None else 1,
+        NORM=gamma is not None, LORA=a_tab is not None, NSEG=nseg, R=R, RT=RT,
+        LDT=_tl_dtype(lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
         BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )
+
+
+SPLIT_MAX = 8  # most K slices of `_splitk_kernel` (the workspace holds this many)
 
 
 @dataclass
@@ -603,7 +698,7 @@ class LinearPlan:
     k: int
     n1: int
     n2: int
-    tab: Tensor  # int64 [nseg, 8]: codes-or-weight, scales, lora_B, bias, rows
+    tab: Tensor  # int64 [nseg, 8]: codes-or-weight, scales, lora_B, bias, rows, raw row stride
     fsc: Tensor  # float32 [nseg, 2]: lora scaling, output scale
     fsc_f16: Tensor  # the same with the output scale times 16 (undoes the fp16 dot's prescale)
     lut: Tensor | None
@@ -612,46 +707,56 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
-    split_epilogue: "LinearPlan | None" = None  # 4-bit split-K: the launch that finishes from `workspace`
-    workspace: Tensor | None = None  # fp32 [B_max, n (GLU: 2n)], zero between launches
+    split_epilogue: "LinearPlan | None" = None  # dense/nvfp4: the raw launch that finishes the K slices
+    workspace: Tensor | None = None  # fp32 [SPLIT_MAX, B_max, >= total n]: `_splitk_kernel`'s K slices
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
-    """Tile sizes for the fused linear kernel at M rows (heuristic, tuned on the H200)."""
+    """Tile sizes for M rows (heuristics from `bench/w4_sweep.py` on the H200).
+
+    dense / nvfp4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM are in
+    flight, since one decode-sized tile cannot keep HBM busy by itself."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_blocks = -(-m // block_m)
+    if fmt in ("dense", "nvfp4"):
+        total = n * (2 if glu else 1)
+        wide = total >= 8192 or k >= 8192
+        bn = 128 if fmt == "nvfp4" and wide else 64
+        while seg_gcd % bn:
+            bn //= 2
+        bk = 64 if fmt == "nvfp4" or not wide else 128
+        split, chunks = 1, k // bk
+        while split < SPLIT_MAX and (total // bn) * m_blocks * split < 4 * sms and chunks % (2 * split) == 0:
+            split *= 2
+        return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
     for bn in (128, 64, 32):
         if seg_gcd % bn == 0 and (n // bn) * m_blocks >= 2 * sms:
             block_n = bn
             break
+    if fmt == "raw":
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=1, num_warps=4, num_stages=4)
     groups = k // 32
     gb = 1
     while gb < 8 and groups % (gb * 2) == 0:
         gb *= 2
-    if fmt in ("dense", "raw"):
-        block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=4)
     if m > 16:  # multi-group tiles only pay (and fit in registers) for small M
         gb = 1
     elif block_n > 64:
         block_n = 64
-    programs = (n // block_n) * m_blocks
-    # Split-K (SPLIT > 1: fp32 atomics into the workspace, then a raw launch) passes the interpreter
-    # but gave wrong sums on the H200 (2026-11-29, likely atomics on a replicated dot layout), so it
-    # is off until fixed; `config={"SPLIT": n}` still selects it for experiments.
-    split = 1
-    del programs
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=gb, num_warps=4,
-                num_stages=2 if (glu or fmt == "nf4") else 3, SPLIT=split)
+                num_stages=2 if (glu or fmt == "nf4") else 3)
 
 
 def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
                  residual: Tensor | None = None, a_next: Tensor | None = None,
                  t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
-                 config: dict | None = None) -> Tensor:
+                 ss_out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """Triton: out = x @ W^T (+ bias, LoRA from the shrink t, residual; GLU; next shrink).
+
+    Dense and NVFP4 weights: `_splitk_kernel` writes fp32 K slices, one raw launch finishes them.
+    MXFP4 and NF4: one launch.
 
     Args:
         plan: the group's device tables (`make_plan`).
@@ -660,44 +765,56 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         residual: [M, N] added after rounding the linear's output (may alias out).
         a_next / t_next / r_next: GLU only: the down projection's LoRA A [r_next, N] and its fp32
             accumulator, fed with this launch's output tiles.
-        f16: fp16 tensor-core dot for NVFP4/NF4 (activations pre-scaled by 1/16): fewer
-            conversions than bf16; exact for NVFP4 weights, activations keep 11 mantissa bits.
+        f16: NF4/MXFP4: fp16 tensor-core dot (activations pre-scaled by 1/16). NVFP4 always
+            multiplies in fp16 (its weights are exact there).
+        ss_out: fp32 [>= N / 16, >= M]: rows 0..T-1 get the partial sums of squares of out's rows
+            over T column tiles (T = N / BLOCK_N, the same for every launch with this N and M),
+            for the next `norm_shrink(ss=...)`.
+        config: tile sizes (`linear_config`'s keys) instead of the heuristic.
     """
     m = x.shape[0]
     cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu)
-    R = _pow2(plan.r)
+    if plan.split_epilogue is not None:
+        cfg = dict(cfg)
+        split, bk = cfg.pop("SPLIT"), cfg.pop("BLOCK_K")
+        ws = plan.workspace
+        total = plan.n * (2 if plan.glu else 1)
+        _splitk_kernel[(total // cfg["BLOCK_N"], split, triton.cdiv(m, cfg["BLOCK_M"]))](
+            x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), m, plan.k, plan.n1, plan.n2,
+            plan.k // bk // split, FMT=_FMT_ID[plan.fmt], NSEG=2 if plan.glu else plan.nseg,
+            ASM=not _interpreting(), BLOCK_K=bk, **cfg)
+        epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu)
+        _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
+                       {**epi, "RAW_F32": True}, ss_out, split, ws.stride(0))
+        return out
     global _NO_3D
     if _NO_3D and cfg.get("UNROLL", 1) > 1:
         cfg = {**cfg, "UNROLL": 1}
     try:
-        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg)
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out)
     except Exception as e:  # triton builds without batched 3-D dots: fall back to one group a step
         if cfg.get("UNROLL", 1) == 1 or "Compilation" not in type(e).__name__:
             raise
         warnings.warn(f"fused_linear: multi-group tiles failed to compile ({str(e)[:200]}); using single groups")
         _NO_3D = True
-        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**cfg, "UNROLL": 1})
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**cfg, "UNROLL": 1}, ss_out)
     return out
 
 
 _NO_3D = False
 
 
-def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg) -> None:
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, nsplit=1,
+                   stride_ws=0) -> None:
     m = x.shape[0]
     R = _pow2(plan.r)
-    cfg = dict(cfg)
-    split = cfg.pop("SPLIT", 1)
-    if split > 1 and plan.split_epilogue is not None:
-        ws = plan.workspace
-        grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]), split)
-        _launch_raw(plan, x, ws, grid, split, f16, cfg)
-        _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
-                       {**linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu), "RAW_F32": True})
-        return
-    grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]), 1)
+    grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
     dummy = _dummy(out.device, out.dtype)
-    f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))  # E8M0 scales may leave fp16's range
+    f16 = bool(f16 and plan.fmt == "nf4")  # E8M0 scales may leave fp16's range
     fsc = plan.fsc_f16 if f16 else plan.fsc
     _linear_kernel[grid](
         x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,
@@ -705,25 +822,12 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg) 
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         t if t is not None else fsc, t.stride(0) if t is not None else 0,
         a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
-        t_next.stride(0) if t_next is not None else 0, fsc, 0,
+        t_next.stride(0) if t_next is not None else 0, stride_ws, nsplit,
+        ss_out if ss_out is not None else fsc, ss_out.stride(0) if ss_out is not None else 0,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
-        R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
-    )
-
-
-def _launch_raw(plan, x, ws, grid, split, f16, cfg) -> None:
-    # split-K base product only: ws[:, n] += x @ W^T over each K slice (fp32 atomics)
-    f16 = bool(f16 and plan.fmt in ("nvfp4", "nf4"))
-    fsc = plan.fsc_f16 if f16 else plan.fsc
-    d = _dummy(x.device, x.dtype)
-    _linear_kernel[grid](
-        x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,
-        d, 0, d, 0, fsc, 0, d, fsc, 0, ws, ws.stride(0),
-        x.shape[0], plan.n, plan.k, plan.n1, plan.n2, 1, 1,
-        FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=False, HAS_LORA=False, HAS_RES=False,
-        SHRINK_NEXT=False, R=16, R_NEXT=16, F16=f16, LDT=_tl_dtype(x.dtype), SPLIT=split, **cfg,
+        SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
     )
 
 
@@ -793,8 +897,8 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
     `raw`: per-segment [B_max, n] buffers into which cuBLAS writes x @ W^T for dense weights; the
     launch then only applies bias, LoRA, residual and GLU to them (format "raw").
-    `workspace`: zeroed fp32 [B_max, >= total n] shared scratch; with it, 4-bit launches may split K
-    over more programs (fp32 atomics into it) and finish with a raw launch that re-zeroes it.
+    `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense (without
+    `raw`) and NVFP4 plans need it for `_splitk_kernel`'s K slices.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -823,15 +927,24 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
             fsc[s, 0] = lora_scale[s]
         if biases[s] is not None:
             tab[s, 3] = biases[s].data_ptr()
+    tensors = [t_ for t_ in list(weights) + biases + list(lora_b or []) + list(raw or []) if isinstance(t_, Tensor)]
+    tensors += [t_ for w in weights if isinstance(w, PackedWeight) for t_ in (w.codes, w.scales)]
+    if any(sz % 16 for sz in sizes + [k]) or any(t_.data_ptr() % 16 for t_ in tensors if t_ is not None):
+        raise ValueError(f"the engine's kernels need sizes {sizes} x {k} and tensor addresses that are "
+                         "multiples of 16")
     n = sizes[0] if glu else sum(sizes)
     gcd = 0
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
     epi = None
-    if workspace is not None and fmt in ("nvfp4", "nf4", "mxfp4"):
-        starts = [0, sizes[0]] if glu else [sum(sizes[:i]) for i in range(nseg)]
-        views = [workspace[:, st_: st_ + sz] for st_, sz in zip(starts, sizes)]
+    if fmt in ("dense", "nvfp4") and raw is None:
+        if workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes):
+            raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
+        starts = [sum(sizes[:i]) for i in range(nseg)]
+        views = [workspace[0, :, st_: st_ + sz] for st_, sz in zip(starts, sizes)]
         epi = make_plan("dense", weights, biases, lora_b, lora_scale, r, glu, device, raw=views)
+        if fmt == "nvfp4":  # the slices are in units of 2^-6 / 16 (see `_splitk_kernel`)
+            epi.fsc[:, 1] = fsc[:, 1].to(device) * 1024.0
         epi.keep.append(workspace)
     plan = LinearPlan(
         fmt="raw" if raw is not None else fmt, nseg=nseg, glu=glu, n=n, k=k,

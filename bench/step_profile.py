@@ -1,0 +1,103 @@
+"""Where one decode step of the engine goes: graph-replayed step time and the kernels inside it.
+
+    python bench/step_profile.py                       # 7B shape, batch 8, bf16 and nvfp4
+    python bench/step_profile.py --shape 0.5b --formats bf16
+
+Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
+CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
+(torch.profiler; kernel durations do not depend on the graph) summed by name, so the gap between
+the kernels' own time and the replayed step is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import rollout as rb  # noqa: E402
+
+from qerl_exp.engine import FastEngine  # noqa: E402
+from qerl_exp.engine.decode import decode_one_token, prefill  # noqa: E402
+
+
+def replay_ms(graph, n: int = 50) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def kernel_table(engine: FastEngine, st, steps: int = 3, top: int = 25) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = lambda: decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            st.slot.fill_(130)
+            fn()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:70]
+            total[name] += ev.device_time / steps
+            count[name] += 1 / steps
+    busy = sum(total.values())
+    print(f"   kernels of one eager step: {busy / 1e3:.2f} ms busy, {sum(count.values()):.0f} launches")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"   {us:9.1f} us {count[name]:6.0f}x  {us / max(count[name], 1):7.1f} us/launch  {name}")
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="7b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--formats", default="bf16,bf16_triton,nvfp4",
+                    help="bf16 (cuBLAS + Triton epilogues), bf16_triton (dense Triton kernels), nvfp4, nf4")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    a = ap.parse_args(argv)
+    model = rb.build(a.shape, 32)
+    variants = {"bf16": [lay.base_layer for lay in rb.lora_layers(model)]}
+    ids = torch.randint(100, 1000, (a.batch, a.prompt), device="cuda")
+    mask = torch.ones_like(ids)
+    for row in a.formats.split(","):
+        fmt = row.removesuffix("_triton")
+        if fmt not in variants:
+            variants[fmt] = rb.quantized_bases(model, fmt)
+        rb.swap(model, variants[fmt])
+        engine = FastEngine(model, a.batch, a.prompt + a.new, dense_gemm="triton" if row.endswith("_triton") else "cublas")
+        engine.generate(ids, mask, 4, temperature=1.0, eos_id=-1, pad_id=0)
+        st = engine._state(a.batch)
+        graph = engine._graph(st, False, False)
+        pre = 1e9
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            prefill(engine.m, engine.cache, ids, mask)
+            torch.cuda.synchronize()
+            pre = min(pre, (time.perf_counter() - t0) * 1e3)
+        st.slot.fill_(a.prompt + 2)
+        ms = replay_ms(graph)
+        print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
+              f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
+        kernel_table(engine, st)
+        del engine, graph
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
