@@ -384,6 +384,17 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     torch.testing.assert_close(q, K.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(kc[:b, :, 11], K.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(vc[:b, :, 11], vr.view(b, hkv, d))
+    # decode attention over the live slots pad[b]..slot, against SDPA with the engine's mask
+    from qerl_exp.engine.decode import _attend
+
+    hq, hkv, d, s = 6, 2, 32, 128
+    q = torch.randn(b, hq, d).to(device, dtype)
+    kc, vc = (torch.randn(4, hkv, s, d).to(device, dtype) for _ in range(2))
+    pad, slot = torch.tensor([0, 3, 70], device=device), torch.tensor([90], device=device)
+    live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
+    mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
+    att = K.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
+    torch.testing.assert_close(att, _attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
 
 
 def _to(pw: K.PackedWeight, device) -> K.PackedWeight:
@@ -429,6 +440,16 @@ def test_triton_kernels_and_engine_in_the_interpreter():
 @needs_cuda
 def test_gpu_kernels_match_dequantize_matmul():
     _check_kernels("cuda", torch.bfloat16, 1.5e-2, torch.float32)
+
+
+@gpu
+@needs_cuda
+def test_gpu_nvfp4_dequantize_kernel_is_exact():
+    w = torch.randn(192, 256) * torch.logspace(-3, 1, 256)  # outliers and tiny blocks
+    pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)), "cuda")
+    ref = K.dequantize_packed(pw)  # the torch twin
+    assert torch.equal(K.weight_of(pw, torch.float32), ref)
+    assert torch.equal(K.weight_of(pw, torch.bfloat16), ref.to(torch.bfloat16))
 
 
 @gpu

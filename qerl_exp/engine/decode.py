@@ -250,6 +250,7 @@ class _State:
         self.ss = z(h // 16, b, dtype=torch.float32)  # partial sums of squares of the residual rows
         self.h = torch.zeros(b, h, dtype=dt, device=dev)
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
+        self.att = torch.zeros(b, m.hq * m.d, dtype=dt, device=dev)
         self.generator: torch.Generator | None = None
 
 
@@ -311,9 +312,12 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor) -> Tensor:
     return F.linear(K.rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
 
 
-def _forward_torch(m: _Model, cache: _Cache, st: _State, amask: Tensor) -> Tensor:
+def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
     # one token per sequence: st.tok [B] at cache slot st.slot, rotary position st.pos [B]
     b = st.b
+    live = (st.arange[None, :] >= st.pad[:, None]) & (st.arange[None, :] <= st.slot)
+    amask = torch.zeros(live.shape, dtype=m.embed.dtype, device=live.device).masked_fill_(~live, float("-inf"))
+    amask = amask[:, None, None, :]  # [B, 1, 1, S]
     x = F.embedding(st.tok, m.embed)  # [B, H]
     cos, sin = m.cos[st.pos][:, None], m.sin[st.pos][:, None]  # [B, 1, d]
     for li, ly in enumerate(m.layers):
@@ -334,7 +338,7 @@ def _base_cublas(lin: _Linear, x: Tensor) -> None:
             torch.mm(x, w.t(), out=raw[: x.shape[0]])
 
 
-def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bool) -> Tensor:
+def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
     # the same step with fused kernels: per layer norm+shrink, qkv, rope+cache, attention,
     # shrink, o(+residual), norm+shrink, gate/up GLU(+down shrink), down(+residual)
     b = st.b
@@ -349,7 +353,7 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, amask: Tensor, f16: bo
         _base_cublas(ly.qkv, st.h)
         K.fused_linear(ly.qkv.plan, st.h, qkv_out, t=t[0] if ly.qkv.a_tab is not None else None, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
-        att = _attend(st.q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling)
+        att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
         if ly.o.a_tab is not None:
             K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1], ly.o.plan.lora_dtype)
         _base_cublas(ly.o, att)
@@ -417,13 +421,10 @@ def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
 def decode_one_token(m: _Model, cache: _Cache, st: _State, backend: str, greedy: bool, use_top_p: bool,
                      f16: bool = False) -> None:
     """One decode step for every sequence: forward st.tok, sample, record, advance (captured)."""
-    live = (st.arange[None, :] >= st.pad[:, None]) & (st.arange[None, :] <= st.slot)
-    amask = torch.zeros(live.shape, dtype=m.embed.dtype, device=live.device).masked_fill_(~live, float("-inf"))
-    amask = amask[:, None, None, :]  # [B, 1, 1, S]
     if backend == "triton":
-        logits = _forward_triton(m, cache, st, amask, f16)
+        logits = _forward_triton(m, cache, st, f16)
     else:
-        logits = _forward_torch(m, cache, st, amask)
+        logits = _forward_torch(m, cache, st)
     _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
 
 
@@ -453,9 +454,11 @@ class FastEngine:
             (plain torch ops, cuBLAS for dense and dequantize + matmul for 4-bit weights), or
             "auto" (triton on CUDA when Triton is installed, torch otherwise).
         cuda_graph: capture the decode step (CUDA only).
-        f16_dot: NVFP4/NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16).
-        dense_gemm: triton backend, dense (bf16) weights: "cublas" computes x @ W^T with cuBLAS and
-            a Triton epilogue adds bias, LoRA, residual and GLU; "triton" does it all in one kernel.
+        f16_dot: NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16). NVFP4
+            always does (exact for its weights).
+        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel) or
+            "cublas" (cuBLAS into a buffer); both finish with the Triton epilogue (bias, LoRA,
+            residual, GLU).
 
     Example:
         >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
@@ -465,7 +468,7 @@ class FastEngine:
     """
 
     def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
-                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "cublas"):
+                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "triton"):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
         self.model = model

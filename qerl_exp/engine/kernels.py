@@ -384,6 +384,18 @@ if HAS_TRITON:
         return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
 
     @triton.jit
+    def _nvfp4_dequant_kernel(c_ptr, s_ptr, out_ptr, N, K, out_scale, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+        # out[n, 64g + j] = W[n, 64g + j] in out's dtype, one (BLOCK_N rows, chunk g) tile a program
+        # (prefill multiplies whole prompts, where dequantize + cuBLAS beats the decode kernel).
+        g = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        j = tl.arange(0, 32)
+        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, N, g, rows, ASM, BLOCK_N)
+        dst = out_ptr + rows[:, None] * K + g * 64 + j[None, :]
+        tl.store(dst, (w_lo.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
+        tl.store(dst + 32, (w_hi.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
     def _splitk_kernel(
         x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, M, K, N1, N2, CPS,
         FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr,
@@ -454,12 +466,13 @@ if HAS_TRITON:
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm, stride_ws, NSPLIT, ss_ptr, stride_ss,
+        an_ptr, tn_ptr, stride_tnm, stride_ws, ss_ptr, stride_ss,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RAW_F32: tl.constexpr = False,
+        NSPLIT: tl.constexpr = 1,
     ):
         # Format raw: the base product is already in buffers (cuBLAS output, or with RAW_F32 the
         # NSPLIT fp32 K slices of `_splitk_kernel`, `stride_ws` apart), this launch finishes it.
@@ -499,12 +512,12 @@ if HAS_TRITON:
                 RDT = ACT
             raw_ptr = _tab_ptr(tab_ptr, seg * 8, RDT)
             rp = raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :]
-            for sp in range(NSPLIT):
+            for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
                 acc += tl.load(rp + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
             if GLU:
                 raw2_ptr = _tab_ptr(tab_ptr, seg2 * 8, RDT)
                 rp2 = raw2_ptr + offs_m[:, None] * _tab(tab_ptr, seg2 * 8 + 5) + rows[None, :]
-                for sp in range(NSPLIT):
+                for sp in tl.static_range(NSPLIT):
                     acc2 += tl.load(rp2 + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
         elif UNROLL > 1:  # GB = UNROLL k-groups per iteration, batched dot over the groups
             jj = tl.arange(0, 16)
@@ -616,6 +629,43 @@ if HAS_TRITON:
             tl.store(dst + HALF + d, x2)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, pad_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, scaling, HQ,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        # One (sequence b, kv head h) per program: its G query heads against cache slots
+        # pad[b]..slot (the live ones), online softmax in fp32 over BLOCK_S slots a step.
+        ACT = q_ptr.dtype.element_ty
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        lo = tl.load(pad_ptr + b)
+        hi = tl.load(slot_ptr)
+        gq = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        rows = (b * HQ + h * G + gq)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + rows, mask=gq[:, None] < G, other=0.0)
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        base = b * stride_kb + h * stride_kh
+        for s0 in range((lo // BLOCK_S) * BLOCK_S, hi + 1, BLOCK_S):
+            sl = s0 + tl.arange(0, BLOCK_S)
+            kt = tl.load(k_ptr + base + sl[None, :] * stride_ks + d[:, None])
+            qk = tl.dot(q, kt) * scaling
+            qk = tl.where(((sl >= lo) & (sl <= hi))[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + base + sl[:, None] * stride_ks + d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(ACT), v)
+            m_i = m_new
+        tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -662,11 +712,11 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         nseg, r = 1, 0
     R = _pow2(r)
     RT = _pow2(nseg * R)
-    block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    block_k = 32  # small chunks: each program streams only a slice of the A matrices
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_blocks = triton.cdiv(m, block_m)
-    chunks = k // block_k
-    split = max(1, min(chunks, 32 // m_blocks))
+    chunks = triton.cdiv(k, block_k)
+    split = max(1, min(chunks, 128 // m_blocks))
     while chunks % split:
         split -= 1
     dummy = _dummy(x.device, x.dtype)
@@ -785,7 +835,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
             ASM=not _interpreting(), BLOCK_K=bk, **cfg)
         epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu)
         _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
-                       {**epi, "RAW_F32": True}, ss_out, split, ws.stride(0))
+                       {**epi, "RAW_F32": True, "NSPLIT": split}, ss_out, ws.stride(0))
         return out
     global _NO_3D
     if _NO_3D and cfg.get("UNROLL", 1) > 1:
@@ -808,8 +858,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, nsplit=1,
-                   stride_ws=0) -> None:
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, stride_ws=0) -> None:
     m = x.shape[0]
     R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
@@ -822,13 +871,32 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         t if t is not None else fsc, t.stride(0) if t is not None else 0,
         a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
-        t_next.stride(0) if t_next is not None else 0, stride_ws, nsplit,
+        t_next.stride(0) if t_next is not None else 0, stride_ws,
         ss_out if ss_out is not None else fsc, ss_out.stride(0) if ss_out is not None else 0,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
         SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
     )
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, slot: Tensor, scaling: float,
+                     out: Tensor) -> Tensor:
+    """Triton: attention of one new token per sequence over its live cache slots (pad[b]..slot).
+
+    Args:
+        q: [B, hq, d]. k_cache / v_cache: [B_max, hkv, S, d], S a multiple of 64.
+        pad: int [B] first live slot per sequence. slot: int [1] this token's slot (the last live).
+        out: [B, hq * d], returned.
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    _decode_attention_kernel[(b, hkv)](
+        q, k_cache, v_cache, out, pad, slot, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scaling, hq,
+        G=g, G_PAD=_pow2(g), D=d, BLOCK_S=64, num_warps=4,
+    )
+    return out
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
@@ -869,9 +937,15 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype) -> Tensor:
     """A usable [n, k] weight: the referenced tensor itself, or the 4-bit one dequantized."""
-    if isinstance(w, PackedWeight):
-        return dequantize_packed(w).to(dtype)
-    return w
+    if not isinstance(w, PackedWeight):
+        return w
+    if w.fmt == "nvfp4" and w.codes.is_cuda and HAS_TRITON:
+        out = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device)
+        bn = math.gcd(w.n, 64)
+        _nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, out, w.n, w.k, w.out_scale,
+                                                      ASM=not _interpreting(), BLOCK_N=bn)
+        return out
+    return dequantize_packed(w).to(dtype)
 
 
 def linear_ref(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None) -> Tensor:
