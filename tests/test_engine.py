@@ -106,10 +106,13 @@ def teacher_forced_gap(model, ids, mask, comp):
 
 
 def assert_greedy_like_hf(model, ids, mask, comp, ref):
-    """bf16 engine vs bf16 HF: every engine token is HF's argmax up to rounding (gap below 5% of the
-    logit spread), the first two tokens are identical, and most positions agree exactly."""
+    """bf16 engine vs bf16 HF: every engine token is HF generate's own (same prefix) or HF's
+    teacher-forced argmax up to rounding (gap below 5% of the logit spread; HF's incremental and
+    teacher-forced logits differ by more than that with bitsandbytes NF4), the first two tokens are
+    identical, and most positions agree exactly."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
-    assert (gap <= 0.05 * spread).all(), (gap.max().item(), spread.mean().item())
+    same_prefix = (comp == ref).long().cumprod(1).bool()
+    assert (same_prefix | (gap <= 0.05 * spread)).all(), (gap.max().item(), spread.mean().item())
     assert torch.equal(comp[:, :2], ref[:, :2])
     assert (gap == 0).float().mean().item() >= 0.9
 
