@@ -286,6 +286,21 @@ if HAS_TRITON:
                           mask=m_ok[:, None] & j_ok[None, :])
 
     @triton.jit
+    def _segment(n0, N1, N2, NSEG: tl.constexpr):
+        # (segment, its first column) of output column n0 when up to three segments sit side by
+        # side: [0, N1), [N1, N2), [N2, ...). Tiles never straddle a boundary (BLOCK_N | seg_gcd).
+        if NSEG == 1:
+            seg = n0 * 0
+            start = n0 * 0
+        elif NSEG == 2:
+            seg = (n0 >= N1).to(tl.int32)
+            start = tl.where(n0 >= N1, N1, 0)
+        else:
+            seg = (n0 >= N1).to(tl.int32) + (n0 >= N2).to(tl.int32)
+            start = tl.where(n0 >= N2, N2, tl.where(n0 >= N1, N1, 0))
+        return seg, start
+
+    @triton.jit
     def _tab(tab_ptr, i):
         # A size or an address from a plan table. `make_plan` checks that both are multiples of 16:
         # with the hint, loads through them become 16-byte vector loads.
@@ -409,15 +424,7 @@ if HAS_TRITON:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n0 = pid_n * BLOCK_N
-        if NSEG == 1:
-            seg = n0 * 0
-            start = n0 * 0
-        elif NSEG == 2:
-            seg = (n0 >= N1).to(tl.int32)
-            start = tl.where(n0 >= N1, N1, 0)
-        else:
-            seg = (n0 >= N1).to(tl.int32) + (n0 >= N2).to(tl.int32)
-            start = tl.where(n0 >= N2, N2, tl.where(n0 >= N1, N1, 0))
+        seg, start = _segment(n0, N1, N2, NSEG)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows = offs_n - start
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -492,15 +499,7 @@ if HAS_TRITON:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m_ok = offs_m < M
-        if GLU or NSEG == 1:
-            seg = n0 * 0
-            start = n0 * 0
-        elif NSEG == 2:
-            seg = (n0 >= N1).to(tl.int32)
-            start = tl.where(n0 >= N1, N1, 0)
-        else:
-            seg = (n0 >= N1).to(tl.int32) + (n0 >= N2).to(tl.int32)
-            start = tl.where(n0 >= N2, N2, tl.where(n0 >= N1, N1, 0))
+        seg, start = _segment(n0, N1, N2, 1 if GLU else NSEG)  # GLU: gate and up share the columns
         rows = offs_n - start
         seg2 = seg + 1  # GLU: the up projection
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
