@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from qerl_exp.checkpoint import load_adapter
+from qerl_exp.config import Config, EvalConfig, as_dict, to_config
 from qerl_exp.rollout import encode_prompts
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem
 
@@ -75,8 +76,8 @@ def _device(policy) -> torch.device:
     return next(policy.parameters()).device
 
 
-def _complete(policy, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
-              max_new_tokens: int, batch_size: int) -> tuple[list[str], list[bool]]:
+def complete(policy, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
+             max_new_tokens: int, batch_size: int) -> tuple[list[str], list[bool]]:
     """`samples` completions per prompt (greedy when temperature is 0), rows of a prompt adjacent."""
     rows = [p for p in prompts for _ in range(samples)]
     how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
@@ -151,10 +152,10 @@ def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n
         # and the same seed gives the same samples.
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            greedy, terminated = _complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                                           max_new_tokens=max_new_tokens, batch_size=batch_size)
-            sampled = _complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size)[0] if k else []
+            greedy, terminated = complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
+                                          max_new_tokens=max_new_tokens, batch_size=batch_size)
+            sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size)[0] if k else []
             logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
     finally:
         policy.train(was_training)
@@ -225,8 +226,6 @@ def run_config(run_dir: str | Path):
     """The validated `Config` a run was started with, read from `run_dir/config.json`."""
     from omegaconf import OmegaConf
 
-    from qerl_exp.config import Config, to_config
-
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run_dir must be a run directory made by `python -m qerl_exp`")
@@ -284,15 +283,17 @@ class EvalArgs:
             adapter=false.
     """
 
+    # The settings shared with in-training evaluation take its defaults. Their checks below stay
+    # separate from EvalConfig's: the messages name the command-line keys, not `eval.*`.
     run_dir: str = ""
-    k: int = 8
-    n: int = 0
+    k: int = EvalConfig.k
+    n: int = EvalConfig.n
     adapter: bool = True
     limit: int = 0
-    max_new_tokens: int = 0
+    max_new_tokens: int = EvalConfig.max_new_tokens
     temperature: float = 0.0
     top_p: float = 0.0
-    batch_size: int = 64
+    batch_size: int = EvalConfig.batch_size
     device: str = "auto"
     seed: int = 0
     tracker: str = "run"
@@ -382,7 +383,6 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
 
     import wandb
 
-    from qerl_exp.config import as_dict
     from qerl_exp.tracking import run_tags
 
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -101,15 +101,13 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
 @torch.no_grad()
 def greedy_accuracy(model, task, tokenizer: CharTokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
     """Fraction of `problems` whose greedy completion earns the correctness reward."""
-    from qerl_exp.rollout import encode_prompts
+    from qerl_exp.eval import complete
 
     prompts = [tokenizer.render_prompt(p.question, "") for p in problems]
-    ids, mask = encode_prompts(prompts, tokenizer)
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-    )
-    texts = [tokenizer.decode(row.tolist()) for row in out[:, ids.shape[1]:]]
+    # One batch of all problems, as always: other batches pad differently, which could move the
+    # greedy tokens and so the warm-up's stopping step (its model is cached by config hash alone).
+    texts, _ = complete(model, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
+                        max_new_tokens=max_new_tokens, batch_size=len(prompts))
     correct = task.rewards["correct"]
     return float(np.mean([correct(t, p) > 0 for t, p in zip(texts, problems)]))
 
