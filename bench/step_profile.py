@@ -37,7 +37,7 @@ def replay_ms(graph, n: int = 50) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def kernel_table(engine: FastEngine, st, steps: int = 3, top: int = 25) -> None:
+def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     fn = lambda: decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)  # noqa: E731
@@ -45,7 +45,7 @@ def kernel_table(engine: FastEngine, st, steps: int = 3, top: int = 25) -> None:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            st.slot.fill_(130)
+            st.slot.fill_(slot)
             fn()
         torch.cuda.synchronize()
     total, count = defaultdict(float), defaultdict(int)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         ms = replay_ms(graph)
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
-        kernel_table(engine, st)
+        kernel_table(engine, st, a.prompt + 2)
         del engine, graph
         torch.cuda.empty_cache()
 

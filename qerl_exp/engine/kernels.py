@@ -22,6 +22,7 @@ Storage: 4.5 bits per weight for both (bitsandbytes' own NF4 with double quant: 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -321,14 +322,22 @@ if HAS_TRITON:
         return code_ptr, sc_ptr, _tab(tab_ptr, seg * 8 + 4)
 
     @triton.jit
+    def _e2m1_to(c, DT: tl.constexpr):
+        # permuted E2M1 bytes -> (low, high) elements in DT, in units of 2^-6 (module docstring)
+        lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT)
+        hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT)
+        return lo, hi
+
+    @triton.jit
     def _load_w_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
         # One k-group (32 inputs) of BLOCK_N MXFP4/NF4 weight rows, dequantized: (w_lo, w_hi), [BN, 16].
         c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
         if FMT == 3:
             e = tl.load(sc_ptr + g * nrows + rows).to(tl.float32)
             s = tl.exp2(e - 121.0).to(DT)  # 2^(e - 127) * 64
-            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
-            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * s[:, None]
+            lo, hi = _e2m1_to(c, DT)
+            w_lo = lo * s[:, None]
+            w_hi = hi * s[:, None]
         else:
             am = tl.load(sc_ptr + (g // 2) * nrows + rows)
             w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am[:, None]).to(DT)
@@ -342,8 +351,9 @@ if HAS_TRITON:
         if FMT == 3:
             e = tl.load(sc_ptr + gidx[:, None] * nrows + rows[None, :]).to(tl.float32)
             sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
-            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT) * sc
-            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT) * sc
+            lo, hi = _e2m1_to(c, DT)
+            w_lo = lo * sc
+            w_hi = hi * sc
         else:
             am = tl.load(sc_ptr + (gidx // 2)[:, None] * nrows + rows[None, :])[:, :, None]
             w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am).to(DT)
@@ -394,8 +404,9 @@ if HAS_TRITON:
                 asm=_E2M1X4_TO_F16, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s_lo, s_hi],
                 dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:  # the interpreter cannot run PTX: the same bit tricks with Triton ops
-            w_lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(tl.float16) * s_lo
-            w_hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(tl.float16) * s_hi
+            lo, hi = _e2m1_to(c, tl.float16)
+            w_lo = lo * s_lo
+            w_hi = hi * s_hi
         return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
 
     @triton.jit
@@ -762,7 +773,8 @@ class LinearPlan:
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
-    """Tile sizes for M rows (heuristics from `bench/w4_sweep.py` on the H200).
+    """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
+    H200, 132 SMs, docs/engine.md; `bench/kernels.py --sweep` searches them again).
 
     dense / nvfp4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM are in
     flight, since one decode-sized tile cannot keep HBM busy by itself."""
@@ -822,7 +834,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         config: tile sizes (`linear_config`'s keys) instead of the heuristic.
     """
     m = x.shape[0]
-    cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu)
+    sms = _sm_count(x.device)
+    cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms)
     if plan.split_epilogue is not None:
         cfg = dict(cfg)
         split, bk = cfg.pop("SPLIT"), cfg.pop("BLOCK_K")
@@ -832,7 +845,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
             x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), m, plan.k, plan.n1, plan.n2,
             plan.k // bk // split, FMT=_FMT_ID[plan.fmt], NSEG=2 if plan.glu else plan.nseg,
             ASM=not _interpreting(), BLOCK_K=bk, **cfg)
-        epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu)
+        epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
         _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
                        {**epi, "RAW_F32": True, "NSPLIT": split}, ss_out, ws.stride(0))
         return out
@@ -851,6 +864,13 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
 
 
 _NO_3D = False
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count works; the H200's keeps CPU tests on GPU tile shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _interpreting() -> bool:
