@@ -335,36 +335,41 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             wsp = torch.full((K.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
             plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw,
                                workspace=wsp)
+            a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
+            gamma = (1 + 0.1 * torch.randn(kk)).to(device, dtype)
             for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):
                 x = torch.randn(m, kk).to(device, dtype)
-                for w_, r_ in zip(ws, raw or []):  # what cuBLAS writes before the epilogue launch
-                    torch.mm(x, w_.t(), out=r_[:m])
-                t = torch.zeros(m, 64, device=device)
-                a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
-                K.norm_shrink(x, None, 1e-6, None, a_tab, len(segs), 8, t, ldt)
-                xd = x.double().cpu()
-                tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
-                assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10
-                outs = []
-                for s, wd in enumerate(dense):
-                    y = xd @ wd.T + (xd @ a[s].double().cpu().T) @ bb[s].double().cpu().T * 2.0
-                    if bias[s] is not None:
-                        y = y + bias[s].double().cpu()
-                    outs.append(y)
-                ref = torch.nn.functional.silu(outs[0]) * outs[1] if glu else torch.cat(outs, 1)
-                res = torch.randn(m, ref.shape[1]).to(device, dtype)
-                if not glu:
-                    ref = ref + res.double().cpu()
-                # dense and nvfp4: one K slice and several (split-K into the workspace)
+                ss = x.float().pow(2).reshape(m, 4, -1).sum(-1).t().contiguous()  # 4 partial sums a row
+                res = torch.randn(m, sum(segs) if not glu else segs[0]).to(device, dtype)
+                # dense and nvfp4: one K slice and several; with and without the norm on load
                 splits = [1, 2] if fmt in ("dense", "nvfp4") else [None]
                 for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
+                    use_norm = f16 != (split == 2)
+                    xd = (K.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()
+                    outs = []
+                    for s, wd in enumerate(dense):
+                        y = xd @ wd.T + (xd @ a[s].double().cpu().T) @ bb[s].double().cpu().T * 2.0
+                        if bias[s] is not None:
+                            y = y + bias[s].double().cpu()
+                        outs.append(y)
+                    ref = torch.nn.functional.silu(outs[0]) * outs[1] if glu else torch.cat(outs, 1)
+                    if not glu:
+                        ref = ref + res.double().cpu()
                     out = torch.full((m, ref.shape[1]), float("nan"), device=device, dtype=dtype)
+                    t = torch.zeros(m, 64, device=device)
+                    ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=device)
                     cfg = None
                     if split:
                         cfg = {**K.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": split}
-                    K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg)
+                    K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg,
+                                   norm=(gamma, 1e-6, ss) if use_norm else None, shrink=a_tab,
+                                   ss_out=ss_out)
+                    case = (fmt, glu, m, f16, split, use_norm)
+                    tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
+                    assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10, case
                     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
-                    assert err < tol, (fmt, glu, m, f16, split, err)
+                    assert err < tol, (*case, err)
+                    torch.testing.assert_close(ss_out.sum(0), out.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
     # norm + shrink, rope + cache
     x = torch.randn(5, 128).to(device, dtype)
     gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)

@@ -67,7 +67,6 @@ class _Linear:
     glu: bool
     plan: K.LinearPlan | None = None
     a_tab: Tensor | None = None
-    raw: list | None = None  # dense weights on the triton backend: cuBLAS writes x @ W^T here
 
 
 @dataclass
@@ -332,15 +331,10 @@ def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
     return F.linear(K.rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
 
 
-def _base_cublas(lin: _Linear, x: Tensor) -> None:
-    if lin.raw is not None:
-        for w, raw in zip(lin.weights, lin.raw):
-            torch.mm(x, w.t(), out=raw[: x.shape[0]])
-
-
 def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
-    # the same step with fused kernels: per layer norm+shrink, qkv, rope+cache, attention,
-    # shrink, o(+residual), norm+shrink, gate/up GLU(+down shrink), down(+residual)
+    # the same step with fused kernels, per layer: qkv (norm and LoRA shrink on load), rope + cache,
+    # attention, o (+ its shrink, residual), gate/up (norm, shrink on load; GLU and the down
+    # shrink in the epilogue), down (+ residual); each linear is a split-K launch and an epilogue
     b = st.b
     x = F.embedding(st.tok, m.embed)  # [B, H], updated in place by the residual epilogues
     st.t.zero_()
@@ -348,27 +342,19 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
     st.ss[0] = x.float().pow(2).sum(-1)
     for li, ly in enumerate(m.layers):
         t = st.t[li]  # [4, B, RT]
+        lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        K.norm_shrink(x, ly.ln1, m.eps, st.h, ly.qkv.a_tab, 3, ly.qkv.r, t[0], ly.qkv.plan.lora_dtype, ss=st.ss)
-        _base_cublas(ly.qkv, st.h)
-        K.fused_linear(ly.qkv.plan, st.h, qkv_out, t=t[0] if ly.qkv.a_tab is not None else None, f16=f16)
+        K.fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
+                       shrink=ly.qkv.a_tab, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
         att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
-        if ly.o.a_tab is not None:
-            K.norm_shrink(att, None, m.eps, None, ly.o.a_tab, 1, ly.o.r, t[1], ly.o.plan.lora_dtype)
-        _base_cublas(ly.o, att)
-        K.fused_linear(ly.o.plan, att, x, t=t[1] if ly.o.a_tab is not None else None, residual=x, f16=f16,
+        K.fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
                        ss_out=st.ss)
-        K.norm_shrink(x, ly.ln2, m.eps, st.h, ly.gate_up.a_tab, 2, ly.gate_up.r, t[2], ly.gate_up.plan.lora_dtype,
-                      ss=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
-        has_dn = ly.down.a_tab is not None
-        _base_cublas(ly.gate_up, st.h)
-        K.fused_linear(ly.gate_up.plan, st.h, inter, t=t[2] if ly.gate_up.a_tab is not None else None,
-                       a_next=ly.down.lora_a[0] if has_dn else None, t_next=t[3] if has_dn else None,
-                       r_next=ly.down.r, f16=f16)
-        _base_cublas(ly.down, inter)
-        K.fused_linear(ly.down.plan, inter, x, t=t[3] if has_dn else None, residual=x, f16=f16, ss_out=st.ss)
+        K.fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
+                       shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
+                       t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
+        K.fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
     K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 
@@ -502,15 +488,16 @@ class FastEngine:
                 widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
                              for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
                 ws = torch.zeros(K.SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
-                raw: dict = {}  # shared by all layers: [B_max, n] per (group, segment)
+                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
+                        bufs = None
                         if lin.fmt == "dense" and self.dense_gemm == "cublas":
-                            lin.raw = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
+                            bufs = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
                                 self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
                                 for s, w in enumerate(lin.weights)]
                         lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                               lin.r, lin.glu, dev, raw=lin.raw, workspace=ws)
+                                               lin.r, lin.glu, dev, raw=bufs, workspace=ws)
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)

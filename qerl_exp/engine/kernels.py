@@ -258,10 +258,7 @@ if HAS_TRITON:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         if NORM:
-            tt = tl.arange(0, T_PAD)
-            ssp = tl.load(ss_ptr + tt[:, None] * stride_ss + offs_m[None, :], mask=(tt[:, None] < T) & m_ok[None, :],
-                          other=0.0)
-            rstd = tl.rsqrt(tl.sum(ssp, 0) / K + eps)
+            rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
         jj = tl.arange(0, RT)
         seg = jj // R
         j_ok = (seg < NSEG) & ((jj % R) < r)
@@ -285,6 +282,25 @@ if HAS_TRITON:
         if LORA:
             tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
                           mask=m_ok[:, None] & j_ok[None, :])
+
+    @triton.jit
+    def _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD: tl.constexpr):
+        # 1 / RMS of rows offs_m from T partial sums of squares ss[:T, m] (written by the residual
+        # epilogue that produced the rows, so no program has to read whole rows)
+        tt = tl.arange(0, T_PAD)
+        ssp = tl.load(ss_ptr + tt[:, None] * stride_ss + offs_m[None, :], mask=(tt[:, None] < T) & m_ok[None, :],
+                      other=0.0)
+        return tl.rsqrt(tl.sum(ssp, 0) / K + eps)
+
+    @triton.jit
+    def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: tl.constexpr):
+        # activations [BM, BK] in the model dtype; NORM: RMSNorm(x) * gamma, rounded where HF rounds
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+        if NORM:
+            ACT = x_ptr.dtype.element_ty
+            hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
+            x = (tl.load(g_ptr + offs_k)[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
+        return x
 
     @triton.jit
     def _segment(n0, N1, N2, NSEG: tl.constexpr):
@@ -422,53 +438,6 @@ if HAS_TRITON:
         tl.store(dst + 32, (w_hi.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _splitk_kernel(
-        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, M, K, N1, N2, CPS,
-        FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        # ws[pid_k, m, n] = x[m, K slice pid_k] @ W_seg[n - start_seg]^T in fp32, for up to three
-        # segments side by side (q|k|v, gate|up); a raw `_linear_kernel` launch sums the slices and
-        # applies scale, bias, LoRA, GLU and residual. Dense (FMT 0): bf16/fp32 rows, BLOCK_K inputs a
-        # step. NVFP4 (FMT 1): 64 inputs a step, fp16 dot with the weight tile as the wide operand
-        # (x pre-scaled by 1/16; the epilogue's output scale undoes that and the 2^-6).
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        n0 = pid_n * BLOCK_N
-        seg, start = _segment(n0, N1, N2, NSEG)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows = offs_n - start
-        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
-        c0 = pid_k * CPS
-        if FMT == 0:
-            kk = tl.arange(0, BLOCK_K)
-            w_ptr = _tab_ptr(tab_ptr, seg * 8, x_ptr.dtype.element_ty)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for kc in range(c0, c0 + CPS):
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kc * BLOCK_K + kk[None, :], mask=m_ok[:, None],
-                            other=0.0)
-                w = tl.load(w_ptr + rows[:, None] * K + kc * BLOCK_K + kk[None, :])
-                acc = tl.dot(x, tl.trans(w), acc)
-            tl.store(ws_ptr + pid_k * stride_ws + offs_m[:, None] * stride_wm + offs_n[None, :], acc,
-                     mask=m_ok[:, None])
-        else:
-            j = tl.arange(0, 32)
-            c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
-            s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
-            nrows = _tab(tab_ptr, seg * 8 + 4)
-            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            for g in range(c0, c0 + CPS):
-                xp = x_ptr + offs_m[:, None] * stride_xm + g * 64 + j[None, :]
-                x_lo = (tl.load(xp, mask=m_ok[:, None], other=0.0).to(tl.float32) * 0.0625).to(tl.float16)
-                x_hi = (tl.load(xp + 32, mask=m_ok[:, None], other=0.0).to(tl.float32) * 0.0625).to(tl.float16)
-                w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
-                acc = tl.dot(w_lo, tl.trans(x_lo), acc)
-                acc = tl.dot(w_hi, tl.trans(x_hi), acc)
-            tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
-                     mask=m_ok[None, :])
-
-    @triton.jit
     def _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r,
                    R: tl.constexpr, ACT: tl.constexpr, LDT: tl.constexpr):
         # scaling * (t_seg @ B_seg[rows]^T): [BM, BN] fp32; t is rounded to the model dtype first,
@@ -481,24 +450,141 @@ if HAS_TRITON:
         return tl.dot(tt, bb) * tl.load(fsc_ptr + seg * 2)
 
     @triton.jit
+    def _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
+                out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, sso_ptr, stride_sso,
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
+                SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr, R: tl.constexpr, R_NEXT: tl.constexpr,
+                LDT: tl.constexpr, BLOCK_N: tl.constexpr):
+        # The epilogue of one [BM, BN] output tile from its fp32 base product(s): output scale, bias,
+        # LoRA expand; GLU: silu(gate) * up (acc2 = up, segment seg + 1); residual; store. SS_OUT:
+        # row n0 / 16 of ss gets the sums of squares of this tile's part of out's rows and the tile's
+        # other rows zero, so the next norm sums the same rows whatever BLOCK_N wrote them.
+        # SHRINK_NEXT: t_next += out_tile @ A_next[:, tile]^T (the down projection's LoRA shrink).
+        ACT = out_ptr.dtype.element_ty
+        y = acc * tl.load(fsc_ptr + seg * 2 + 1)
+        if HAS_BIAS:
+            bias_ptr = _tab_ptr(tab_ptr, seg * 8 + 3, ACT)
+            y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        if HAS_LORA:
+            y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
+        if GLU:
+            y2 = acc2 * tl.load(fsc_ptr + (seg + 1) * 2 + 1)
+            if HAS_LORA:
+                y2 += _lora_tile(tab_ptr, fsc_ptr, seg + 1, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
+            gt = y.to(ACT).to(tl.float32)
+            y = (gt * tl.sigmoid(gt)).to(ACT).to(tl.float32) * y2.to(ACT).to(tl.float32)
+        if HAS_RES:
+            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None], other=0.0)
+            y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
+        out = y.to(ACT)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
+        if SS_OUT:
+            of = out.to(tl.float32)
+            q = tl.arange(0, BLOCK_N // 16)
+            part = tl.where(q[:, None] == 0, tl.sum(of * of, 1)[None, :], 0.0)
+            tl.store(sso_ptr + (n0 // 16 + q)[:, None] * stride_sso + offs_m[None, :], part, mask=m_ok[None, :])
+        if SHRINK_NEXT:
+            rn = tl.arange(0, R_NEXT)
+            a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0).to(ACT)
+            tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], tl.dot(out, a),
+                          mask=m_ok[:, None] & (rn[None, :] < r_next))
+
+    @triton.jit
+    def _splitk_kernel(
+        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws,
+        g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm,
+        M, K, N1, N2, CPS, NT, NSH, r,
+        FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
+        LDT: tl.constexpr, T_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # The base product of a linear for decode shapes (dense FMT 0, NVFP4 FMT 1), K split into
+        # SPLIT slices so that enough programs keep HBM busy; a raw `_linear_kernel` launch then sums
+        # the slices and applies scale, bias, LoRA, GLU and residual. x' = x, or with NORM
+        # RMSNorm(x) * gamma computed on load (HF's rounding; the rows' sums of squares come as T
+        # partial sums). Programs, in id order:
+        # - [0, NSH * SPLIT * MB): the LoRA shrink, t[:, 16j:16j+16] += x'[:, slice] @ A^T (fp32
+        #   atomics; t is zeroed by the caller);
+        # - the rest: tile (pid_n, pid_k, pid_m) of up to three segments side by side (q|k|v,
+        #   gate|up) writes x'[:, slice] @ W_seg^T in fp32 to ws[pid_k].
+        # NVFP4: 64 inputs a step, fp16 dot with the weight tile as the wide operand, x pre-scaled by
+        # 1/16 (the epilogue's output scale undoes that and the 2^-6 of the decoded values).
+        ACT = x_ptr.dtype.element_ty
+        p = tl.program_id(0)
+        MB = tl.cdiv(M, BLOCK_M)
+        n_sh = NSH * SPLIT * MB
+        j = 0
+        pid_n = 0
+        if p < n_sh:
+            j = p % NSH
+            pid_k = (p // NSH) % SPLIT
+            pid_m = p // (NSH * SPLIT)
+        else:
+            pid_n = (p - n_sh) % NT
+            pid_k = ((p - n_sh) // NT) % SPLIT
+            pid_m = (p - n_sh) // (NT * SPLIT)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        rstd = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM:
+            rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
+        c0 = pid_k * CPS
+        kk = tl.arange(0, BLOCK_K)
+        if p < n_sh:  # LoRA shrink: 16 columns of t (one segment: R is a multiple of 16)
+            rr = (j * 16) % R + tl.arange(0, 16)
+            a_ptr = tl.multiple_of(tl.load(a_tab_ptr + (j * 16) // R).to(tl.pointer_type(LDT)), 16)
+            acc_t = tl.zeros((BLOCK_M, 16), tl.float32)
+            for kc in range(c0, c0 + CPS):
+                xt = _x_tile(x_ptr, stride_xm, offs_m, m_ok, kc * BLOCK_K + kk, g_ptr, rstd, NORM)
+                a = tl.load(a_ptr + rr[None, :] * K + kc * BLOCK_K + kk[:, None], mask=rr[None, :] < r, other=0.0)
+                acc_t = tl.dot(xt, a.to(ACT), acc_t)
+            tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + (j * 16 + tl.arange(0, 16))[None, :], acc_t,
+                          mask=m_ok[:, None] & (rr[None, :] < r))
+        else:
+            n0 = pid_n * BLOCK_N
+            seg, start = _segment(n0, N1, N2, NSEG)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            rows = offs_n - start
+            if FMT == 0:
+                w_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for kc in range(c0, c0 + CPS):
+                    x = _x_tile(x_ptr, stride_xm, offs_m, m_ok, kc * BLOCK_K + kk, g_ptr, rstd, NORM)
+                    w = tl.load(w_ptr + rows[:, None] * K + kc * BLOCK_K + kk[None, :])
+                    acc = tl.dot(x, tl.trans(w), acc)
+                tl.store(ws_ptr + pid_k * stride_ws + offs_m[:, None] * stride_wm + offs_n[None, :], acc,
+                         mask=m_ok[:, None])
+            else:
+                j32 = tl.arange(0, 32)
+                c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
+                s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
+                nrows = _tab(tab_ptr, seg * 8 + 4)
+                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                for g in range(c0, c0 + CPS):
+                    x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + j32, g_ptr, rstd, NORM)
+                    x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
+                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                    w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
+                    acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+                    acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+                tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
+                         mask=m_ok[None, :])
+
+    @triton.jit
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm, stride_ws, ss_ptr, stride_ss,
+        an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss, ws_ptr, stride_wm, stride_ws,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RAW_F32: tl.constexpr = False,
-        NSPLIT: tl.constexpr = 1,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
     ):
-        # Format raw: the base product is already in buffers (cuBLAS output, or with RAW_F32 the
-        # NSPLIT fp32 K slices of `_splitk_kernel`, `stride_ws` apart), this launch finishes it.
-        # out[:, n] = x @ W_seg[n - start_seg]^T * out_scale + bias + lora (+ residual), one launch
-        # for up to three segments (q, k, v); GLU: out = silu(gate) * up with gate = segment 0 and
-        # up = segment 1, both over the same N columns, and optionally the shrink of `out` for the
-        # next LoRA (t_next += out_tile @ A_next[:, tile]^T). SS_OUT: ss[pid_n, m] = the sum of
-        # squares of this tile's part of out's row m (the next RMSNorm's statistics, see norm_shrink).
+        # MXFP4 / NF4 weights, and format raw (the base product already in buffers: cuBLAS output):
+        # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
+        # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
         ACT = out_ptr.dtype.element_ty
         if F16:
             DT = tl.float16
@@ -515,20 +601,20 @@ if HAS_TRITON:
         seg2 = seg + 1  # GLU: the up projection
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if FMT == 4:  # raw
-            if RAW_F32:
-                RDT = tl.float32
-            else:
-                RDT = ACT
-            raw_ptr = _tab_ptr(tab_ptr, seg * 8, RDT)
-            rp = raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :]
-            for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
-                acc += tl.load(rp + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        if NSPLIT > 0:
+            part = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
+            for sp in tl.static_range(NSPLIT):
+                acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
+                if GLU:
+                    acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+        elif FMT == 4:  # raw
+            raw_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
+            acc += tl.load(raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :],
+                           mask=m_ok[:, None], other=0.0).to(tl.float32)
             if GLU:
-                raw2_ptr = _tab_ptr(tab_ptr, seg2 * 8, RDT)
-                rp2 = raw2_ptr + offs_m[:, None] * _tab(tab_ptr, seg2 * 8 + 5) + rows[None, :]
-                for sp in tl.static_range(NSPLIT):
-                    acc2 += tl.load(rp2 + sp * stride_ws, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                raw2_ptr = _tab_ptr(tab_ptr, seg2 * 8, ACT)
+                acc2 += tl.load(raw2_ptr + offs_m[:, None] * _tab(tab_ptr, seg2 * 8 + 5) + rows[None, :],
+                                mask=m_ok[:, None], other=0.0).to(tl.float32)
         elif UNROLL > 1:  # GB = UNROLL k-groups per iteration, batched dot over the groups
             jj = tl.arange(0, 16)
             gg = tl.arange(0, UNROLL)
@@ -573,32 +659,9 @@ if HAS_TRITON:
                     v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
                     acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
                     acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
-        y = acc * tl.load(fsc_ptr + seg * 2 + 1)
-        if HAS_BIAS:
-            bias_ptr = _tab_ptr(tab_ptr, seg * 8 + 3, ACT)
-            y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-        if HAS_LORA:
-            y += _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
-        if GLU:
-            y2 = acc2 * tl.load(fsc_ptr + seg2 * 2 + 1)
-            if HAS_LORA:
-                y2 += _lora_tile(tab_ptr, fsc_ptr, seg2, rows, t_ptr, stride_tm, offs_m, m_ok, r, R, ACT, LDT)
-            gt = y.to(ACT).to(tl.float32)
-            y = (gt * tl.sigmoid(gt)).to(ACT).to(tl.float32) * y2.to(ACT).to(tl.float32)
-        if HAS_RES:
-            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None], other=0.0)
-            y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
-        out = y.to(ACT)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
-        if SS_OUT:
-            of = out.to(tl.float32)
-            tl.store(ss_ptr + pid_n * stride_ss + offs_m, tl.sum(of * of, 1), mask=m_ok)
-        if SHRINK_NEXT:
-            rn = tl.arange(0, R_NEXT)
-            a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0).to(ACT)
-            part = tl.dot(out, a)
-            tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], part,
-                          mask=m_ok[:, None] & (rn[None, :] < r_next))
+        _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
+                out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, ss_ptr, stride_ss,
+                GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT, LDT, BLOCK_N)
 
     @triton.jit
     def _rope_cache_kernel(
@@ -767,8 +830,8 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
-    split_epilogue: "LinearPlan | None" = None  # dense/nvfp4: the raw launch that finishes the K slices
-    workspace: Tensor | None = None  # fp32 [SPLIT_MAX, B_max, >= total n]: `_splitk_kernel`'s K slices
+    workspace: Tensor | None = None  # dense / nvfp4: fp32 [SPLIT_MAX, B_max, >= n] for `_splitk_kernel`'s K slices
+    cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
@@ -790,7 +853,10 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
         split, chunks = 1, k // bk
         while split < SPLIT_MAX and (total // bn) * m_blocks * split < 4 * sms and chunks % (2 * split) == 0:
             split *= 2
-        return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
+        if fmt == "nvfp4":  # no spills; a 1 % faster decode step than ptxas' own pick (H200, 7B, batch 8)
+            cfg["maxnreg"] = 72
+        return cfg
     block_n = 16
     for bn in (128, 64, 32):
         if seg_gcd % bn == 0 and (n // bn) * m_blocks >= 2 * sms:
@@ -813,42 +879,47 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
 def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
                  residual: Tensor | None = None, a_next: Tensor | None = None,
                  t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
-                 ss_out: Tensor | None = None, config: dict | None = None) -> Tensor:
-    """Triton: out = x @ W^T (+ bias, LoRA from the shrink t, residual; GLU; next shrink).
+                 ss_out: Tensor | None = None, norm: tuple | None = None, shrink: Tensor | None = None,
+                 config: dict | None = None) -> Tensor:
+    """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
-    Dense and NVFP4 weights: `_splitk_kernel` writes fp32 K slices, one raw launch finishes them.
-    MXFP4 and NF4: one launch.
+    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load, fp32 K slices), then a raw
+    `_linear_kernel` launch sums the slices and applies the rest. MXFP4, NF4 and cuBLAS (raw)
+    plans: a `norm_shrink` launch first when `norm` or `shrink` asks for it, then one
+    `_linear_kernel` launch.
 
     Args:
         plan: the group's device tables (`make_plan`).
         x: [M, K] activations (model dtype). out: [M, N] (GLU: N = intermediate size).
-        t: fp32 [M, nseg * R] LoRA shrink of x, or None when the group has no LoRA.
+        t: fp32 [M, >= nseg * R] LoRA shrink of x', or None when the group has no LoRA. With
+            `shrink` this launch computes it (the caller zeroes it first), else it is read.
         residual: [M, N] added after rounding the linear's output (may alias out).
         a_next / t_next / r_next: GLU only: the down projection's LoRA A [r_next, N] and its fp32
             accumulator, fed with this launch's output tiles.
         f16: NF4/MXFP4: fp16 tensor-core dot (activations pre-scaled by 1/16). NVFP4 always
             multiplies in fp16 (its weights are exact there).
-        ss_out: fp32 [>= N / 16, >= M]: rows 0..T-1 get the partial sums of squares of out's rows
-            over T column tiles (T = N / BLOCK_N, the same for every launch with this N and M),
-            for the next `norm_shrink(ss=...)`.
+        ss_out: fp32 [>= N / 16, >= M]: row n / 16 gets the sum of squares of out's rows over the
+            output tile that starts at column n, the tile's other rows 0 (the next `norm`'s ss).
+        norm: (gamma [K], eps, ss fp32 [T, >= M] partial sums of squares of x's rows): x is a
+            residual row and the linear reads RMSNorm(x) * gamma (HF's rounding) instead.
+        shrink: int64 [nseg] addresses of the group's LoRA A matrices ([r, K] each): compute t.
         config: tile sizes (`linear_config`'s keys) instead of the heuristic.
     """
     m = x.shape[0]
     sms = _sm_count(x.device)
-    cfg = config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms)
-    if plan.split_epilogue is not None:
-        cfg = dict(cfg)
-        split, bk = cfg.pop("SPLIT"), cfg.pop("BLOCK_K")
-        ws = plan.workspace
-        total = plan.n * (2 if plan.glu else 1)
-        _splitk_kernel[(total // cfg["BLOCK_N"], split, triton.cdiv(m, cfg["BLOCK_M"]))](
-            x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), m, plan.k, plan.n1, plan.n2,
-            plan.k // bk // split, FMT=_FMT_ID[plan.fmt], NSEG=2 if plan.glu else plan.nseg,
-            ASM=not _interpreting(), BLOCK_K=bk, **cfg)
-        epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
-        _launch_linear(plan.split_epilogue, x, out, t, residual, a_next, t_next, r_next, False,
-                       {**epi, "RAW_F32": True, "NSPLIT": split}, ss_out, ws.stride(0))
+    cfg = dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
+    if (norm is not None or shrink is not None) and plan.workspace is None:
+        gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
+        h = torch.empty_like(x) if norm is not None else None
+        norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
+                    plan.lora_dtype, ss=ss)
+        x = h if h is not None else x
+        norm = shrink = None
+    if plan.workspace is not None:
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, cfg)
         return out
+    for w, raw in plan.cublas or []:
+        torch.mm(x, w.t(), out=raw[:m])
     global _NO_3D
     if _NO_3D and cfg.get("UNROLL", 1) > 1:
         cfg = {**cfg, "UNROLL": 1}
@@ -877,7 +948,35 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, stride_ws=0) -> None:
+def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, cfg) -> None:
+    m = x.shape[0]
+    ws = plan.workspace
+    cfg = dict(cfg)
+    split, bk = cfg["SPLIT"], cfg["BLOCK_K"]
+    total = plan.n * (2 if plan.glu else 1)
+    if m > ws.shape[1] or (plan.k // bk) % split or total % cfg["BLOCK_N"]:
+        raise ValueError(f"{m} rows with tiles {cfg} do not fit a {plan.k} x {total} split-K launch "
+                         f"(workspace rows {ws.shape[1]})")
+    R = _pow2(plan.r)
+    nt = total // cfg["BLOCK_N"]
+    nsh = plan.nseg * R // 16 if shrink is not None else 0
+    gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
+    f32 = _dummy(x.device, torch.float32)
+    _splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
+        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
+        gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
+        ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
+        shrink if shrink is not None else _dummy(x.device, torch.int64), t if t is not None else f32,
+        t.stride(0) if t is not None else 0,
+        m, plan.k, plan.n1, plan.n2, plan.k // bk // split, nt, nsh, max(plan.r, 1),
+        FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, ASM=not _interpreting(), NORM=norm is not None, R=R,
+        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1), **cfg,
+    )
+    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
+    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, False, {**epi, "NSPLIT": split}, ss_out, ws)
+
+
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None) -> None:
     m = x.shape[0]
     R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
@@ -890,8 +989,10 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         t if t is not None else fsc, t.stride(0) if t is not None else 0,
         a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
-        t_next.stride(0) if t_next is not None else 0, stride_ws,
+        t_next.stride(0) if t_next is not None else 0,
         ss_out if ss_out is not None else fsc, ss_out.stride(0) if ss_out is not None else 0,
+        part if part is not None else fsc, part.stride(1) if part is not None else 0,
+        part.stride(0) if part is not None else 0,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
@@ -988,10 +1089,10 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
 
     The tables hold the addresses of the model's own tensors (bf16 weights, LoRA B, biases) and of
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
-    `raw`: per-segment [B_max, n] buffers into which cuBLAS writes x @ W^T for dense weights; the
-    launch then only applies bias, LoRA, residual and GLU to them (format "raw").
-    `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense (without
-    `raw`) and NVFP4 plans need it for `_splitk_kernel`'s K slices.
+    `raw`: per-segment [B_max, n] buffers into which `fused_linear` has cuBLAS write x @ W^T for
+    dense weights; its Triton launch then only applies bias, LoRA, residual and GLU (format "raw").
+    `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense plans
+    without `raw` and NVFP4 plans need it for `_splitk_kernel`'s K slices.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -1029,16 +1130,11 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     gcd = 0
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
-    epi = None
-    if fmt in ("dense", "nvfp4") and raw is None:
-        if workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes):
-            raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
-        starts = [sum(sizes[:i]) for i in range(nseg)]
-        views = [workspace[0, :, st_: st_ + sz] for st_, sz in zip(starts, sizes)]
-        epi = make_plan("dense", weights, biases, lora_b, lora_scale, r, glu, device, raw=views)
-        if fmt == "nvfp4":  # the slices are in units of 2^-6 / 16 (see `_splitk_kernel`)
-            epi.fsc[:, 1] = fsc[:, 1].to(device) * 1024.0
-        epi.keep.append(workspace)
+    splitk = fmt in ("dense", "nvfp4") and raw is None
+    if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes)):
+        raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
+    if fmt == "nvfp4":  # the split-K products are in units of 2^-6 / 16 (see `_splitk_kernel`)
+        fsc[:, 1] *= 1024.0
     plan = LinearPlan(
         fmt="raw" if raw is not None else fmt, nseg=nseg, glu=glu, n=n, k=k,
         n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,
@@ -1047,5 +1143,9 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         lora_dtype=lora_b[0].dtype if lora_b is not None else None,
         keep=list(weights) + [b for b in biases if b is not None] + list(lora_b or []) + list(raw or []),
     )
-    plan.split_epilogue, plan.workspace = epi, workspace
+    if splitk:
+        plan.workspace = workspace
+        plan.keep.append(workspace)
+    if raw is not None:
+        plan.cublas = list(zip(weights, raw))
     return plan
