@@ -5,8 +5,8 @@
 
 Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
 CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
-(torch.profiler; kernel durations do not depend on the graph) summed by name, so the gap between
-the kernels' own time and the replayed step is visible.
+and of one prefill (torch.profiler; kernel durations do not depend on the graph) summed by name, so
+the gap between the kernels' own time and the replayed step (or the prefill's wall time) is visible.
 """
 
 from __future__ import annotations
@@ -38,14 +38,21 @@ def replay_ms(graph, n: int = 50) -> float:
 
 
 def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
+    def fn():
+        st.slot.fill_(slot)
+        decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)
+
+    print_kernels(fn, "one eager step", steps, top)
+
+
+def print_kernels(fn, what: str, steps: int = 3, top: int = 25) -> None:
+    """The GPU kernels of `fn()` (averaged over `steps` calls) summed by name, busiest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = lambda: decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)  # noqa: E731
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            st.slot.fill_(slot)
             fn()
         torch.cuda.synchronize()
     total, count = defaultdict(float), defaultdict(int)
@@ -55,7 +62,7 @@ def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 2
             total[name] += ev.device_time / steps
             count[name] += 1 / steps
     busy = sum(total.values())
-    print(f"   kernels of one eager step: {busy / 1e3:.2f} ms busy, {sum(count.values()):.0f} launches")
+    print(f"   kernels of {what}: {busy / 1e3:.2f} ms busy, {sum(count.values()):.0f} launches")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   {us:9.1f} us {count[name]:6.0f}x  {us / max(count[name], 1):7.1f} us/launch  {name}")
 
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            prefill(engine.m, engine.cache, ids, mask)
+            prefill(engine.m, engine.cache, ids, mask, engine.scratch)
             torch.cuda.synchronize()
             pre = min(pre, (time.perf_counter() - t0) * 1e3)
         st.slot.fill_(a.prompt + 2)
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
         kernel_table(engine, st, a.prompt + 2)
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
         del engine, graph
         torch.cuda.empty_cache()
 

@@ -480,8 +480,11 @@ def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
     model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
     ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
     eng = FastEngine(model, 8, 64)
-    before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill eager
+    again = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill captured
+    assert len(eng._prefills) == 1 and torch.equal(again, before)
     graphs, capture_s = dict(eng._graphs), eng.capture_s
+    prefills = {k: v[0] for k, v in eng._prefills.items()}
     base = model.get_base_model()
     with torch.no_grad():
         for blk in base.model.layers:
@@ -490,6 +493,7 @@ def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
             blk.self_attn.o_proj.lora_B["default"].weight.mul_(-30)
     after = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
     assert eng._graphs == graphs and eng.capture_s == capture_s  # replayed, not recaptured
+    assert {k: v[0] for k, v in eng._prefills.items()} == prefills
     assert not torch.equal(before, after)
     assert_greedy_like_hf(model, ids, mask, after, hf_greedy(model, ids, mask, 12))
 

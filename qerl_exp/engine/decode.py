@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from qerl_exp.engine import kernels as K
 
 BACKENDS = ("auto", "torch", "triton")
+PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
 _LIN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -258,14 +259,20 @@ class _State:
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_torch(lin: _Linear, x: Tensor) -> Tensor:
-    """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection."""
+def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection.
+
+    As peft, the LoRA term and its addition run in the adapters' dtype (fp32 under a bf16 base),
+    here as one `addmm` into the base output. `scratch`: see `kernels.weight_of`.
+    """
     outs = []
     for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
-        y = K.linear_ref(x, w, b)
-        if lin.lora_a is not None:  # peft: adapters may be fp32 under a bf16 base
+        y = K.linear_ref(x, w, b, scratch)
+        if lin.lora_a is not None:
             a = lin.lora_a[s]
-            y = (y + F.linear(F.linear(x.to(a.dtype), a), lin.lora_b[s]) * lin.scale[s]).to(x.dtype)
+            t = F.linear(x.to(a.dtype), a)
+            y = torch.addmm(y.reshape(-1, y.shape[-1]).to(a.dtype), t.reshape(-1, t.shape[-1]), lin.lora_b[s].t(),
+                            alpha=lin.scale[s]).to(x.dtype).view(y.shape)
         outs.append(y)
     if lin.glu:
         return F.silu(outs[0]) * outs[1]
@@ -283,8 +290,11 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Te
     return out.reshape(b, hq * d)
 
 
-def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor) -> Tensor:
-    """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32."""
+def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
+
+    `scratch`: a flat buffer as large as the largest 4-bit weight, which NVFP4 weights are
+    dequantized into one linear at a time (`FastEngine.scratch`)."""
     b, p = ids.shape
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)  # HF: position ids from the attention mask
     cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]  # [B, 1, P, d]
@@ -297,7 +307,7 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor) -> Tensor:
     g = m.hq // m.hkv
     for li, ly in enumerate(m.layers):
         h = K.rms_norm_ref(x, ly.ln1, m.eps)
-        qkv = _linear_torch(ly.qkv, h)
+        qkv = _linear_torch(ly.qkv, h, scratch)
         q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
         q = K.rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
         k = K.rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
@@ -306,8 +316,8 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor) -> Tensor:
         cache.v[li, :b, :, :p] = v
         att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                              attn_mask=bias, scale=m.scaling)
-        x = x + _linear_torch(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d))
-        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps)))
+        x = x + _linear_torch(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d), scratch)
+        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch)
     return F.linear(K.rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
 
 
@@ -501,9 +511,15 @@ class FastEngine:
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
+            packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
+                      if isinstance(w, K.PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
+            self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
+                if packed else None
         self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
         self._states: dict[int, _State] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefills: dict[tuple, tuple] = {}  # (B, P) -> (graph, its ids, mask and logits buffers)
+        self._prefill_seen: set = set()
         self._pool = None
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -550,6 +566,35 @@ class FastEngine:
             self._graphs[key] = g
             self.capture_s += time.perf_counter() - t0
         return self._graphs[key]
+
+    def _prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """`prefill()`, replayed from a CUDA graph when a (batch, prompt length) comes back: run eagerly
+        it is bound by launching ~90 small ops a layer. A shape is captured on its second call (one
+        seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run eagerly."""
+        key = tuple(ids.shape)
+        if not self.use_graph:
+            return prefill(self.m, self.cache, ids, mask, self.scratch)
+        if key not in self._prefills:
+            if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
+                self._prefill_seen.add(key)
+                return prefill(self.m, self.cache, ids, mask, self.scratch)
+            bufs = ids.clone(), mask.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces)
+                prefill(self.m, self.cache, *bufs, self.scratch)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                logits = prefill(self.m, self.cache, *bufs, self.scratch)
+            self._prefills[key] = (g, *bufs, logits)
+        g, ids_buf, mask_buf, logits = self._prefills[key]
+        ids_buf.copy_(ids)
+        mask_buf.copy_(mask)
+        g.replay()
+        return logits
 
     def _check_refs(self) -> None:
         if any(t.data_ptr() != p for t, p in self._refs):
@@ -598,7 +643,7 @@ class FastEngine:
             st.pad_id.fill_(pad_id)
             st.done.zero_()
             st.step.zero_()
-            logits = prefill(self.m, self.cache, ids, mask)
+            logits = self._prefill(ids, mask)
             st.pad.copy_(p - mask.long().sum(1))
             st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
             st.pos.copy_(p - 1 - st.pad)

@@ -808,6 +808,9 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
 
 
 SPLIT_MAX = 8  # most K slices of `_splitk_kernel` (the workspace holds this many)
+# Most rows for which `_splitk_kernel` normalises and shrinks on load; above, a `norm_shrink` launch
+# does (H200, 7B: decode step 6 % faster at 8 rows, 4 % slower at 64).
+NORM_ON_LOAD_MAX_M = 16
 
 
 @dataclass
@@ -853,10 +856,7 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
         split, chunks = 1, k // bk
         while split < SPLIT_MAX and (total // bn) * m_blocks * split < 4 * sms and chunks % (2 * split) == 0:
             split *= 2
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
-        if fmt == "nvfp4":  # no spills; a 1 % faster decode step than ptxas' own pick (H200, 7B, batch 8)
-            cfg["maxnreg"] = 72
-        return cfg
+        return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
     for bn in (128, 64, 32):
         if seg_gcd % bn == 0 and (n // bn) * m_blocks >= 2 * sms:
@@ -883,10 +883,10 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  config: dict | None = None) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
-    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load, fp32 K slices), then a raw
-    `_linear_kernel` launch sums the slices and applies the rest. MXFP4, NF4 and cuBLAS (raw)
-    plans: a `norm_shrink` launch first when `norm` or `shrink` asks for it, then one
-    `_linear_kernel` launch.
+    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load up to NORM_ON_LOAD_MAX_M
+    rows, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the rest.
+    Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the linear
+    (MXFP4, NF4, cuBLAS: one `_linear_kernel` launch).
 
     Args:
         plan: the group's device tables (`make_plan`).
@@ -908,7 +908,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     m = x.shape[0]
     sms = _sm_count(x.device)
     cfg = dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
-    if (norm is not None or shrink is not None) and plan.workspace is None:
+    if (norm is not None or shrink is not None) and (plan.workspace is None or m > NORM_ON_LOAD_MAX_M):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty_like(x) if norm is not None else None
         norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
@@ -1055,22 +1055,28 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rot * sin
 
 
-def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype) -> Tensor:
-    """A usable [n, k] weight: the referenced tensor itself, or the 4-bit one dequantized."""
+def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """A usable [n, k] weight: the referenced tensor itself, or the 4-bit one dequantized.
+
+    `out`: a flat buffer of at least n * k elements to dequantize NVFP4 weights into on the GPU
+    (prefill reuses one for every linear instead of allocating each weight anew).
+    """
     if not isinstance(w, PackedWeight):
         return w
     if w.fmt == "nvfp4" and w.codes.is_cuda and HAS_TRITON:
-        out = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device)
+        dst = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device) if out is None else \
+            out[: w.n * w.k].view(w.n, w.k)
         bn = math.gcd(w.n, 64)
-        _nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, out, w.n, w.k, w.out_scale,
+        _nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, dst, w.n, w.k, w.out_scale,
                                                       ASM=not _interpreting(), BLOCK_N=bn)
-        return out
+        return dst
     return dequantize_packed(w).to(dtype)
 
 
-def linear_ref(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None) -> Tensor:
-    """x @ W^T + b in the activation dtype (cuBLAS on CUDA); 4-bit weights are dequantized first."""
-    return F.linear(x, weight_of(w, x.dtype), bias)
+def linear_ref(x: Tensor, w: Tensor | PackedWeight, bias: Tensor | None, scratch: Tensor | None = None) -> Tensor:
+    """x @ W^T + b in the activation dtype (cuBLAS on CUDA); 4-bit weights are dequantized first
+    (NVFP4 on the GPU into `scratch` when given, see `weight_of`)."""
+    return F.linear(x, weight_of(w, x.dtype, scratch), bias)
 
 
 def nf4_lut(device: torch.device | str = "cpu") -> Tensor:
