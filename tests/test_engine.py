@@ -452,6 +452,23 @@ def test_gpu_kernels_match_dequantize_matmul():
 
 @gpu
 @needs_cuda
+def test_gpu_fp32_models_get_fp32_products():
+    # Triton's fp32 dots default to TF32 (10-bit mantissa, ~1e-3 relative error here)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    w, a, b = torch.randn(64, 256, device=dev), torch.randn(8, 256, device=dev), torch.randn(64, 8, device=dev)
+    plan = K.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
+                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
+    x = torch.randn(5, 256, device=dev)
+    t, out = torch.zeros(5, 16, device=dev), torch.empty(5, 64, device=dev)
+    K.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
+    xd = x.double()
+    ref = xd @ w.double().T + (xd @ a.double().T) @ b.double().T * 0.5
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@gpu
+@needs_cuda
 def test_gpu_nvfp4_dequantize_kernel_is_exact():
     w = torch.randn(192, 256) * torch.logspace(-3, 1, 256)  # outliers and tiny blocks
     pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)), "cuda")

@@ -242,6 +242,13 @@ def dequantize_packed(pw: PackedWeight) -> Tensor:
 if HAS_TRITON:
 
     @triton.jit
+    def _dot(a, b, acc):
+        # tl.dot, exact for fp32 operands (Triton's default there is TF32: a 10-bit mantissa)
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _norm_shrink_kernel(
         x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
         M, K, r, eps, KCHUNK, T,
@@ -278,7 +285,7 @@ if HAS_TRITON:
                          mask=m_ok[:, None] & k_ok[None, :])
             if LORA:
                 a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(x, a.to(ACT), acc)
+                acc = _dot(x, a.to(ACT), acc)
         if LORA:
             tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
                           mask=m_ok[:, None] & j_ok[None, :])
@@ -447,7 +454,7 @@ if HAS_TRITON:
         tt = tl.load(t_ptr + offs_m[:, None] * stride_tm + seg * R + rr[None, :],
                      mask=m_ok[:, None] & (rr[None, :] < r), other=0.0).to(ACT)
         bb = tl.load(b_ptr + rows[None, :] * r + rr[:, None], mask=rr[:, None] < r, other=0.0).to(ACT)
-        return tl.dot(tt, bb) * tl.load(fsc_ptr + seg * 2)
+        return _dot(tt, bb, None) * tl.load(fsc_ptr + seg * 2)
 
     @triton.jit
     def _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
@@ -486,7 +493,7 @@ if HAS_TRITON:
         if SHRINK_NEXT:
             rn = tl.arange(0, R_NEXT)
             a = tl.load(an_ptr + rn[None, :] * N + offs_n[:, None], mask=rn[None, :] < r_next, other=0.0).to(ACT)
-            tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], tl.dot(out, a),
+            tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], _dot(out, a, None),
                           mask=m_ok[:, None] & (rn[None, :] < r_next))
 
     @triton.jit
@@ -537,7 +544,7 @@ if HAS_TRITON:
             for kc in range(c0, c0 + CPS):
                 xt = _x_tile(x_ptr, stride_xm, offs_m, m_ok, kc * BLOCK_K + kk, g_ptr, rstd, NORM)
                 a = tl.load(a_ptr + rr[None, :] * K + kc * BLOCK_K + kk[:, None], mask=rr[None, :] < r, other=0.0)
-                acc_t = tl.dot(xt, a.to(ACT), acc_t)
+                acc_t = _dot(xt, a.to(ACT), acc_t)
             tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + (j * 16 + tl.arange(0, 16))[None, :], acc_t,
                           mask=m_ok[:, None] & (rr[None, :] < r))
         else:
@@ -551,7 +558,7 @@ if HAS_TRITON:
                 for kc in range(c0, c0 + CPS):
                     x = _x_tile(x_ptr, stride_xm, offs_m, m_ok, kc * BLOCK_K + kk, g_ptr, rstd, NORM)
                     w = tl.load(w_ptr + rows[:, None] * K + kc * BLOCK_K + kk[None, :])
-                    acc = tl.dot(x, tl.trans(w), acc)
+                    acc = _dot(x, tl.trans(w), acc)
                 tl.store(ws_ptr + pid_k * stride_ws + offs_m[:, None] * stride_wm + offs_n[None, :], acc,
                          mask=m_ok[:, None])
             else:
@@ -634,11 +641,11 @@ if HAS_TRITON:
                     x_lo = x_lo.to(DT)
                     x_hi = x_hi.to(DT)
                 w_lo, w_hi = _load_w_tile3(c_ptr, s_ptr, nrows, gidx, rows, lut_ptr, jj, FMT, DT)
-                p = tl.dot(x_lo, tl.permute(w_lo, (0, 2, 1))) + tl.dot(x_hi, tl.permute(w_hi, (0, 2, 1)))
+                p = _dot(x_lo, tl.permute(w_lo, (0, 2, 1)), None) + _dot(x_hi, tl.permute(w_hi, (0, 2, 1)), None)
                 acc += tl.sum(p, 0)
                 if GLU:
                     v_lo, v_hi = _load_w_tile3(c2_ptr, s2_ptr, nrows2, gidx, rows, lut_ptr, jj, FMT, DT)
-                    p2 = tl.dot(x_lo, tl.permute(v_lo, (0, 2, 1))) + tl.dot(x_hi, tl.permute(v_hi, (0, 2, 1)))
+                    p2 = _dot(x_lo, tl.permute(v_lo, (0, 2, 1)), None) + _dot(x_hi, tl.permute(v_hi, (0, 2, 1)), None)
                     acc2 += tl.sum(p2, 0)
         else:
             jj = tl.arange(0, 16)
@@ -653,12 +660,12 @@ if HAS_TRITON:
                     x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
                     x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
                 w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
-                acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-                acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+                acc = _dot(x_lo, tl.trans(w_lo), acc)
+                acc = _dot(x_hi, tl.trans(w_hi), acc)
                 if GLU:
                     v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
-                    acc2 = tl.dot(x_lo, tl.trans(v_lo), acc2)
-                    acc2 = tl.dot(x_hi, tl.trans(v_hi), acc2)
+                    acc2 = _dot(x_lo, tl.trans(v_lo), acc2)
+                    acc2 = _dot(x_hi, tl.trans(v_hi), acc2)
         _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
                 out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, ss_ptr, stride_ss,
                 GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT, LDT, BLOCK_N)
@@ -727,14 +734,14 @@ if HAS_TRITON:
         for s0 in range((lo // BLOCK_S) * BLOCK_S, hi + 1, BLOCK_S):
             sl = s0 + tl.arange(0, BLOCK_S)
             kt = tl.load(k_ptr + base + sl[None, :] * stride_ks + d[:, None])
-            qk = tl.dot(q, kt) * scaling
+            qk = _dot(q, kt, None) * scaling
             qk = tl.where(((sl >= lo) & (sl <= hi))[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + base + sl[:, None] * stride_ks + d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(ACT), v)
+            acc = acc * alpha[:, None] + _dot(p.to(ACT), v, None)
             m_i = m_new
         tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
 
