@@ -17,6 +17,7 @@ re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -488,8 +489,6 @@ class FastEngine:
         self._build()
 
     def _build(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         with torch.no_grad():
             self.m = build_model(self.model, self.seq_cap)
@@ -541,8 +540,6 @@ class FastEngine:
         return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
 
     def _graph(self, st: _State, greedy: bool, use_top_p: bool):
-        import time
-
         key = (st.b, greedy, use_top_p)
         if key not in self._graphs:
             t0 = time.perf_counter()
@@ -578,6 +575,7 @@ class FastEngine:
             if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
                 self._prefill_seen.add(key)
                 return prefill(self.m, self.cache, ids, mask, self.scratch)
+            t0 = time.perf_counter()
             bufs = ids.clone(), mask.clone()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -590,6 +588,7 @@ class FastEngine:
             with torch.cuda.graph(g, pool=self._pool):
                 logits = prefill(self.m, self.cache, *bufs, self.scratch)
             self._prefills[key] = (g, *bufs, logits)
+            self.capture_s += time.perf_counter() - t0
         g, ids_buf, mask_buf, logits = self._prefills[key]
         ids_buf.copy_(ids)
         mask_buf.copy_(mask)

@@ -589,9 +589,10 @@ if HAS_TRITON:
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
     ):
-        # MXFP4 / NF4 weights, and format raw (the base product already in buffers: cuBLAS output):
         # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
         # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
+        # The base product: NSPLIT > 0: the sum of `_splitk_kernel`'s fp32 K slices in ws (dense and
+        # NVFP4); format raw: cuBLAS output in the plan's buffers; MXFP4 / NF4: computed here.
         ACT = out_ptr.dtype.element_ty
         if F16:
             DT = tl.float16
@@ -610,7 +611,7 @@ if HAS_TRITON:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if NSPLIT > 0:
             part = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
-            for sp in tl.static_range(NSPLIT):
+            for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
                 acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
                 if GLU:
                     acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
