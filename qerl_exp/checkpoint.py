@@ -90,7 +90,7 @@ def latest(run_dir: Path) -> tuple[Path, dict] | None:
         try:
             state = torch.load(path / "state.pt", weights_only=False)
             if not (path / "adapter" / ADAPTER_FILE).exists():
-                raise FileNotFoundError("adapter_model.safetensors missing")
+                raise FileNotFoundError(f"{ADAPTER_FILE} missing")
             return path, state
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to an older one
             warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying an older one")

@@ -29,7 +29,6 @@ from qerl_exp.engine import kernels as K
 
 BACKENDS = ("auto", "torch", "triton")
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
-_LIN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -539,29 +538,36 @@ class FastEngine:
     def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
         return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
 
+    def _capture(self, fn, reset, warmups: int):
+        """(CUDA graph of `fn()` in the engine's memory pool, what the captured call returned), after
+        `warmups` runs on a side stream (Triton compilation, cuBLAS workspaces); `reset()` runs before
+        each of them and before the capture, outside the graph."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                reset()
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        reset()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = fn()
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        return g, out
+
     def _graph(self, st: _State, greedy: bool, use_top_p: bool):
         key = (st.b, greedy, use_top_p)
         if key not in self._graphs:
-            t0 = time.perf_counter()
-            fn = self._step_fn(st, greedy, use_top_p)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compilation, cuBLAS handles
-                for _ in range(2):
-                    st.slot.zero_()
-                    st.step.zero_()
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            st.slot.zero_()
-            st.step.zero_()
-            with torch.cuda.graph(g, pool=self._pool):
-                fn()
-            torch.cuda.synchronize()
-            self._graphs[key] = g
-            self.capture_s += time.perf_counter() - t0
+            def reset():
+                st.slot.zero_()
+                st.step.zero_()
+
+            self._graphs[key], _ = self._capture(self._step_fn(st, greedy, use_top_p), reset, warmups=2)
         return self._graphs[key]
 
     def _prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
@@ -575,20 +581,9 @@ class FastEngine:
             if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
                 self._prefill_seen.add(key)
                 return prefill(self.m, self.cache, ids, mask, self.scratch)
-            t0 = time.perf_counter()
             bufs = ids.clone(), mask.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces)
-                prefill(self.m, self.cache, *bufs, self.scratch)
-            torch.cuda.current_stream().wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                logits = prefill(self.m, self.cache, *bufs, self.scratch)
+            g, logits = self._capture(lambda: prefill(self.m, self.cache, *bufs, self.scratch), lambda: None, warmups=1)
             self._prefills[key] = (g, *bufs, logits)
-            self.capture_s += time.perf_counter() - t0
         g, ids_buf, mask_buf, logits = self._prefills[key]
         ids_buf.copy_(ids)
         mask_buf.copy_(mask)
