@@ -968,23 +968,6 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
     nsh = plan.nseg * R // 16 if shrink is not None else 0
     gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
     f32 = _dummy(x.device, torch.float32)
-    if cfg.get("GLUON"):
-        from .nvfp4_splitk import nvfp4_splitk_kernel
-        bm = cfg["GLUON_BM"]
-        nt = total // 64
-        nvfp4_splitk_kernel[(nt * split * triton.cdiv(m, bm),)](
-            x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
-            gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
-            ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
-            m, plan.k, plan.n1, plan.n2, nt,
-            NSEG=plan.nseg, NORM=norm is not None, T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
-            SPLIT=split, CPS=plan.k // 64 // split, BLOCK_M=bm, BLOCK_N=64, STAGES=cfg["STAGES"], num_warps=4)
-        nsh = nsh if shrink is not None else 0
-        if nsh:
-            raise NotImplementedError("gluon shrink")
-        epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
-        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, False, {**epi, "NSPLIT": split}, ss_out, ws)
-        return
     _splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
         x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
         gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
