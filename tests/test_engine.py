@@ -469,6 +469,33 @@ def test_gpu_fp32_models_get_fp32_products():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
+    # The fp16 dots take x / 16 so that bf16 activations up to 16 * 65504 fit; the compiler had
+    # turned the scaling into "round to fp16, then scale", which made |x| >= 65520 inf.
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    w = torch.randn(64, 256) * 0.1
+    if fmt == "nvfp4":
+        pw = K.relayout_nvfp4(*K.quantize_nvfp4_reference(w))
+    else:
+        lut = K.nf4_lut()
+        am = w.reshape(64, -1, 64).abs().amax(-1)
+        nib = ((w.reshape(64, -1, 64) / am[..., None]).unsqueeze(-1) - lut).abs().argmin(-1)
+        pw = K.relayout_nf4((lut[nib] * am[..., None]).reshape(64, 256), am.flatten(), lut)
+    pw = _to(pw, dev)
+    plan = K.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
+                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
+    x = (torch.randn(8, 256, device=dev) * 3e4).to(torch.bfloat16)  # |x| up to ~1e5
+    assert x.float().abs().max() > 65520
+    out = K.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16), f16=True)
+    ref = x.double() @ K.weight_of(pw, torch.float64).T
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@gpu
+@needs_cuda
 def test_gpu_nvfp4_dequantize_kernel_is_exact():
     w = torch.randn(192, 256) * torch.logspace(-3, 1, 256)  # outliers and tiny blocks
     pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)), "cuda")

@@ -248,6 +248,13 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _f16_div16(x):
+        # x / 16 in fp16 (the fp16 dots' activations): scaled in x's own dtype (exact for bf16),
+        # then one conversion. Written as (x.to(fp32) * 0.0625).to(fp16), the compiler emitted
+        # "round to fp16, then scale" (seen in the sm_90 PTX): inf from |x| = 65520 on.
+        return (x * 0.0625).to(tl.float16)
+
+    @triton.jit
     def _norm_shrink_kernel(
         x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
         M, K, r, eps, KCHUNK, T,
@@ -569,8 +576,8 @@ if HAS_TRITON:
                 for g in range(c0, c0 + CPS):
                     x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + j32, g_ptr, rstd, NORM)
                     x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
-                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
-                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_lo = _f16_div16(x_lo)
+                    x_hi = _f16_div16(x_hi)
                     w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
                     acc = tl.dot(w_lo, tl.trans(x_lo), acc)
                     acc = tl.dot(w_hi, tl.trans(x_hi), acc)
@@ -635,8 +642,8 @@ if HAS_TRITON:
                 x_lo = tl.load(xp, mask=xm, other=0.0)
                 x_hi = tl.load(xp + 16, mask=xm, other=0.0)
                 if F16:
-                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
-                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_lo = _f16_div16(x_lo)
+                    x_hi = _f16_div16(x_hi)
                 else:
                     x_lo = x_lo.to(DT)
                     x_hi = x_hi.to(DT)
@@ -657,8 +664,8 @@ if HAS_TRITON:
                 x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
                 x_hi = tl.load(xp + 16, mask=m_ok[:, None], other=0.0)
                 if F16:
-                    x_lo = (x_lo.to(tl.float32) * 0.0625).to(tl.float16)
-                    x_hi = (x_hi.to(tl.float32) * 0.0625).to(tl.float16)
+                    x_lo = _f16_div16(x_lo)
+                    x_hi = _f16_div16(x_hi)
                 w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
                 acc = _dot(x_lo, tl.trans(w_lo), acc)
                 acc = _dot(x_hi, tl.trans(w_hi), acc)
@@ -815,9 +822,16 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
 
 
 SPLIT_MAX = 8  # most K slices of `_splitk_kernel` (the workspace holds this many)
-# Most rows for which `_splitk_kernel` normalises and shrinks on load; above, a `norm_shrink` launch
-# does (H200, 7B: decode step 6 % faster at 8 rows, 4 % slower at 64).
-NORM_ON_LOAD_MAX_M = 16
+NORM_ON_LOAD_MAX_M = 16  # see `norm_on_load`
+
+
+def norm_on_load(fmt: str, k: int, m: int) -> bool:
+    """Whether `_splitk_kernel` normalises and shrinks on load for m rows of a [.., k] input (else a
+    `norm_shrink` launch does first). Decode step on the H200 (docs/engine.md): on load is faster for
+    NVFP4 at every batch and for the 0.5B shape (hidden 896) by 4-26 % at 32-64 rows; only dense
+    7B-wide linears (hidden 3584) lose above 16 rows (2-5 %), where every program re-normalises a
+    32-64-row tile. The k threshold sits between the two measured widths."""
+    return fmt == "nvfp4" or k < 2048 or m <= NORM_ON_LOAD_MAX_M
 
 
 @dataclass
@@ -890,8 +904,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  config: dict | None = None) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
-    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load up to NORM_ON_LOAD_MAX_M
-    rows, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the rest.
+    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load` says
+    so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the rest.
     Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the linear
     (MXFP4, NF4, cuBLAS: one `_linear_kernel` launch).
 
@@ -915,7 +929,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     m = x.shape[0]
     sms = _sm_count(x.device)
     cfg = dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
-    if (norm is not None or shrink is not None) and (plan.workspace is None or m > NORM_ON_LOAD_MAX_M):
+    if (norm is not None or shrink is not None) and (plan.workspace is None or
+                                                     not norm_on_load(plan.fmt, plan.k, m)):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty_like(x) if norm is not None else None
         norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
