@@ -91,7 +91,7 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws = [pw] + [K.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
-    scratch = K.splitk_workspace(256, w.shape[0], dev)  # as the engine has
+    scratch = torch.zeros(K.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
     return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
 
 

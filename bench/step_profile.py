@@ -2,14 +2,11 @@
 
     python bench/step_profile.py                       # 7B shape, batch 8, bf16 and nvfp4
     python bench/step_profile.py --shape 0.5b --formats bf16
-    python bench/step_profile.py --pdl off,0,2,4 --no-kernels  # step time without / with PDL
 
 Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
 CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
 and of one prefill (torch.profiler; kernel durations do not depend on the graph) summed by name, so
 the gap between the kernels' own time and the replayed step (or the prefill's wall time) is visible.
-`--pdl` also replays the step captured without programmatic dependent launch ("off") and with it,
-prefetching N weight chunks per split-K tile (`kernels.PREFETCH_CHUNKS`), side by side.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rollout as rb  # noqa: E402
 
 from qerl_exp.engine import FastEngine  # noqa: E402
-from qerl_exp.engine import kernels as K  # noqa: E402
 from qerl_exp.engine.decode import decode_one_token, prefill  # noqa: E402
 
 
@@ -39,30 +35,6 @@ def replay_ms(graph, n: int = 50) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e3
-
-
-def pdl_table(engine: FastEngine, st, slot: int, variants: list[str]) -> None:
-    """Decode step time captured with each PDL variant, in rounds so that drift spreads evenly."""
-    default = K.PDL, K.PREFETCH_CHUNKS
-    graphs = {}
-    for v in variants:
-        K.PDL, K.PREFETCH_CHUNKS = (False, 0) if v == "off" else ("exit", 0) if v == "exit" else (True, int(v))
-        engine._graphs.clear()
-        graphs[v] = engine._graph(st, False, False)
-    K.PDL, K.PREFETCH_CHUNKS = default
-    engine._graphs.clear()
-    times = {v: [] for v in variants}
-    for _ in range(3):
-        for v, g in graphs.items():
-            st.slot.fill_(slot)  # each replay moves slot, pos and step on: rewind, or they overrun the cache
-            st.pos.fill_(slot)
-            st.step.zero_()
-            times[v].append(replay_ms(g))
-    base = min(times[variants[0]])
-    for v in variants:
-        ms = min(times[v])
-        label = "PDL off" if v == "off" else f"PDL, prefetch {v}"
-        print(f"   {label:18s} {ms:.3f} ms  ({base / ms:.3f}x of {variants[0]})")
 
 
 def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
@@ -104,8 +76,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="bf16 (Triton kernels), bf16_cublas (cuBLAS + Triton epilogues), nvfp4, nf4")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--pdl", default="", help="comma list of 'off' and prefetch chunk counts, e.g. off,0,2")
-    ap.add_argument("--no-kernels", action="store_true", help="skip the per-kernel tables")
     a = ap.parse_args(argv)
     model = rb.build(a.shape, 32)
     variants = {"bf16": [lay.base_layer for lay in rb.lora_layers(model)]}
@@ -131,11 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         ms = replay_ms(graph)
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
-        if a.pdl:
-            pdl_table(engine, st, a.prompt + 2, a.pdl.split(","))
-        if not a.no_kernels:
-            kernel_table(engine, st, a.prompt + 2)
-            print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
+        kernel_table(engine, st, a.prompt + 2)
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
         del engine, graph
         torch.cuda.empty_cache()
 

@@ -330,8 +330,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             bb = [(torch.randn(n, 8) * 0.1).to(device, ldt) for n in segs]
             sc = [2.0] * len(segs)
             raw = [torch.empty(256, n, device=device, dtype=dtype) for n in segs] if fmt == "raw" else None
-            wsp = K.splitk_workspace(256, 256, device)
-            wsp[: K.SPLIT_MAX] = float("nan")  # the slices are overwritten (the counters start at zero)
+            wsp = torch.full((K.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
             plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw,
                                workspace=wsp)
             a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
@@ -470,7 +469,7 @@ def test_gpu_fp32_models_get_fp32_products():
     dev = torch.device("cuda")
     w, a, b = torch.randn(64, 256, device=dev), torch.randn(8, 256, device=dev), torch.randn(64, 8, device=dev)
     plan = K.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
-                       workspace=K.splitk_workspace(16, 64, dev))
+                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
     x = torch.randn(5, 256, device=dev)
     t, out = torch.zeros(5, 16, device=dev), torch.empty(5, 64, device=dev)
     K.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
@@ -490,7 +489,7 @@ def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
     w = torch.randn(64, 256) * 0.1
     pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)) if fmt == "nvfp4" else _nf4_packed(w), dev)
     plan = K.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
-                       workspace=K.splitk_workspace(16, 64, dev))
+                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
     x = (torch.randn(8, 256, device=dev) * 3e4).to(torch.bfloat16)  # |x| up to ~1e5
     assert x.float().abs().max() > 65520
     out = K.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16), f16=True)

@@ -495,7 +495,7 @@ class FastEngine:
             if self.backend == "triton":
                 widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
                              for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-                ws = K.splitk_workspace(self.max_batch_size, widest, dev)
+                ws = torch.zeros(K.SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
                 raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):

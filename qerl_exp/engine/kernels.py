@@ -38,7 +38,6 @@ if not torch.cuda.is_available():  # without a GPU, Triton kernels can only run 
 try:  # CPU builds of torch ship without Triton; everything below has a torch twin.
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install
@@ -256,58 +255,16 @@ if HAS_TRITON:
         return (x * 0.0625).to(tl.float16)
 
     @triton.jit
-    def _pdl_wait(PDL: tl.constexpr):
-        # Programmatic dependent launch (`pdl`): let the next kernel's programs be scheduled as
-        # this one's retire, then wait until the previous kernel has finished and its writes are
-        # visible. Every program passes here before it reads anything a kernel wrote, and before
-        # it exits: a kernel then completes only after its predecessor did, so the chain stays in
-        # stream order.
-        if PDL:
-            if PDL == 1:
-                gdc_launch_dependents()
-            gdc_wait()
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        # the 128-byte line at each address into L2 (the asm's output is a dummy)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_w(tab_ptr, n0, N1, N2, K, c0, CPS, FMT: tl.constexpr, NSEG: tl.constexpr, CHUNKS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
-        # The first CHUNKS K-chunks of a `_splitk_kernel` tile's weights into L2, issued before the
-        # wait for the previous kernel (weights are never written), so HBM stays busy across it.
-        seg, start = _segment(n0, N1, N2, NSEG)
-        r0 = n0 - start
-        LINE: tl.constexpr = 1024 // ACT.primitive_bitwidth  # dense elements per line
-        for i in tl.static_range(CHUNKS):
-            kc = c0 + i % CPS
-            if FMT == 0:
-                w_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
-                rows = r0 + tl.arange(0, BLOCK_N)
-                ln = tl.arange(0, (BLOCK_K + LINE - 1) // LINE)
-                _prefetch_l2(w_ptr + rows[:, None] * K + kc * BLOCK_K + ln[None, :] * LINE)
-            else:  # codes: BLOCK_N * 32 bytes in one run; scales: 4 bytes a row
-                nrows = _tab(tab_ptr, seg * 8 + 4)
-                _prefetch_l2(_tab_ptr(tab_ptr, seg * 8, tl.uint8) + (kc * nrows + r0) * 32
-                             + tl.arange(0, BLOCK_N // 4) * 128)
-                _prefetch_l2(_tab_ptr(tab_ptr, seg * 8 + 1, tl.uint8) + (kc * nrows + r0) * 4
-                             + tl.arange(0, (BLOCK_N + 31) // 32) * 128)
-
-    @triton.jit
     def _norm_shrink_kernel(
         x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
         M, K, r, eps, KCHUNK, T,
         NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
         # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
         # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
         # has to read whole rows); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk
         # (split-K with fp32 atomics; t is zeroed once per decode step).
-        _pdl_wait(PDL)
         ACT = x_ptr.dtype.element_ty
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -545,78 +502,24 @@ if HAS_TRITON:
             tl.atomic_add(tn_ptr + offs_m[:, None] * stride_tnm + rn[None, :], _dot(out, a, None),
                           mask=m_ok[:, None] & (rn[None, :] < r_next))
 
-    @triton.jit(noinline=True)
-    def _splitk_epilogue(
-        ws_ptr, stride_wm, stride_ws, cnt_ptr, tab_ptr, fsc_ptr, t_ptr, stride_tm, out_ptr, stride_om,
-        res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, sso_ptr, stride_sso,
-        M, N, N1, NT, NSH, MB, r, r_next, col, seg, start, pid_m,
-        GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-        SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr, R: tl.constexpr, R_NEXT: tl.constexpr,
-        LDT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        EPI_N: tl.constexpr,
-    ):
-        # Called by every `_splitk_kernel` tile program after it stored its K slice of output
-        # columns [col, col + BLOCK_N) (GLU: of the gate's columns; the up tile's are at N1 + col).
-        # Counters in cnt_ptr (int32, zero between launches): [pid_m * NT + col / BLOCK_N] the tile's
-        # arrived slices, [MB * NT + pid_m] the row block's finished LoRA shrink programs,
-        # [MB * NT + MB + pid_m] its finished epilogues. The last slice to arrive sums the slices
-        # and applies `_finish` in column blocks of EPI_N (fewer live registers), then zeroes the
-        # counters it was the last to use, so graph replays need no reset.
-        tl.debug_barrier()  # every thread's part of the slice is stored before the count
-        tile = cnt_ptr + pid_m * NT + col // BLOCK_N
-        arrived = tl.atomic_add(tile, 1, sem="acq_rel")
-        if arrived == SPLIT * (2 if GLU else 1) - 1:
-            tl.store(tile, 0)
-            if NSH > 0:  # wait for this row block's LoRA shrink (lower program ids: already running)
-                shrunk = cnt_ptr + MB * NT + pid_m
-                done = tl.atomic_add(shrunk, 0, sem="acquire")
-                while done < NSH * SPLIT:
-                    done = tl.atomic_add(shrunk, 0, sem="acquire")
-                tiles = NT // 2 if GLU else NT
-                if tl.atomic_add(cnt_ptr + MB * NT + MB + pid_m, 1) == tiles - 1:  # the row block's last
-                    tl.store(shrunk, 0)
-                    tl.store(cnt_ptr + MB * NT + MB + pid_m, 0)
-            tl.debug_barrier()
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < M
-            for e in tl.static_range(BLOCK_N // EPI_N):
-                n0 = col + e * EPI_N
-                offs_n = n0 + tl.arange(0, EPI_N)
-                part = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
-                acc = tl.zeros((BLOCK_M, EPI_N), tl.float32)
-                acc2 = tl.zeros((BLOCK_M, EPI_N), tl.float32)
-                for sp in tl.static_range(SPLIT):  # .cg: written by other SMs during this launch
-                    acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-                    if GLU:
-                        acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0,
-                                        cache_modifier=".cg")
-                _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, offs_n - start, offs_m, offs_n, m_ok, t_ptr,
-                        stride_tm, r, out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next,
-                        sso_ptr, stride_sso, GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT,
-                        LDT, EPI_N)
-
     @triton.jit
     def _splitk_kernel(
-        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, cnt_ptr,
+        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws,
         g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm,
-        fsc_ptr, out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, sso_ptr, stride_sso,
-        M, K, N, N1, N2, CPS, NT, NSH, r, r_next,
+        M, K, N1, N2, CPS, NT, NSH, r,
         FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-        SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr, R_NEXT: tl.constexpr, EPI_N: tl.constexpr,
-        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     ):
-        # A whole linear for decode shapes (dense FMT 0, NVFP4 FMT 1) in one launch, K split into
-        # SPLIT slices so that enough programs keep HBM busy. x' = x, or with NORM RMSNorm(x) *
-        # gamma computed on load (HF's rounding; the rows' sums of squares come as T partial sums).
-        # Programs, in id order:
+        # The base product of a linear for decode shapes (dense FMT 0, NVFP4 FMT 1), K split into
+        # SPLIT slices so that enough programs keep HBM busy; a raw `_linear_kernel` launch then sums
+        # the slices and applies scale, bias, LoRA, GLU and residual. x' = x, or with NORM
+        # RMSNorm(x) * gamma computed on load (HF's rounding; the rows' sums of squares come as T
+        # partial sums). Programs, in id order:
         # - [0, NSH * SPLIT * MB): the LoRA shrink, t[:, 16j:16j+16] += x'[:, slice] @ A^T (fp32
         #   atomics; t is zeroed by the caller);
         # - the rest: tile (pid_n, pid_k, pid_m) of up to three segments side by side (q|k|v,
-        #   gate|up) writes x'[:, slice] @ W_seg^T in fp32 to ws[pid_k]; the last slice of a tile
-        #   to arrive (of the gate and the up tile, GLU) runs the epilogue (`_splitk_epilogue`).
+        #   gate|up) writes x'[:, slice] @ W_seg^T in fp32 to ws[pid_k].
         # NVFP4: 64 inputs a step, fp16 dot with the weight tile as the wide operand, x pre-scaled by
         # 1/16 (the epilogue's output scale undoes that and the 2^-6 of the decoded values).
         ACT = x_ptr.dtype.element_ty
@@ -633,13 +536,6 @@ if HAS_TRITON:
             pid_n = (p - n_sh) % NT
             pid_k = ((p - n_sh) // NT) % SPLIT
             pid_m = (p - n_sh) // (NT * SPLIT)
-        if PDL:  # `_pdl_wait`, with the tile's first PREFETCH weight chunks on their way meanwhile
-            if PDL == 1:
-                gdc_launch_dependents()
-            if p >= n_sh:
-                _prefetch_w(tab_ptr, pid_n * BLOCK_N, N1, N2, K, pid_k * CPS, CPS, FMT, NSEG, PREFETCH,
-                            BLOCK_N, BLOCK_K, ACT)
-            gdc_wait()
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -657,8 +553,6 @@ if HAS_TRITON:
                 acc_t = _dot(xt, a.to(ACT), acc_t)
             tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + (j * 16 + tl.arange(0, 16))[None, :], acc_t,
                           mask=m_ok[:, None] & (rr[None, :] < r))
-            tl.debug_barrier()  # all of this program's atomics precede its count
-            tl.atomic_add(cnt_ptr + MB * NT + pid_m, 1, sem="release")
         else:
             n0 = pid_n * BLOCK_N
             seg, start = _segment(n0, N1, N2, NSEG)
@@ -689,29 +583,22 @@ if HAS_TRITON:
                     acc = tl.dot(w_hi, tl.trans(x_hi), acc)
                 tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
                          mask=m_ok[None, :])
-            _splitk_epilogue(
-                ws_ptr, stride_wm, stride_ws, cnt_ptr, tab_ptr, fsc_ptr, t_ptr, stride_tm, out_ptr, stride_om,
-                res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, sso_ptr, stride_sso,
-                M, N, N1, NT, NSH, MB, r, r_next, n0 - start if GLU else n0, 0 if GLU else seg,
-                0 if GLU else start, pid_m,
-                GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT, LDT, SPLIT, BLOCK_M, BLOCK_N, EPI_N)
 
     @triton.jit
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss,
+        an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss, ws_ptr, stride_wm, stride_ws,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
     ):
         # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
         # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
-        # The base product: format raw: cuBLAS output in the plan's buffers; MXFP4 / NF4: computed
-        # here (dense and NVFP4 weights go through `_splitk_kernel` instead).
-        _pdl_wait(PDL)
+        # The base product: NSPLIT > 0: the sum of `_splitk_kernel`'s fp32 K slices in ws (dense and
+        # NVFP4); format raw: cuBLAS output in the plan's buffers; MXFP4 / NF4: computed here.
         ACT = out_ptr.dtype.element_ty
         if F16:
             DT = tl.float16
@@ -728,7 +615,13 @@ if HAS_TRITON:
         seg2 = seg + 1  # GLU: the up projection
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if FMT == 4:  # raw
+        if NSPLIT > 0:
+            part = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
+            for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
+                acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
+                if GLU:
+                    acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+        elif FMT == 4:  # raw
             raw_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
             acc += tl.load(raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :],
                            mask=m_ok[:, None], other=0.0).to(tl.float32)
@@ -788,11 +681,10 @@ if HAS_TRITON:
     def _rope_cache_kernel(
         qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
         kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs,
-        HQ, HKV, D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False,
+        HQ, HKV, D: tl.constexpr, HALF: tl.constexpr,
     ):
         # One (sequence, head) per program; heads [0, HQ) are queries (rotated, written to q),
         # [HQ, HQ + HKV) keys (rotated, into the cache at `slot`), the rest values (copied).
-        _pdl_wait(PDL)
         ACT = qkv_ptr.dtype.element_ty
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -829,11 +721,10 @@ if HAS_TRITON:
     @triton.jit
     def _decode_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, pad_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, scaling, HQ,
-        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         # One (sequence b, kv head h) per program: its G query heads against cache slots
         # pad[b]..slot (the live ones), online softmax in fp32 over BLOCK_S slots a step.
-        _pdl_wait(PDL)
         ACT = q_ptr.dtype.element_ty
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -926,18 +817,11 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         m, k, r, eps, (chunks // split) * block_k, ss.shape[0] if ss is not None else 1,
         NORM=gamma is not None, LORA=a_tab is not None, NSEG=nseg, R=R, RT=RT,
         LDT=_tl_dtype(lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, **_pdl_args(x.device),
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )
 
 
 SPLIT_MAX = 8  # most K slices of `_splitk_kernel` (the workspace holds this many)
-
-
-def splitk_workspace(max_rows: int, n: int, device: torch.device | str) -> Tensor:
-    """The scratch of `_splitk_kernel` launches of up to `max_rows` rows and `n` outputs (all
-    segments), shared by all plans: fp32 [SPLIT_MAX + 1, max_rows, n], the K slices' partial
-    products, then the tiles' arrival counters (int32 view; zero between launches)."""
-    return torch.zeros(SPLIT_MAX + 1, max_rows, n, dtype=torch.float32, device=device)
 NORM_ON_LOAD_MAX_M = 16  # see `norm_on_load`
 
 
@@ -970,7 +854,7 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
-    workspace: Tensor | None = None  # dense / nvfp4: `splitk_workspace` for `_splitk_kernel`
+    workspace: Tensor | None = None  # dense / nvfp4: fp32 [SPLIT_MAX, B_max, >= n] for `_splitk_kernel`'s K slices
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
@@ -1086,63 +970,34 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-PDL = False  # launch the decode kernels with programmatic dependent launch where the GPU has it
-PREFETCH_CHUNKS = 2  # weight chunks a split-K tile sends to L2 while it waits for its predecessor
-
-
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreting()
-
-
-def _pdl_args(device: torch.device, **extra) -> dict:
-    """Launch arguments for programmatic dependent launch (Hopper on): each kernel is scheduled while
-    its predecessor in the stream (or graph) finishes and waits for it in `_pdl_wait`, so the
-    ~280 launches of a decode step do not each pay a launch gap and an empty pipeline."""
-    if not (PDL and _has_pdl(device)):
-        return {}
-    return dict(PDL=2 if PDL == "exit" else 1, launch_pdl=True, **extra)
-
-
 def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, cfg) -> None:
     m = x.shape[0]
     ws = plan.workspace
-    split, bk, bn, bm = cfg["SPLIT"], cfg["BLOCK_K"], cfg["BLOCK_N"], cfg["BLOCK_M"]
+    split, bk = cfg["SPLIT"], cfg["BLOCK_K"]
     total = plan.n * (2 if plan.glu else 1)
-    nt, mb = total // bn, triton.cdiv(m, bm)
-    if m > ws.shape[1] or (plan.k // bk) % split or total % bn or mb * (nt + 2) > ws[0].numel():
+    if m > ws.shape[1] or (plan.k // bk) % split or total % cfg["BLOCK_N"]:
         raise ValueError(f"{m} rows with tiles {cfg} do not fit a {plan.k} x {total} split-K launch "
                          f"(workspace rows {ws.shape[1]})")
-    if out.data_ptr() == x.data_ptr() or (norm is not None and ss_out is not None
-                                          and norm[2].data_ptr() == ss_out.data_ptr()):
-        raise ValueError("a split-K linear's epilogue must not write what its main loop reads "
-                         "(out aliasing x, or ss_out aliasing the norm's ss)")
     R = _pow2(plan.r)
+    nt = total // cfg["BLOCK_N"]
     nsh = plan.nseg * R // 16 if shrink is not None else 0
     gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
     f32 = _dummy(x.device, torch.float32)
-    dummy = _dummy(x.device, x.dtype)
-    _splitk_kernel[((nsh + nt) * split * mb,)](
-        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), ws[SPLIT_MAX].view(torch.int32),
-        gamma if gamma is not None else dummy, ss if ss is not None else f32,
+    _splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
+        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
+        gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
         ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
         shrink if shrink is not None else _dummy(x.device, torch.int64), t if t is not None else f32,
         t.stride(0) if t is not None else 0,
-        plan.fsc, out, out.stride(0),
-        residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
-        a_next if a_next is not None else dummy, t_next if t_next is not None else f32,
-        t_next.stride(0) if t_next is not None else 0,
-        ss_out if ss_out is not None else f32, ss_out.stride(0) if ss_out is not None else 0,
-        m, plan.k, plan.n, plan.n1, plan.n2, plan.k // bk // split, nt, nsh, max(plan.r, 1), max(r_next, 1),
+        m, plan.k, plan.n1, plan.n2, plan.k // bk // split, nt, nsh, max(plan.r, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, ASM=not _interpreting(), NORM=norm is not None, R=R,
-        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
-        GLU=plan.glu, HAS_BIAS=plan.has_bias, HAS_LORA=t is not None, HAS_RES=residual is not None,
-        SHRINK_NEXT=t_next is not None, SS_OUT=ss_out is not None, R_NEXT=_pow2(r_next), EPI_N=min(bn, 32),
-        **cfg, **_pdl_args(x.device, PREFETCH=PREFETCH_CHUNKS),
+        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1), **cfg,
     )
+    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
+    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, False, {**epi, "NSPLIT": split}, ss_out, ws)
 
 
-def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out) -> None:
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None) -> None:
     m = x.shape[0]
     R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
@@ -1157,11 +1012,12 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         a_next if a_next is not None else dummy, t_next if t_next is not None else fsc,
         t_next.stride(0) if t_next is not None else 0,
         ss_out if ss_out is not None else fsc, ss_out.stride(0) if ss_out is not None else 0,
+        part if part is not None else fsc, part.stride(1) if part is not None else 0,
+        part.stride(0) if part is not None else 0,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
         SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
-        **_pdl_args(x.device),
     )
 
 
@@ -1179,7 +1035,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, s
     g = hq // hkv
     _decode_attention_kernel[(b, hkv)](
         q, k_cache, v_cache, out, pad, slot, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scaling, hq,
-        G=g, G_PAD=_pow2(g), D=d, BLOCK_S=64, num_warps=4, **_pdl_args(q.device),
+        G=g, G_PAD=_pow2(g), D=d, BLOCK_S=64, num_warps=4,
     )
     return out
 
@@ -1197,7 +1053,7 @@ def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor,
     _rope_cache_kernel[(b, hq + 2 * hkv)](
         qkv, qkv.stride(0), cos, sin, pos, slot, q_out,
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        hq, hkv, D=d, HALF=d // 2, num_warps=1, **_pdl_args(qkv.device),
+        hq, hkv, D=d, HALF=d // 2, num_warps=1,
     )
 
 
@@ -1262,8 +1118,8 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
     `raw`: per-segment [B_max, n] buffers into which `fused_linear` has cuBLAS write x @ W^T for
     dense weights; its Triton launch then only applies bias, LoRA, residual and GLU (format "raw").
-    `workspace`: a `splitk_workspace` for at least the total n, shared by all plans; dense plans
-    without `raw` and NVFP4 plans need it for `_splitk_kernel`.
+    `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense plans
+    without `raw` and NVFP4 plans need it for `_splitk_kernel`'s K slices.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -1302,9 +1158,8 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
     splitk = fmt in ("dense", "nvfp4") and raw is None
-    if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[0] != SPLIT_MAX + 1
-                   or workspace.shape[2] < sum(sizes)):
-        raise ValueError(f"a {fmt} plan needs a workspace = splitk_workspace(B_max, >= {sum(sizes)})")
+    if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes)):
+        raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
     if fmt == "nvfp4":  # the split-K products are in units of 2^-6 / 16 (see `_splitk_kernel`)
         fsc[:, 1] *= 1024.0
     plan = LinearPlan(
