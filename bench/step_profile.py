@@ -2,14 +2,11 @@
 
     python bench/step_profile.py                       # 7B shape, batch 8, bf16 and nvfp4
     python bench/step_profile.py --shape 0.5b --formats bf16
-    python bench/step_profile.py --attention-ab --no-kernels  # split attention vs one program per head
 
 Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
 CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
 and of one prefill (torch.profiler; kernel durations do not depend on the graph) summed by name, so
 the gap between the kernels' own time and the replayed step (or the prefill's wall time) is visible.
-`--attention-ab` replays the step with `decode_attention` split as the engine splits it and with one
-program per (sequence, kv head), early and late in the rollout (attention grows with the cache).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rollout as rb  # noqa: E402
 
 from qerl_exp.engine import FastEngine  # noqa: E402
-from qerl_exp.engine import kernels as K  # noqa: E402
 from qerl_exp.engine.decode import decode_one_token, prefill  # noqa: E402
 
 
@@ -39,28 +35,6 @@ def replay_ms(graph, n: int = 50) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e3
-
-
-def attention_ab(engine: FastEngine, st, slots: list[int]) -> None:
-    """Decode step time with `decode_attention` split by `attention_splits` and unsplit, per slot."""
-    default = K.attention_splits
-    graphs = {}
-    for name, fn in (("split", default), ("unsplit", lambda *_: 1)):
-        K.attention_splits = fn
-        engine._graphs.clear()
-        graphs[name] = engine._graph(st, False, False)
-    K.attention_splits = default
-    engine._graphs.clear()
-    for slot in slots:
-        times = {name: [] for name in graphs}
-        for _ in range(3):  # rounds, so that drift spreads evenly
-            for name, g in graphs.items():
-                st.slot.fill_(slot)  # each replay moves slot, pos and step on: rewind them
-                st.pos.fill_(slot)
-                st.step.zero_()
-                times[name].append(replay_ms(g, n=20))
-        split, unsplit = min(times["split"]), min(times["unsplit"])
-        print(f"   slot {slot}: split attention {split:.3f} ms, unsplit {unsplit:.3f} ms ({unsplit / split:.3f}x)")
 
 
 def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
@@ -102,8 +76,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="bf16 (Triton kernels), bf16_cublas (cuBLAS + Triton epilogues), nvfp4, nf4")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--attention-ab", action="store_true", help="split vs unsplit decode attention")
-    ap.add_argument("--no-kernels", action="store_true", help="skip the per-kernel tables")
     a = ap.parse_args(argv)
     model = rb.build(a.shape, 32)
     variants = {"bf16": [lay.base_layer for lay in rb.lora_layers(model)]}
@@ -129,11 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         ms = replay_ms(graph)
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
-        if a.attention_ab:
-            attention_ab(engine, st, [a.prompt + 2, a.prompt + a.new - 30])
-        if not a.no_kernels:
-            kernel_table(engine, st, a.prompt + 2)
-            print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
+        kernel_table(engine, st, a.prompt + 2)
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
         del engine, graph
         torch.cuda.empty_cache()
 

@@ -251,7 +251,6 @@ class _State:
         self.h = torch.zeros(b, h, dtype=dt, device=dev)
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
         self.att = torch.zeros(b, m.hq * m.d, dtype=dt, device=dev)
-        self.att_scratch = K.attention_scratch(b, m.hq, m.hkv, m.d, dev)
         self.generator: torch.Generator | None = None
 
 
@@ -358,7 +357,7 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         K.fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
                        shrink=ly.qkv.a_tab, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
-        att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att, st.att_scratch)
+        att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
         K.fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
                        ss_out=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)

@@ -720,26 +720,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, pad_ptr, slot_ptr, part_ptr, cnt_ptr, stride_kb, stride_kh, stride_ks,
-        scaling, HQ, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-        NSPLIT: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, out_ptr, pad_ptr, slot_ptr, stride_kb, stride_kh, stride_ks, scaling, HQ,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        # One (sequence b, kv head h, split sp) per program: its G query heads against the live
-        # cache slots pad[b]..slot, whose BLOCK_S-slot blocks are dealt out in runs to NSPLIT
-        # programs (a decode step has few sequences: one program each would leave most of the GPU
-        # idle and walk the cache serially); online softmax in fp32. Each program leaves its
-        # running max, sum and unnormalised output in part; the last of a (b, h)'s programs to
-        # finish (cnt counts arrivals, zero between launches) merges them and writes out.
+        # One (sequence b, kv head h) per program: its G query heads against cache slots
+        # pad[b]..slot (the live ones), online softmax in fp32 over BLOCK_S slots a step.
         ACT = q_ptr.dtype.element_ty
         b = tl.program_id(0)
         h = tl.program_id(1)
-        sp = tl.program_id(2)
         lo = tl.load(pad_ptr + b)
         hi = tl.load(slot_ptr)
-        first = (lo // BLOCK_S) * BLOCK_S
-        per = ((hi - first) // BLOCK_S + NSPLIT) // NSPLIT  # blocks a program: ceil(blocks / NSPLIT)
-        s_begin = first + sp * per * BLOCK_S
-        s_end = tl.minimum(s_begin + per * BLOCK_S, hi + 1)  # every block has a live slot
         gq = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         rows = (b * HQ + h * G + gq)[:, None] * D + d[None, :]
@@ -748,7 +738,7 @@ if HAS_TRITON:
         l_i = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
         base = b * stride_kb + h * stride_kh
-        for s0 in range(s_begin, s_end, BLOCK_S):
+        for s0 in range((lo // BLOCK_S) * BLOCK_S, hi + 1, BLOCK_S):
             sl = s0 + tl.arange(0, BLOCK_S)
             kt = tl.load(k_ptr + base + sl[None, :] * stride_ks + d[:, None])
             qk = _dot(q, kt, None) * scaling
@@ -760,26 +750,7 @@ if HAS_TRITON:
             v = tl.load(v_ptr + base + sl[:, None] * stride_ks + d[None, :])
             acc = acc * alpha[:, None] + _dot(p.to(ACT), v, None)
             m_i = m_new
-        bh = b * tl.num_programs(1) + h
-        SIZE: tl.constexpr = G_PAD * (D + 2)  # a program's part: out [G_PAD, D], max [G_PAD], sum [G_PAD]
-        own = part_ptr + (bh * NSPLIT + sp) * SIZE
-        tl.store(own + gq[:, None] * D + d[None, :], acc)
-        tl.store(own + G_PAD * D + gq, m_i)
-        tl.store(own + G_PAD * D + G_PAD + gq, l_i)
-        tl.debug_barrier()  # every thread's part is stored before the count
-        if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == NSPLIT - 1:
-            tl.store(cnt_ptr + bh, 0)
-            parts = part_ptr + bh * NSPLIT * SIZE
-            ss = tl.arange(0, NSPLIT)
-            # .cg: written by other SMs during this launch; empty splits have max -inf, weight 0
-            m = tl.max(tl.load(parts + ss[:, None] * SIZE + G_PAD * D + gq[None, :], cache_modifier=".cg"), 0)
-            acc = tl.zeros((G_PAD, D), tl.float32)
-            l_i = tl.zeros((G_PAD,), tl.float32)
-            for j in tl.static_range(NSPLIT):
-                w = tl.exp(tl.load(parts + j * SIZE + G_PAD * D + gq, cache_modifier=".cg") - m)
-                l_i += w * tl.load(parts + j * SIZE + G_PAD * D + G_PAD + gq, cache_modifier=".cg")
-                acc += w[:, None] * tl.load(parts + j * SIZE + gq[:, None] * D + d[None, :], cache_modifier=".cg")
-            tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
+        tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -1050,48 +1021,21 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
     )
 
 
-ATTENTION_SPLIT_MAX = 8  # most programs per (sequence, kv head) in `decode_attention`
-
-
-def attention_scratch(b: int, hq: int, hkv: int, d: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """`decode_attention`'s scratch for up to b sequences: (fp32 partial results, int32 zeroed
-    arrival counters), reusable by every launch (the counters are back at zero after each)."""
-    size = b * hkv * ATTENTION_SPLIT_MAX * _pow2(hq // hkv) * (d + 2)
-    return (torch.empty(size, dtype=torch.float32, device=device),
-            torch.zeros(b * hkv, dtype=torch.int32, device=device))
-
-
-def attention_splits(b: int, hkv: int, sms: int) -> int:
-    """Programs per (sequence, kv head): a power of two up to ATTENTION_SPLIT_MAX, so that about two
-    programs per SM share the cache reads."""
-    n = 1
-    while n < ATTENTION_SPLIT_MAX and b * hkv * n * 2 <= 2 * sms:
-        n *= 2
-    return n
-
-
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, slot: Tensor, scaling: float,
-                     out: Tensor, scratch: tuple[Tensor, Tensor], nsplit: int | None = None) -> Tensor:
+                     out: Tensor) -> Tensor:
     """Triton: attention of one new token per sequence over its live cache slots (pad[b]..slot).
 
     Args:
         q: [B, hq, d]. k_cache / v_cache: [B_max, hkv, S, d], S a multiple of 64.
         pad: int [B] first live slot per sequence. slot: int [1] this token's slot (the last live).
         out: [B, hq * d], returned.
-        scratch: `attention_scratch` for at least B sequences.
-        nsplit: programs per (sequence, kv head), a power of two <= ATTENTION_SPLIT_MAX;
-            default `attention_splits`.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
-    nsplit = nsplit or attention_splits(b, hkv, _sm_count(q.device))
-    part, cnt = scratch
-    if cnt.numel() < b * hkv or part.numel() < b * hkv * nsplit * _pow2(g) * (d + 2) or nsplit > ATTENTION_SPLIT_MAX:
-        raise ValueError(f"attention scratch for {cnt.numel() // hkv} sequences is too small for {b} x {nsplit} splits")
-    _decode_attention_kernel[(b, hkv, nsplit)](
-        q, k_cache, v_cache, out, pad, slot, part, cnt, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        scaling, hq, G=g, G_PAD=_pow2(g), D=d, BLOCK_S=64, NSPLIT=nsplit, num_warps=4,
+    _decode_attention_kernel[(b, hkv)](
+        q, k_cache, v_cache, out, pad, slot, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scaling, hq,
+        G=g, G_PAD=_pow2(g), D=d, BLOCK_S=64, num_warps=4,
     )
     return out
 
