@@ -863,8 +863,8 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
     H200, 132 SMs, docs/engine.md; `bench/kernels.py --sweep` searches them again).
 
-    dense / nvfp4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM are in
-    flight, since one decode-sized tile cannot keep HBM busy by itself."""
+    dense / nvfp4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM (NVFP4
+    up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by itself."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_blocks = -(-m // block_m)
     if fmt in ("dense", "nvfp4"):
@@ -875,7 +875,10 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
             bn //= 2
         bk = 64 if fmt == "nvfp4" or not wide else 128
         split, chunks = 1, k // bk
-        while split < SPLIT_MAX and (total // bn) * m_blocks * split < 4 * sms and chunks % (2 * split) == 0:
+        # NVFP4 up to 16 rows: 8 programs per SM (H200, gate/up at 8 rows split 4: 25.3 us, split 2:
+        # 26.9; at 64 rows split 4 was 18 % slower). More pipeline stages were slower, not faster.
+        per_sm = 8 if fmt == "nvfp4" and m <= 16 else 4
+        while split < SPLIT_MAX and (total // bn) * m_blocks * split < per_sm * sms and chunks % (2 * split) == 0:
             split *= 2
         return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
