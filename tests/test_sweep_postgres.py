@@ -77,11 +77,20 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
     procs = [subprocess.Popen(sweep_cmd(*args, f"sweep_dir={tmp_path / f'machine{i}'}"), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
 
+    # One storage for the whole test: an RDBStorage per poll leaves its pooled connection open
+    # until the cyclic GC runs, and polling every 50 ms then exhausts the server's 100 connections.
+    rdb = None
+
     def trials():
+        nonlocal rdb
+        if rdb is None:
+            try:
+                rdb = optuna.storages.RDBStorage(storage, skip_table_creation=True)
+            except Exception:  # noqa: BLE001 - the first worker has not created the tables yet
+                return []
         try:
-            rdb = optuna.storages.RDBStorage(storage, skip_table_creation=True)
             return optuna.load_study(study_name=name, storage=rdb).get_trials()
-        except Exception:  # noqa: BLE001 - not created yet
+        except KeyError:  # nor the study
             return []
 
     def mid_trial():
@@ -97,7 +106,7 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
             victim = wait_for(mid_trial, 900, "a trial in progress")
             pid = victim.user_attrs["worker_pid"]
             os.kill(pid, signal.SIGSTOP)
-            if trials()[victim.number].state == TrialState.RUNNING:
+            if next(t.state for t in trials() if t.number == victim.number) == TrialState.RUNNING:
                 os.kill(pid, signal.SIGKILL)
                 break
             os.kill(pid, signal.SIGCONT)  # it finished in between: try again
