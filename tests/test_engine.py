@@ -339,8 +339,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                 x = torch.randn(m, kk).to(device, dtype)
                 ss = x.float().pow(2).reshape(m, 4, -1).sum(-1).t().contiguous()  # 4 partial sums a row
                 res = torch.randn(m, sum(segs) if not glu else segs[0]).to(device, dtype)
-                # dense and nvfp4: one K slice and several; with and without the norm on load
-                splits = [1, 2] if fmt in ("dense", "nvfp4") else [None]
+                # split-K formats: one K slice and several; with and without the norm on load
+                splits = [1, 2] if fmt in ("dense", "nvfp4", "nf4") else [None]
                 for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
                     use_norm = f16 != (split == 2)
                     xd = (K.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()

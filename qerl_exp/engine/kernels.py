@@ -358,36 +358,31 @@ if HAS_TRITON:
         return lo, hi
 
     @triton.jit
-    def _load_w_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
-        # One k-group (32 inputs) of BLOCK_N MXFP4/NF4 weight rows, dequantized: (w_lo, w_hi), [BN, 16].
+    def _nf4_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, DT: tl.constexpr):
+        # k-group g (32 inputs) of BLOCK_N NF4 weight rows, dequantized: (w_lo, w_hi), [BN, 16] each.
         c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
-        if FMT == 3:
-            e = tl.load(sc_ptr + g * nrows + rows).to(tl.float32)
-            s = tl.exp2(e - 121.0).to(DT)  # 2^(e - 127) * 64
-            lo, hi = _e2m1_to(c, DT)
-            w_lo = lo * s[:, None]
-            w_hi = hi * s[:, None]
-        else:
-            am = tl.load(sc_ptr + (g // 2) * nrows + rows)
-            w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am[:, None]).to(DT)
-            w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am[:, None]).to(DT)
+        am = tl.load(sc_ptr + (g // 2) * nrows + rows)
+        w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am[:, None]).to(DT)
+        w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am[:, None]).to(DT)
         return w_lo, w_hi
 
     @triton.jit
-    def _load_w_tile3(code_ptr, sc_ptr, nrows, gidx, rows, lut_ptr, jj, FMT: tl.constexpr, DT: tl.constexpr):
+    def _mxfp4_tile(code_ptr, sc_ptr, nrows, g, rows, jj, DT: tl.constexpr):
+        # k-group g (32 inputs) of BLOCK_N MXFP4 weight rows, dequantized: (w_lo, w_hi), [BN, 16] each.
+        c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
+        e = tl.load(sc_ptr + g * nrows + rows).to(tl.float32)
+        s = tl.exp2(e - 121.0).to(DT)  # 2^(e - 127) * 64
+        lo, hi = _e2m1_to(c, DT)
+        return lo * s[:, None], hi * s[:, None]
+
+    @triton.jit
+    def _mxfp4_tile3(code_ptr, sc_ptr, nrows, gidx, rows, jj, DT: tl.constexpr):
         # GB k-groups at once: (w_lo, w_hi), each [GB, BN, 16]; many independent loads in flight.
         c = tl.load(code_ptr + gidx[:, None, None] * nrows * 16 + rows[None, :, None] * 16 + jj[None, None, :])
-        if FMT == 3:
-            e = tl.load(sc_ptr + gidx[:, None] * nrows + rows[None, :]).to(tl.float32)
-            sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
-            lo, hi = _e2m1_to(c, DT)
-            w_lo = lo * sc
-            w_hi = hi * sc
-        else:
-            am = tl.load(sc_ptr + (gidx // 2)[:, None] * nrows + rows[None, :])[:, :, None]
-            w_lo = (tl.load(lut_ptr + (c & 15).to(tl.int32)) * am).to(DT)
-            w_hi = (tl.load(lut_ptr + (c >> 4).to(tl.int32)) * am).to(DT)
-        return w_lo, w_hi
+        e = tl.load(sc_ptr + gidx[:, None] * nrows + rows[None, :]).to(tl.float32)
+        sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
+        lo, hi = _e2m1_to(c, DT)
+        return lo * sc, hi * sc
 
     # Four permuted E2M1 bytes ($4) -> eight fp16 (low elements $0 $1, high $2 $3), each times its
     # block scale ($5..$8, fp16 pairs): bit masks, then Hopper's e4m3x2 -> f16x2 conversion.
@@ -504,14 +499,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _splitk_kernel(
-        x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws,
+        x_ptr, stride_xm, tab_ptr, lut_ptr, ws_ptr, stride_wm, stride_ws,
         g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm,
         M, K, N1, N2, CPS, NT, NSH, r,
         FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr,
     ):
-        # The base product of a linear for decode shapes (dense FMT 0, NVFP4 FMT 1), K split into
+        # The base product of a linear for decode shapes (dense FMT 0, NVFP4 1, NF4 2), K split into
         # SPLIT slices so that enough programs keep HBM busy; a raw `_linear_kernel` launch then sums
         # the slices and applies scale, bias, LoRA, GLU and residual. x' = x, or with NORM
         # RMSNorm(x) * gamma computed on load (HF's rounding; the rows' sums of squares come as T
@@ -521,7 +516,9 @@ if HAS_TRITON:
         # - the rest: tile (pid_n, pid_k, pid_m) of up to three segments side by side (q|k|v,
         #   gate|up) writes x'[:, slice] @ W_seg^T in fp32 to ws[pid_k].
         # NVFP4: 64 inputs a step, fp16 dot with the weight tile as the wide operand, x pre-scaled by
-        # 1/16 (the epilogue's output scale undoes that and the 2^-6 of the decoded values).
+        # 1/16 (the epilogue's output scale undoes that and the 2^-6 of the decoded values). NF4:
+        # the same 64 inputs as its two k-groups of 32 (table lookup times absmax), in fp16 the
+        # same way with F16, else in the model dtype.
         ACT = x_ptr.dtype.element_ty
         p = tl.program_id(0)
         MB = tl.cdiv(M, BLOCK_M)
@@ -567,43 +564,56 @@ if HAS_TRITON:
                     acc = _dot(x, tl.trans(w), acc)
                 tl.store(ws_ptr + pid_k * stride_ws + offs_m[:, None] * stride_wm + offs_n[None, :], acc,
                          mask=m_ok[:, None])
-            else:
-                j32 = tl.arange(0, 32)
-                c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
-                s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
-                nrows = _tab(tab_ptr, seg * 8 + 4)
+            else:  # 4-bit: the weight tile is the dot's wide operand
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for g in range(c0, c0 + CPS):
-                    x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + j32, g_ptr, rstd, NORM)
-                    x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
-                    x_lo = _f16_div16(x_lo)
-                    x_hi = _f16_div16(x_hi)
-                    w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
-                    acc = tl.dot(w_lo, tl.trans(x_lo), acc)
-                    acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+                if FMT == 1:
+                    j32 = tl.arange(0, 32)
+                    c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
+                    s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
+                    nrows = _tab(tab_ptr, seg * 8 + 4)
+                    for g in range(c0, c0 + CPS):
+                        x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + j32, g_ptr, rstd, NORM)
+                        x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
+                        x_lo = _f16_div16(x_lo)
+                        x_hi = _f16_div16(x_hi)
+                        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
+                        acc = tl.dot(w_lo, tl.trans(x_lo), acc)
+                        acc = tl.dot(w_hi, tl.trans(x_hi), acc)
+                else:
+                    j16 = tl.arange(0, 16)
+                    c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
+                    DT: tl.constexpr = tl.float16 if F16 else ACT
+                    for g in range(c0, c0 + CPS):
+                        for h in tl.static_range(2):  # k-groups 2g and 2g + 1
+                            k0 = g * 64 + 32 * h
+                            x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, k0 + j16, g_ptr, rstd, NORM)
+                            x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, k0 + 16 + j16, g_ptr, rstd, NORM)
+                            if F16:
+                                x_lo = _f16_div16(x_lo)
+                                x_hi = _f16_div16(x_hi)
+                            w_lo, w_hi = _nf4_tile(c_ptr, s_ptr, nrows, 2 * g + h, rows, lut_ptr, j16, DT)
+                            acc = _dot(w_lo, tl.trans(x_lo), acc)
+                            acc = _dot(w_hi, tl.trans(x_hi), acc)
                 tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
                          mask=m_ok[None, :])
 
     @triton.jit
     def _linear_kernel(
-        x_ptr, stride_xm, tab_ptr, fsc_ptr, lut_ptr,
+        x_ptr, stride_xm, tab_ptr, fsc_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
         an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss, ws_ptr, stride_wm, stride_ws,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
-        R: tl.constexpr, R_NEXT: tl.constexpr, F16: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
+        R: tl.constexpr, R_NEXT: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
     ):
         # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
         # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
-        # The base product: NSPLIT > 0: the sum of `_splitk_kernel`'s fp32 K slices in ws (dense and
-        # NVFP4); format raw: cuBLAS output in the plan's buffers; MXFP4 / NF4: computed here.
+        # The base product: NSPLIT > 0: the sum of `_splitk_kernel`'s fp32 K slices in ws (dense,
+        # NVFP4, NF4); format raw: cuBLAS output in the plan's buffers; MXFP4: computed here, in the
+        # model dtype (E8M0 scales may leave fp16's range).
         ACT = out_ptr.dtype.element_ty
-        if F16:
-            DT = tl.float16
-        else:
-            DT = ACT
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         n0 = pid_n * BLOCK_N
@@ -641,17 +651,11 @@ if HAS_TRITON:
                 xp = x_ptr + offs_m[None, :, None] * stride_xm + gidx[:, None, None] * 32 + jj[None, None, :]
                 x_lo = tl.load(xp, mask=xm, other=0.0)
                 x_hi = tl.load(xp + 16, mask=xm, other=0.0)
-                if F16:
-                    x_lo = _f16_div16(x_lo)
-                    x_hi = _f16_div16(x_hi)
-                else:
-                    x_lo = x_lo.to(DT)
-                    x_hi = x_hi.to(DT)
-                w_lo, w_hi = _load_w_tile3(c_ptr, s_ptr, nrows, gidx, rows, lut_ptr, jj, FMT, DT)
+                w_lo, w_hi = _mxfp4_tile3(c_ptr, s_ptr, nrows, gidx, rows, jj, ACT)
                 p = _dot(x_lo, tl.permute(w_lo, (0, 2, 1)), None) + _dot(x_hi, tl.permute(w_hi, (0, 2, 1)), None)
                 acc += tl.sum(p, 0)
                 if GLU:
-                    v_lo, v_hi = _load_w_tile3(c2_ptr, s2_ptr, nrows2, gidx, rows, lut_ptr, jj, FMT, DT)
+                    v_lo, v_hi = _mxfp4_tile3(c2_ptr, s2_ptr, nrows2, gidx, rows, jj, ACT)
                     p2 = _dot(x_lo, tl.permute(v_lo, (0, 2, 1)), None) + _dot(x_hi, tl.permute(v_hi, (0, 2, 1)), None)
                     acc2 += tl.sum(p2, 0)
         else:
@@ -663,14 +667,11 @@ if HAS_TRITON:
                 xp = x_ptr + offs_m[:, None] * stride_xm + g * 32 + jj[None, :]
                 x_lo = tl.load(xp, mask=m_ok[:, None], other=0.0)
                 x_hi = tl.load(xp + 16, mask=m_ok[:, None], other=0.0)
-                if F16:
-                    x_lo = _f16_div16(x_lo)
-                    x_hi = _f16_div16(x_hi)
-                w_lo, w_hi = _load_w_tile(c_ptr, s_ptr, nrows, g, rows, lut_ptr, jj, FMT, DT)
+                w_lo, w_hi = _mxfp4_tile(c_ptr, s_ptr, nrows, g, rows, jj, ACT)
                 acc = _dot(x_lo, tl.trans(w_lo), acc)
                 acc = _dot(x_hi, tl.trans(w_hi), acc)
                 if GLU:
-                    v_lo, v_hi = _load_w_tile(c2_ptr, s2_ptr, nrows2, g, rows, lut_ptr, jj, FMT, DT)
+                    v_lo, v_hi = _mxfp4_tile(c2_ptr, s2_ptr, nrows2, g, rows, jj, ACT)
                     acc2 = _dot(x_lo, tl.trans(v_lo), acc2)
                     acc2 = _dot(x_hi, tl.trans(v_hi), acc2)
         _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
@@ -854,7 +855,7 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
-    workspace: Tensor | None = None  # dense / nvfp4: fp32 [SPLIT_MAX, B_max, >= n] for `_splitk_kernel`'s K slices
+    workspace: Tensor | None = None  # dense / nvfp4 / nf4: fp32 [SPLIT_MAX, B_max, >= n] for `_splitk_kernel`'s K slices
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
@@ -863,17 +864,18 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
     H200, 132 SMs, docs/engine.md; `bench/kernels.py --sweep` searches them again).
 
-    dense / nvfp4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM (NVFP4
-    up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by itself."""
+    dense / nvfp4 / nf4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM
+    (NVFP4 up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by
+    itself; 4-bit formats take 64 inputs a step."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_blocks = -(-m // block_m)
-    if fmt in ("dense", "nvfp4"):
+    if fmt in ("dense", "nvfp4", "nf4"):
         total = n * (2 if glu else 1)
         wide = total >= 8192 or k >= 8192
-        bn = 128 if fmt == "nvfp4" and wide else 64
+        bn = 128 if fmt != "dense" and wide else 64
         while seg_gcd % bn:
             bn //= 2
-        bk = 64 if fmt == "nvfp4" or not wide else 128
+        bk = 64 if fmt != "dense" or not wide else 128
         split, chunks = 1, k // bk
         # NVFP4 up to 16 rows: 8 programs per SM (H200, gate/up at 8 rows split 4: 25.3 us, split 2:
         # 26.9; at 64 rows split 4 was 18 % slower). More pipeline stages were slower, not faster.
@@ -897,7 +899,7 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
     elif block_n > 64:
         block_n = 64
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UNROLL=gb, num_warps=4,
-                num_stages=2 if (glu or fmt == "nf4") else 3)
+                num_stages=2 if glu else 3)
 
 
 def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None = None,
@@ -907,10 +909,10 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  config: dict | None = None) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
-    Dense and NVFP4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load` says
-    so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the rest.
-    Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the linear
-    (MXFP4, NF4, cuBLAS: one `_linear_kernel` launch).
+    Dense, NVFP4 and NF4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load`
+    says so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the
+    rest. Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
+    linear (MXFP4, cuBLAS: one `_linear_kernel` launch).
 
     Args:
         plan: the group's device tables (`make_plan`).
@@ -920,8 +922,9 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         residual: [M, N] added after rounding the linear's output (may alias out).
         a_next / t_next / r_next: GLU only: the down projection's LoRA A [r_next, N] and its fp32
             accumulator, fed with this launch's output tiles.
-        f16: NF4/MXFP4: fp16 tensor-core dot (activations pre-scaled by 1/16). NVFP4 always
-            multiplies in fp16 (its weights are exact there).
+        f16: NF4: fp16 tensor-core dot (activations pre-scaled by 1/16), else in the model dtype.
+            NVFP4 always multiplies in fp16 (its weights are exact there), MXFP4 never (E8M0
+            scales may leave fp16's range).
         ss_out: fp32 [>= N / 16, >= M]: row n / 16 gets the sum of squares of out's rows over the
             output tile that starts at column n, the tile's other rows 0 (the next `norm`'s ss).
         norm: (gamma [K], eps, ss fp32 [T, >= M] partial sums of squares of x's rows): x is a
@@ -941,7 +944,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, cfg)
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -973,7 +976,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, cfg) -> None:
+def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg) -> None:
     m = x.shape[0]
     ws = plan.workspace
     split, bk = cfg["SPLIT"], cfg["BLOCK_K"]
@@ -987,17 +990,18 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
     gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
     f32 = _dummy(x.device, torch.float32)
     _splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
-        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
+        x, x.stride(0), plan.tab, plan.lut if plan.lut is not None else f32, ws, ws.stride(1), ws.stride(0),
         gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
         ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
         shrink if shrink is not None else _dummy(x.device, torch.int64), t if t is not None else f32,
         t.stride(0) if t is not None else 0,
         m, plan.k, plan.n1, plan.n2, plan.k // bk // split, nt, nsh, max(plan.r, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, ASM=not _interpreting(), NORM=norm is not None, R=R,
-        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1), **cfg,
+        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
+        F16=bool(f16), **cfg,
     )
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
-    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, False, {**epi, "NSPLIT": split}, ss_out, ws)
+    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
 
 
 def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None) -> None:
@@ -1005,10 +1009,9 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
     R = _pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
     dummy = _dummy(out.device, out.dtype)
-    f16 = bool(f16 and plan.fmt == "nf4")  # E8M0 scales may leave fp16's range
-    fsc = plan.fsc_f16 if f16 else plan.fsc
+    fsc = plan.fsc_f16 if f16 and plan.fmt == "nf4" else plan.fsc  # the NF4 slices' fp16 prescale
     _linear_kernel[grid](
-        x, x.stride(0), plan.tab, fsc, plan.lut if plan.lut is not None else fsc,
+        x, x.stride(0), plan.tab, fsc,
         out, out.stride(0),
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
         t if t is not None else fsc, t.stride(0) if t is not None else 0,
@@ -1020,7 +1023,7 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
-        SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), F16=f16, LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
+        SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
     )
 
 
@@ -1122,7 +1125,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     `raw`: per-segment [B_max, n] buffers into which `fused_linear` has cuBLAS write x @ W^T for
     dense weights; its Triton launch then only applies bias, LoRA, residual and GLU (format "raw").
     `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense plans
-    without `raw` and NVFP4 plans need it for `_splitk_kernel`'s K slices.
+    without `raw`, NVFP4 and NF4 plans need it for `_splitk_kernel`'s K slices.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
@@ -1160,7 +1163,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     gcd = 0
     for sz in sizes:
         gcd = math.gcd(gcd, sz)
-    splitk = fmt in ("dense", "nvfp4") and raw is None
+    splitk = fmt in ("dense", "nvfp4", "nf4") and raw is None
     if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes)):
         raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
     if fmt == "nvfp4":  # the split-K products are in units of 2^-6 / 16 (see `_splitk_kernel`)
