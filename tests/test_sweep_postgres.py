@@ -78,7 +78,7 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
 
     # One storage for the whole test: an RDBStorage per poll leaves its pooled connection open
-    # until the cyclic GC runs, and polling every 50 ms then exhausts the server's 100 connections.
+    # until the cyclic GC runs, and polling every 50 ms can then exhaust the server's 100 connections.
     rdb = None
 
     def trials():

@@ -855,7 +855,7 @@ class LinearPlan:
     seg_gcd: int
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
-    workspace: Tensor | None = None  # dense / nvfp4 / nf4: fp32 [SPLIT_MAX, B_max, >= n] for `_splitk_kernel`'s K slices
+    workspace: Tensor | None = None  # dense / nvfp4 / nf4: fp32 [SPLIT_MAX, B_max, >= n], the K slices
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
