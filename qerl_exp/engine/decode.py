@@ -266,11 +266,12 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
     here as one `addmm` into the base output. `scratch`: see `kernels.weight_of`.
     """
     outs = []
+    xa = x.to(lin.lora_a[0].dtype) if lin.lora_a is not None else None  # once for all segments
     for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
         y = K.linear_ref(x, w, b, scratch)
         if lin.lora_a is not None:
             a = lin.lora_a[s]
-            t = F.linear(x.to(a.dtype), a)
+            t = F.linear(xa, a)
             y = torch.addmm(y.reshape(-1, y.shape[-1]).to(a.dtype), t.reshape(-1, t.shape[-1]), lin.lora_b[s].t(),
                             alpha=lin.scale[s]).to(x.dtype).view(y.shape)
         outs.append(y)

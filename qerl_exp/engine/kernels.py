@@ -342,12 +342,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _seg_ptrs(tab_ptr, seg, FMT: tl.constexpr):
-        # (codes, scales, rows) of segment `seg` for a 4-bit format
+        # (codes, scales, rows) of segment `seg` for a 4-bit format; scales as the layout stores
+        # them: NVFP4 int32 (four E4M3 bytes), NF4 float32 absmax, MXFP4 uint8 E8M0
         code_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
-        if FMT != 2:
-            sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.uint8)
-        else:
+        if FMT == 1:
+            sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
+        elif FMT == 2:
             sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.float32)
+        else:
+            sc_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.uint8)
         return code_ptr, sc_ptr, _tab(tab_ptr, seg * 8 + 4)
 
     @triton.jit
@@ -566,11 +569,9 @@ if HAS_TRITON:
                          mask=m_ok[:, None])
             else:  # 4-bit: the weight tile is the dot's wide operand
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
                 if FMT == 1:
                     j32 = tl.arange(0, 32)
-                    c_ptr = _tab_ptr(tab_ptr, seg * 8, tl.uint8)
-                    s_ptr = _tab_ptr(tab_ptr, seg * 8 + 1, tl.int32)
-                    nrows = _tab(tab_ptr, seg * 8 + 4)
                     for g in range(c0, c0 + CPS):
                         x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + j32, g_ptr, rstd, NORM)
                         x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
@@ -581,7 +582,6 @@ if HAS_TRITON:
                         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
                 else:
                     j16 = tl.arange(0, 16)
-                    c_ptr, s_ptr, nrows = _seg_ptrs(tab_ptr, seg, FMT)
                     DT: tl.constexpr = tl.float16 if F16 else ACT
                     for g in range(c0, c0 + CPS):
                         for h in tl.static_range(2):  # k-groups 2g and 2g + 1
