@@ -17,10 +17,9 @@ re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +68,6 @@ class _Linear:
     glu: bool
     plan: K.LinearPlan | None = None
     a_tab: Tensor | None = None
-    prefetch: dict = field(default_factory=dict)  # rows -> `K.prefetch_table` (or None)
 
 
 @dataclass
@@ -254,7 +252,6 @@ class _State:
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
         self.att = torch.zeros(b, m.hq * m.d, dtype=dt, device=dev)
         self.generator: torch.Generator | None = None
-        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # L2 prefetches (triton)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,15 +347,6 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
     # attention, o (+ its shrink, residual), gate/up (norm, shrink on load; GLU and the down
     # shrink in the epilogue), down (+ residual); each linear is a split-K launch and an epilogue
     b = st.b
-    budget = int(float(os.environ.get("QERL_L2_PREFETCH_MB", "0")) * 2**20)
-
-    def pf(lin):  # the next linear's weights to L2 while this one's epilogue runs (see fused_linear)
-        if st.side is None or lin is None or not budget:
-            return None
-        if (b, budget) not in lin.prefetch:
-            lin.prefetch[(b, budget)] = K.prefetch_table(lin.plan, lin.weights, b, budget)
-        return lin.prefetch[(b, budget)], st.side
-
     x = F.embedding(st.tok, m.embed)  # [B, H], updated in place by the residual epilogues
     st.t.zero_()
     st.ss.zero_()  # later rows are written by the residual epilogues (ss_out), row 0 here
@@ -367,21 +355,17 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         t = st.t[li]  # [4, B, RT]
         lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        nxt = m.layers[li + 1].qkv if li + 1 < len(m.layers) else None
         K.fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
-                       shrink=ly.qkv.a_tab, f16=f16, prefetch=pf(ly.o))
+                       shrink=ly.qkv.a_tab, f16=f16)
         K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
         att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
         K.fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
-                       ss_out=st.ss, prefetch=pf(ly.gate_up))
+                       ss_out=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
         K.fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
                        shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
-                       t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16, prefetch=pf(ly.down))
-        K.fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss,
-                       prefetch=pf(nxt))
-    if st.side is not None and budget:
-        torch.cuda.current_stream().wait_stream(st.side)
+                       t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
+        K.fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
     K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 

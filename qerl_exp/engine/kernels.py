@@ -753,27 +753,6 @@ if HAS_TRITON:
             m_i = m_new
         tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
 
-    @triton.jit
-    def _l2_prefetch_kernel(tab_ptr, PIECE: tl.constexpr, BLOCK: tl.constexpr):
-        # Table row `program_id(1)`: (address, count, stride, length): `count` byte ranges
-        # address + i * stride of `length` bytes, sent to L2 in pieces of <= PIECE bytes
-        # (cp.async.bulk.prefetch: a hint, fire and forget; addresses and sizes multiples of 16).
-        row = tl.program_id(1)
-        base = tl.load(tab_ptr + row * 4)
-        count = tl.load(tab_ptr + row * 4 + 1)
-        stride = tl.load(tab_ptr + row * 4 + 2)
-        length = tl.load(tab_ptr + row * 4 + 3)
-        npc = tl.cdiv(length, PIECE)
-        for start in range(tl.program_id(0) * BLOCK, count * npc, tl.num_programs(0) * BLOCK):
-            idx = start + tl.arange(0, BLOCK)
-            i = idx // npc
-            j = idx % npc
-            size = tl.minimum(length - j * PIECE, PIECE).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r,r", [base + i * stride + j * PIECE, size, (idx < count * npc).to(tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
-
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
@@ -927,7 +906,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  residual: Tensor | None = None, a_next: Tensor | None = None,
                  t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
                  ss_out: Tensor | None = None, norm: tuple | None = None, shrink: Tensor | None = None,
-                 prefetch: tuple | None = None, config: dict | None = None) -> Tensor:
+                 config: dict | None = None) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
     Dense, NVFP4 and NF4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load`
@@ -951,10 +930,6 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         norm: (gamma [K], eps, ss fp32 [T, >= M] partial sums of squares of x's rows): x is a
             residual row and the linear reads RMSNorm(x) * gamma (HF's rounding) instead.
         shrink: int64 [nseg] addresses of the group's LoRA A matrices ([r, K] each): compute t.
-        prefetch: (`prefetch_table` of the next linear, a side stream): once the split-K launch is
-            queued, `l2_prefetch` runs on the side stream (forked from the current one), so the
-            next weights stream into L2 while this launch's epilogue (and what follows) leaves HBM
-            idle. The caller joins the side stream back.
         config: tile sizes (`linear_config`'s keys) instead of the heuristic.
     """
     m = x.shape[0]
@@ -969,7 +944,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, prefetch)
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -1001,8 +976,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                   prefetch=None) -> None:
+def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg) -> None:
     m = x.shape[0]
     ws = plan.workspace
     split, bk = cfg["SPLIT"], cfg["BLOCK_K"]
@@ -1026,11 +1000,6 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
         LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
         F16=bool(f16), **cfg,
     )
-    if prefetch is not None and prefetch[0] is not None:
-        tab, side = prefetch
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            l2_prefetch(tab)
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
     _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
 
@@ -1056,37 +1025,6 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
         SS_OUT=ss_out is not None, R=R, R_NEXT=_pow2(r_next), LDT=_tl_dtype(plan.lora_dtype or x.dtype), **cfg,
     )
-
-
-def prefetch_table(plan: LinearPlan, weights: list, m: int, budget: int) -> Tensor | None:
-    """int64 [rows, 4] for `l2_prefetch`: about `budget` bytes of `plan`'s weights for m rows, the
-    first bytes of every K slice of every row (what each `_splitk_kernel` program reads first),
-    or None when the plan has no split-K launch or the budget is under one cache line a range."""
-    if plan.workspace is None:
-        return None
-    cfg = linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, _sm_count(plan.tab.device))
-    split = cfg["SPLIT"]
-    rows = []
-    if plan.fmt == "dense":  # W [n, k]: one range a row per slice
-        el = weights[0].element_size()
-        total = sum(w.shape[0] for w in weights) * split
-        length = min(budget // total // 128 * 128, plan.k // split * el)
-        rows = [(w.data_ptr() + s * (plan.k // split) * el, w.shape[0], plan.k * el, length)
-                for w in weights for s in range(split) if length]
-    else:  # codes [k/64, n, 32] and scales [k/64, n] (4 bytes): each slice's first chunks are contiguous
-        cps = plan.k // 64 // split
-        chunks = min(budget // (split * sum(w.n for w in weights) * 36), cps)
-        if chunks:
-            rows = [(t.data_ptr(), split, cps * w.n * b, chunks * w.n * b)
-                    for w in weights for t, b in ((w.codes, 32), (w.scales, 4))]
-    return torch.tensor(rows, dtype=torch.int64, device=plan.tab.device) if rows else None
-
-
-def l2_prefetch(tab: Tensor, programs: int = 8) -> None:
-    """Triton (CUDA only): ask L2 for the byte ranges of `prefetch_table`; returns at once. A hint:
-    no effect on results, a no-op under the interpreter."""
-    if not _interpreting():
-        _l2_prefetch_kernel[(programs, tab.shape[0])](tab, PIECE=32768, BLOCK=128, num_warps=4)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, slot: Tensor, scaling: float,
