@@ -9,10 +9,13 @@ data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales a
   FP8 E4M3 number with one mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose
   value is e2m1 * 2^-6 (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal: exact). On the GPU
   four bytes at a time become eight fp16 with `cvt.rn.f16x2.e4m3x2` (inline PTX).
-- NVFP4 ("k64"): `codes` uint8 [K/64, N, 32]: for chunk g, row n and byte j, the low element is
-  W[n, 64g + j], the high one W[n, 64g + 32 + j], so a tile of BLOCK_N rows of one chunk is one
-  contiguous run of BLOCK_N * 32 bytes (two 16-byte loads a row). `scales` int32 [K/64, N]: the
-  four E4M3 block scales of (chunk, row), block b in byte b. `out_scale` = tensor scale.
+- NVFP4 ("mma fragments"): a chunk of 64 inputs of row n holds 32 bytes; byte j has W[n, 64g + j]
+  low and W[n, 64g + 32 + j] high. `codes` uint8 [N/16, K/64, 512]: the 16 rows x 32 bytes of
+  (row block, chunk) in the order of mma.sync's A fragments, so that each of a warp's 32 threads
+  reads the 16 bytes it multiplies with one 16-byte load: byte 16 * lane + reg, lane = 4 g + c,
+  reg = 8 b3 + 4 b2 + 2 b1 + b0, is row 8 b1 + g, j = 16 b3 + 8 b2 + 2 c + b0. `scales` int32
+  [N/16, K/64, 16]: entry 2 g + b1 = the four E4M3 block scales of row 8 b1 + g (block b in byte
+  b). A warp streams its rows' K slice from one contiguous run. `out_scale` = tensor scale.
 - MXFP4 ("k32"): `codes` uint8 [K/32, N, 16] (low = W[n, 32g + j], high = W[n, 32g + 16 + j]),
   `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
 - NF4 ("k32"): plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone
@@ -61,9 +64,10 @@ class PackedWeight:
 
     Args:
         fmt: "nvfp4", "mxfp4" or "nf4".
-        codes: nvfp4: uint8 [k // 64, n, 32]; mxfp4, nf4: uint8 [k // 32, n, 16].
-        scales: nvfp4: int32 [k // 64, n] (four E4M3 bytes); mxfp4: uint8 E8M0 [k // 32, n];
-            nf4: float32 [k // 64, n].
+        codes: nvfp4: uint8 [n // 16, k // 64, 512] (mma fragment order); mxfp4, nf4: uint8
+            [k // 32, n, 16].
+        scales: nvfp4: int32 [n // 16, k // 64, 16] (four E4M3 bytes); mxfp4: uint8 E8M0
+            [k // 32, n]; nf4: float32 [k // 64, n].
         out_scale: multiplies every output (the NVFP4 tensor scale; 1.0 for NF4).
         n: output features.
         k: input features.
@@ -175,8 +179,14 @@ def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | f
         sc = block_scales.view(torch.uint8).reshape(n, -1, 4).to(torch.int32)
         if sc.shape[1] * 64 != k:
             raise ValueError(f"in_features={k} must be a multiple of 64 for the nvfp4 kernels")
-        word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)
-        return PackedWeight(fmt, _to_chunks(nib, fmt, 64), word.t().contiguous(), float(tensor_scale), n, k)
+        if n % 16:
+            raise ValueError(f"out_features={n} must be a multiple of 16 for the nvfp4 kernels")
+        word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)  # [n, G]
+        g = k // 64
+        byte = _to_chunks(nib, fmt, 64).view(g, n // 16, 2, 8, 2, 2, 4, 2)  # (g, rb, b1, row, b3, b2, c, b0)
+        codes = byte.permute(1, 0, 3, 6, 4, 5, 2, 7).reshape(n // 16, g, 512)
+        scales = word.view(n // 16, 2, 8, g).permute(0, 3, 2, 1).reshape(n // 16, g, 16)
+        return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), float(tensor_scale), n, k)
     return PackedWeight(fmt, _to_chunks(nib, fmt, 32), block_scales.t().contiguous(), float(tensor_scale), n, k)
 
 
@@ -216,9 +226,11 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
 def dequantize_packed(pw: PackedWeight) -> Tensor:
     """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
     c = pw.codes  # [G, n, chunk / 2]
-    if pw.fmt == "nvfp4":
+    if pw.fmt == "nvfp4":  # back from fragment order (see the module docstring)
+        nb, g = pw.n // 16, pw.k // 64
+        c = pw.codes.view(nb, g, 8, 4, 2, 2, 2, 2).permute(1, 0, 6, 2, 4, 5, 3, 7).reshape(g, pw.n, 32)
         vals = torch.stack(_e2m1_halves(c), dim=2) * 64.0  # [G, n, 2, 32] e2m1 values
-        word = pw.scales.t()  # [n, G]: four E4M3 bytes, block b of the chunk in byte b
+        word = pw.scales.view(nb, g, 8, 2).permute(0, 3, 2, 1).reshape(pw.n, g)  # four E4M3 bytes, block b in byte b
         sc = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], -1).to(torch.uint8)
         scale = sc.view(torch.float8_e4m3fn).float().reshape(pw.n, -1, 2, 2, 1)  # [n, G, half, block, 1]
         w = vals.permute(1, 0, 2, 3).reshape(pw.n, -1, 2, 2, 16) * scale
@@ -232,6 +244,34 @@ def dequantize_packed(pw: PackedWeight) -> Tensor:
     vals = torch.stack([lut[(c & 15).long()], lut[(c >> 4).long()]], dim=2)  # [G, n, 2, 16]
     w = vals.permute(1, 0, 2, 3).reshape(pw.n, pw.k // 64, 64)
     return (w * pw.scales.t().unsqueeze(-1)).reshape(pw.n, pw.k) * pw.out_scale
+
+
+def e2m1x4_asm(code: int, scale: int) -> str:
+    """Inline PTX: four permuted E2M1 bytes (operand $code) -> eight fp16, low elements $0 $1 and
+    high ones $2 $3, each times its block scale (fp16 pairs in $scale .. $scale + 3): bit masks,
+    then Hopper's e4m3x2 -> f16x2 conversion."""
+    return f"""
+    {{
+    .reg .b32 lo, hi, t;
+    .reg .b16 l0, l1, h0, h1;
+    and.b32 lo, ${code}, 0x9C9C9C9C;
+    shl.b32 t, ${code}, 2;
+    and.b32 hi, t, 0x8C8C8C8C;
+    shr.b32 t, ${code}, 2;
+    and.b32 t, t, 0x10101010;
+    or.b32 hi, hi, t;
+    mov.b32 {{l0, l1}}, lo;
+    mov.b32 {{h0, h1}}, hi;
+    cvt.rn.f16x2.e4m3x2 $0, l0;
+    cvt.rn.f16x2.e4m3x2 $1, l1;
+    cvt.rn.f16x2.e4m3x2 $2, h0;
+    cvt.rn.f16x2.e4m3x2 $3, h1;
+    mul.rn.f16x2 $0, $0, ${scale};
+    mul.rn.f16x2 $1, $1, ${scale + 1};
+    mul.rn.f16x2 $2, $2, ${scale + 2};
+    mul.rn.f16x2 $3, $3, ${scale + 3};
+    }}
+    """
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,43 +427,25 @@ if HAS_TRITON:
         lo, hi = _e2m1_to(c, DT)
         return lo * sc, hi * sc
 
-    # Four permuted E2M1 bytes ($4) -> eight fp16 (low elements $0 $1, high $2 $3), each times its
-    # block scale ($5..$8, fp16 pairs): bit masks, then Hopper's e4m3x2 -> f16x2 conversion.
-    _E2M1X4_TO_F16 = tl.constexpr("""
-    {
-    .reg .b32 lo, hi, t;
-    .reg .b16 l0, l1, h0, h1;
-    and.b32 lo, $4, 0x9C9C9C9C;
-    shl.b32 t, $4, 2;
-    and.b32 hi, t, 0x8C8C8C8C;
-    shr.b32 t, $4, 2;
-    and.b32 t, t, 0x10101010;
-    or.b32 hi, hi, t;
-    mov.b32 {l0, l1}, lo;
-    mov.b32 {h0, h1}, hi;
-    cvt.rn.f16x2.e4m3x2 $0, l0;
-    cvt.rn.f16x2.e4m3x2 $1, l1;
-    cvt.rn.f16x2.e4m3x2 $2, h0;
-    cvt.rn.f16x2.e4m3x2 $3, h1;
-    mul.rn.f16x2 $0, $0, $5;
-    mul.rn.f16x2 $1, $1, $6;
-    mul.rn.f16x2 $2, $2, $7;
-    mul.rn.f16x2 $3, $3, $8;
-    }
-    """)
+    _E2M1X4_TO_F16 = tl.constexpr(e2m1x4_asm(4, 5))
 
     @triton.jit
     def _e4m3_byte(word, b: tl.constexpr):
         return ((word >> (8 * b)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
 
     @triton.jit
-    def _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
-        # One 64-input chunk of BLOCK_N NVFP4 rows as fp16 (w_lo, w_hi), each [BN, 32], in units of
-        # 2^-6 (exact: e2m1 * e4m3 needs 6 significant bits and stays inside fp16's range).
-        b2 = tl.arange(0, 2)
-        j16 = tl.arange(0, 16)
-        c = tl.load(c_ptr + g * nrows * 32 + rows[:, None, None] * 32 + b2[None, :, None] * 16 + j16[None, None, :])
-        word = tl.load(s_ptr + g * nrows + rows)
+    def _nvfp4_chunk(c_ptr, s_ptr, G, g, row0, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+        # One 64-input chunk g (of G) of BLOCK_N NVFP4 rows from row0 (a multiple of 16) as fp16
+        # (w_lo, w_hi), each [BN, 32], in units of 2^-6 (exact: e2m1 * e4m3 needs 6 significant bits
+        # and stays inside fp16's range).
+        # The rows' 16-row blocks are read whole (contiguous) and their bytes put back in row order
+        # in registers (the mma.sync kernel, `nvfp4_mma`, multiplies them in fragment order).
+        blk = (row0 // 16 + tl.arange(0, BLOCK_N // 16)) * G + g
+        c = tl.load(c_ptr + blk[:, None] * 512 + tl.arange(0, 512)[None, :])
+        c = tl.permute(tl.reshape(c, (BLOCK_N // 16, 8, 4, 2, 2, 2, 2)), (0, 5, 1, 3, 4, 2, 6))
+        c = tl.reshape(c, (BLOCK_N, 2, 16))  # [row 16 rb + 8 b1 + g, half b3, byte 8 b2 + 2 c + b0]
+        word = tl.load(s_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :])
+        word = tl.reshape(tl.permute(tl.reshape(word, (BLOCK_N // 16, 8, 2)), (0, 2, 1)), (BLOCK_N,))
         s_lo = tl.broadcast_to(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1))[:, :, None], (BLOCK_N, 2, 16))
         s_hi = tl.broadcast_to(tl.join(_e4m3_byte(word, 2), _e4m3_byte(word, 3))[:, :, None], (BLOCK_N, 2, 16))
         if ASM:
@@ -443,7 +465,7 @@ if HAS_TRITON:
         g = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, 32)
-        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, N, g, rows, ASM, BLOCK_N)
+        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, K // 64, g, tl.program_id(0) * BLOCK_N, ASM, BLOCK_N)
         dst = out_ptr + rows[:, None] * K + g * 64 + j[None, :]
         tl.store(dst, (w_lo.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
         tl.store(dst + 32, (w_hi.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
@@ -577,7 +599,7 @@ if HAS_TRITON:
                         x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, g * 64 + 32 + j32, g_ptr, rstd, NORM)
                         x_lo = _f16_div16(x_lo)
                         x_hi = _f16_div16(x_hi)
-                        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, nrows, g, rows, ASM, BLOCK_N)
+                        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, K // 64, g, n0 - start, ASM, BLOCK_N)
                         acc = tl.dot(w_lo, tl.trans(x_lo), acc)
                         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
                 else:
@@ -944,7 +966,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg)
+        mma = config is None and x.is_cuda and _mma() is not None and _mma().usable(plan, m)
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, mma)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -976,14 +999,38 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg) -> None:
+@functools.lru_cache(maxsize=None)
+def _mma():
+    """`nvfp4_mma` (the mma.sync NVFP4 kernel), or None where this Triton has no Gluon."""
+    try:
+        from qerl_exp.engine import nvfp4_mma
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return nvfp4_mma
+
+
+def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
+                   mma: bool) -> None:
+    m = x.shape[0]
+    ws = plan.workspace
+    if m > ws.shape[1]:
+        raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
+    if mma:  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`)
+        block_m, split = _mma().split_of(plan, m, _sm_count(x.device))
+        _mma().launch(plan, x, t, norm, shrink, block_m, split)
+    else:
+        split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
+    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
+    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
+
+
+def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
     m = x.shape[0]
     ws = plan.workspace
     split, bk = cfg["SPLIT"], cfg["BLOCK_K"]
     total = plan.n * (2 if plan.glu else 1)
-    if m > ws.shape[1] or (plan.k // bk) % split or total % cfg["BLOCK_N"]:
-        raise ValueError(f"{m} rows with tiles {cfg} do not fit a {plan.k} x {total} split-K launch "
-                         f"(workspace rows {ws.shape[1]})")
+    if (plan.k // bk) % split or total % cfg["BLOCK_N"]:
+        raise ValueError(f"tiles {cfg} do not fit a {plan.k} x {total} split-K launch")
     R = _pow2(plan.r)
     nt = total // cfg["BLOCK_N"]
     nsh = plan.nseg * R // 16 if shrink is not None else 0
@@ -1000,8 +1047,7 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
         LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
         F16=bool(f16), **cfg,
     )
-    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
-    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
+    return split
 
 
 def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None) -> None:

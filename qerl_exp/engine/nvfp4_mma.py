@@ -1,0 +1,265 @@
+"""The NVFP4 split-K kernel for decode shapes on the GPU: mma.sync with the weights loaded straight
+into its A fragments (Gluon, Triton with explicit layouts; Ampere and later).
+
+`kernels._splitk_kernel` computes the same K slices for every format and under the interpreter;
+on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (H200, docs/engine.md):
+- no shared memory for the weights: the codes are stored in the fragment order of
+  `mma.sync.m16n8k16` (`kernels.relayout_nvfp4`), so each thread reads the 16 bytes it multiplies
+  with one 16-byte load, two chunks ahead, and decodes them in registers into its A fragment
+  (a layout relabelling, checked trivial at compile time);
+- each warp streams its 16 rows' K slice from one contiguous run of codes and scales;
+- only the activations pass through shared memory (swizzled: the plain layout's bank conflicts
+  cost a third of the kernel's time), one chunk of 64 inputs a step.
+
+Same contract as the NVFP4 tiles of `_splitk_kernel`: K slice `pid_k` of x' (x, or RMSNorm(x) *
+gamma) pre-scaled by 1/16 into fp16, times the weights in units of 2^-6, fp32 into ws[pid_k];
+the first programs compute the LoRA shrink t += x' @ A^T (fp32 atomics). The raw `_linear_kernel`
+launch finishes the tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from qerl_exp.engine import kernels as K
+
+MAX_M = 8  # rows up to which `kernels.fused_linear` takes this kernel for NVFP4 (H200: slower from 16)
+BLOCK_N = 64  # weight rows a program: 4 warps x 16
+_ASM = gl.constexpr(K.e2m1x4_asm(4, 8))  # the code word broadcast over $4..$7, scales $8..$11
+
+
+@gluon.jit
+def _segment(n0, N1, N2, NSEG: gl.constexpr):
+    # (segment, its first column) of output column n0 when up to three projections sit side by side
+    seg = 0
+    start = 0
+    if NSEG == 2:
+        seg = (n0 >= N1).to(gl.int32)
+        start = gl.where(n0 >= N1, N1, 0)
+    elif NSEG == 3:
+        seg = (n0 >= N1).to(gl.int32) + (n0 >= N2).to(gl.int32)
+        start = gl.where(n0 >= N2, N2, gl.where(n0 >= N1, N1, 0))
+    return seg, start
+
+
+@gluon.jit
+def _rstd(ss_ptr, stride_ss, T, offs_m, M, K, eps, T_PAD: gl.constexpr, OUT: gl.constexpr):
+    # 1 / RMS of the rows from the residual epilogue's T partial sums of squares
+    TL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [0, 1])
+    tt = gl.arange(0, T_PAD, layout=gl.SliceLayout(1, TL))
+    om = gl.convert_layout(offs_m, gl.SliceLayout(0, TL))
+    ssp = gl.load(ss_ptr + tt[:, None] * stride_ss + om[None, :], mask=(tt[:, None] < T) & (om[None, :] < M),
+                  other=0.0)
+    return gl.convert_layout(gl.rsqrt(gl.sum(ssp, 0) / K + eps), OUT)
+
+
+@gluon.jit
+def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: gl.constexpr):
+    # x'[k, m] of one chunk (transposed: [64, BM]); NORM: RMSNorm(x) * gamma, rounded where HF rounds
+    x = gl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :], other=0.0)
+    if NORM:
+        hn = (x.to(gl.float32) * rstd[None, :]).to(x.dtype)
+        x = (gl.load(g_ptr + offs_k)[:, None].to(gl.float32) * hn.to(gl.float32)).to(x.dtype)
+    return x
+
+
+@gluon.jit
+def _e4m3(word, q: gl.constexpr):
+    return ((word >> (8 * q)) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+
+
+@gluon.jit
+def _fragment(v, A: gl.constexpr):
+    # [128 threads, 16 registers] -> the [64, 32] A fragments: row 16 w + 8 b1 + g, k 16 b3 + 8 b2 +
+    # 2 c + b0 for thread 32 w + 4 g + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
+    v = gl.reshape(v, [4, 8, 4, 2, 2, 2, 2])
+    v = gl.permute(v, (0, 5, 1, 3, 4, 2, 6))
+    return gl.convert_layout(gl.reshape(v, [64, 32]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm, M, K, NSH, r, p,
+            NORM: gl.constexpr, R: gl.constexpr, LDT: gl.constexpr, T_PAD: gl.constexpr, SCPS: gl.constexpr,
+            BLOCK_M: gl.constexpr):
+    # t[:, 16j:16j+16] += x'[:, slice] @ A^T over SCPS chunks (products of model-dtype values in fp32,
+    # FMA): short slices, so that the shrink never outlasts the tiles
+    ACT: gl.constexpr = x_ptr.dtype.element_ty
+    P3: gl.constexpr = gl.BlockedLayout([1, 8, 1], [2, 1, 16], [1, 4, 1], [2, 1, 0])  # [BM, 64, 16]
+    XL: gl.constexpr = gl.SliceLayout(2, P3)
+    AL: gl.constexpr = gl.SliceLayout(0, P3)
+    TO: gl.constexpr = gl.SliceLayout(1, P3)
+    XT: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # [64 k, BM], as the tiles load x
+    SS = K // 64 // SCPS
+    j = p % NSH
+    pid_k = (p // NSH) % SS
+    pid_m = p // (NSH * SS)
+    mm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
+    kk = gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
+    rstd = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, XT))
+    if NORM:
+        rstd = _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT))
+    ka = gl.arange(0, 64, layout=gl.SliceLayout(1, AL))
+    rr = (j * 16) % R + gl.arange(0, 16, layout=gl.SliceLayout(0, AL))
+    a_ptr = gl.load(a_tab_ptr + (j * 16) // R).to(gl.pointer_type(LDT))
+    acc = gl.zeros([BLOCK_M, 16], gl.float32, layout=TO)
+    for kc in range(pid_k * SCPS, pid_k * SCPS + SCPS):
+        xt = _x_tile(x_ptr, stride_xm, mm, mm < M, kc * 64 + kk, g_ptr, rstd, NORM)
+        xt = gl.convert_layout(gl.permute(xt, (1, 0)), XL).to(gl.float32)
+        a = gl.load(a_ptr + rr[None, :] * K + kc * 64 + ka[:, None], mask=rr[None, :] < r, other=0.0)
+        acc += gl.sum(xt[:, :, None] * a.to(ACT).to(gl.float32)[None, :, :], 1)
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TO))
+    oc = gl.arange(0, 16, layout=gl.SliceLayout(0, TO))
+    gl.atomic_add(t_ptr + om[:, None] * stride_tm + (j * 16 + oc)[None, :], acc,
+                  mask=(om < M)[:, None] & ((j * 16) % R + oc < r)[None, :])
+
+
+@gluon.jit
+def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr, stride_ss, T, eps,
+          M, K, N1, N2, CPS, NT, q, NSEG: gl.constexpr, NORM: gl.constexpr, T_PAD: gl.constexpr,
+          SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+    # ws[pid_k, m, n0:n0+64] = x'[m, slice] / 16 @ W[n0:n0+64, slice]^T / 2^-6, W from its fragments
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    L3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [4, 1, 1], [2, 1, 0])
+    CW: gl.constexpr = gl.SliceLayout(2, L3)  # [128 threads, 4 code words]: 16 bytes a thread
+    L5: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    X3: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, L5))  # [128, b3, b1]
+    SW: gl.constexpr = gl.SliceLayout(1, X3)  # [128, b1]: a thread's two scale words
+    XT: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # [64 k, BM] activations
+    XS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
+
+    pid_n = q % NT
+    pid_k = (q // NT) % SPLIT
+    pid_m = q // (NT * SPLIT)
+    n0 = pid_n * 64
+    c0 = pid_k * CPS
+    seg, start = _segment(n0, N1, N2, NSEG)
+    c_ptr = gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32))
+    s_ptr = gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32))
+    G = K // 64
+    rb0 = (n0 - start) // 16  # the tile's first row block within its segment
+
+    kk = gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
+    mm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
+    m_ok = mm < M
+    rstd = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, XT))
+    if NORM:
+        rstd = _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT))
+    xs = gl.allocate_shared_memory(gl.float16, [2, 64, BLOCK_M], XS)
+
+    # thread t = 32 w + lane reads its 16 code bytes and its rows' two scale words of each chunk
+    t = gl.arange(0, 128, layout=gl.SliceLayout(1, CW))
+    cptr = c_ptr + ((rb0 + t // 32) * G + c0)[:, None] * 128 + ((t % 32) * 4)[:, None] \
+        + gl.arange(0, 4, layout=gl.SliceLayout(0, CW))[None, :]
+    ts = gl.arange(0, 128, layout=gl.SliceLayout(1, SW))
+    b1 = gl.arange(0, 2, layout=gl.SliceLayout(0, SW))
+    sptr = s_ptr + ((rb0 + ts // 32) * G + c0)[:, None] * 16 + ((ts % 32) // 4 * 2)[:, None] + b1[None, :]
+    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, X3))), 1), 0)
+    zero5 = gl.full([128, 2, 2, 2, 2], 0, gl.float16, L5)
+    zero3 = gl.full([128, 4, 4], 0, gl.int32, L3)
+
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
+    acc2 = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)  # a second HMMA chain (the high halves)
+    # chunks i + 1 and i + 2 are in flight while chunk i is decoded
+    q_1 = gl.load(cptr)
+    w_1 = gl.load(sptr)
+    x_1 = _x_tile(x_ptr, stride_xm, mm, m_ok, c0 * 64 + kk, g_ptr, rstd, NORM)
+    i2 = gl.minimum(1, CPS - 1)
+    q_2 = gl.load(cptr + i2 * 128)
+    w_2 = gl.load(sptr + i2 * 16)
+    x_2 = _x_tile(x_ptr, stride_xm, mm, m_ok, (c0 + i2) * 64 + kk, g_ptr, rstd, NORM)
+    for i in range(CPS):
+        cw = q_1
+        word = w_1
+        xv = x_1
+        q_1 = q_2
+        w_1 = w_2
+        x_1 = x_2
+        nxt = gl.minimum(i + 2, CPS - 1)
+        q_2 = gl.load(cptr + nxt * 128)
+        w_2 = gl.load(sptr + nxt * 16)
+        x_2 = _x_tile(x_ptr, stride_xm, mm, m_ok, (c0 + nxt) * 64 + kk, g_ptr, rstd, NORM)
+        buf = xs.index(i % 2)
+        buf.store((xv * 0.0625).to(gl.float16))  # scaled in x's dtype (exact), then one rounding
+        # block scales: the low halves use blocks b3 (0, 1), the high halves 2 + b3; rows by b1
+        s_lo = gl.where(b3 == 0, gl.expand_dims(_e4m3(word, 0), 1), gl.expand_dims(_e4m3(word, 1), 1))
+        s_hi = gl.where(b3 == 0, gl.expand_dims(_e4m3(word, 2), 1), gl.expand_dims(_e4m3(word, 3), 1))
+        s_lo = gl.broadcast(gl.expand_dims(gl.expand_dims(s_lo, 2), 4), zero5)[0]
+        s_hi = gl.broadcast(gl.expand_dims(gl.expand_dims(s_hi, 2), 4), zero5)[0]
+        # each code word broadcast over its four bytes: the asm reads the word once a pack
+        c5 = gl.broadcast(gl.expand_dims(cw, 2), zero3)[0]
+        c5 = gl.convert_layout(gl.reshape(c5, [128, 2, 2, 2, 2]), L5, assert_trivial=True)
+        a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s_lo, s_hi],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        acc = mma_v2(_fragment(gl.reshape(a_lo, [128, 16]), A), buf.slice(0, 32).load(B), acc)
+        acc2 = mma_v2(_fragment(gl.reshape(a_hi, [128, 16]), A), buf.slice(32, 32).load(B), acc2)
+
+    offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    gl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc + acc2,
+             mask=(offs_m < M)[None, :])
+
+
+@gluon.jit
+def nvfp4_splitk_kernel(
+    x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws,
+    g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm,
+    M, K, N1, N2, CPS, NT, NSH, r,
+    NSEG: gl.constexpr, NORM: gl.constexpr, R: gl.constexpr, LDT: gl.constexpr, T_PAD: gl.constexpr,
+    SPLIT: gl.constexpr, SCPS: gl.constexpr, BLOCK_M: gl.constexpr,
+):
+    # Programs in id order: [0, NSH * (K / 64 / SCPS) * MB) the LoRA shrink (16 columns of t over
+    # SCPS chunks each), then the tiles (pid_n, pid_k, pid_m) of 64 weight rows.
+    p = gl.program_id(0)
+    n_sh = NSH * (K // 64 // SCPS) * gl.cdiv(M, BLOCK_M)
+    if p < n_sh:
+        _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm, M, K, NSH, r,
+                p, NORM, R, LDT, T_PAD, SCPS, BLOCK_M)
+    else:
+        _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr, stride_ss, T, eps,
+              M, K, N1, N2, CPS, NT, p - n_sh, NSEG, NORM, T_PAD, SPLIT, BLOCK_M)
+
+
+def usable(plan, m: int) -> bool:
+    """Whether `fused_linear` can take this kernel: NVFP4 segments in whole 64-row tiles, m rows."""
+    return plan.fmt == "nvfp4" and m <= MAX_M and plan.seg_gcd % BLOCK_N == 0
+
+
+def split_of(plan, m: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_M, SPLIT): K slices until about 4 programs per SM are in flight (H200 sweep,
+    docs/engine.md: gate/up at 8 rows 19.6 us with 592 programs, 21.5 with 1184)."""
+    block_m = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // block_m)
+    chunks, split = plan.k // 64, 1
+    while split < K.SPLIT_MAX and tiles * split < 4 * sms and chunks % (2 * split) == 0:
+        split *= 2
+    return block_m, split
+
+
+def launch(plan, x, t, norm, shrink, block_m: int, split: int) -> None:
+    """K slices of x' @ W^T into plan.workspace (and the LoRA shrink into t with `shrink`)."""
+    m = x.shape[0]
+    ws = plan.workspace
+    R = K._pow2(plan.r)
+    nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
+    nsh = plan.nseg * R // 16 if shrink is not None else 0
+    scps = next(c for c in (4, 2, 1) if (plan.k // 64) % c == 0)  # chunks a shrink program
+    gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
+    f32 = K._dummy(x.device, torch.float32)
+    grid = ((nsh * (plan.k // 64 // scps) + nt * split) * -(-m // block_m),)
+    nvfp4_splitk_kernel[grid](
+        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
+        gamma if gamma is not None else K._dummy(x.device, x.dtype), ss if ss is not None else f32,
+        ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
+        shrink if shrink is not None else K._dummy(x.device, torch.int64), t if t is not None else f32,
+        t.stride(0) if t is not None else 0,
+        m, plan.k, plan.n1, plan.n2, plan.k // 64 // split, nt, nsh, max(plan.r, 1),
+        NSEG=plan.nseg, NORM=norm is not None, R=R, LDT=K._tl_dtype(plan.lora_dtype or x.dtype),
+        T_PAD=K._pow2(ss.shape[0] if ss is not None else 1, 1), SPLIT=split, SCPS=scps, BLOCK_M=block_m,
+        num_warps=4,
+    )
+
