@@ -324,7 +324,7 @@ def test_engine_rejects_bad_sizes_and_backends():
 def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torch.dtype | None = None) -> None:
     """Every fused-linear variant against dequantize + matmul in float64, plus norm/shrink/rope."""
     torch.manual_seed(0)
-    kk, sizes = 128, [64, 32, 32]
+    kk, sizes = 128, [64, 32, 32] if device == "cpu" else [64, 64, 64]  # GPU: whole tiles of nvfp4_mma
     for fmt in ("dense", "raw", "nvfp4", "nf4", "mxfp4"):
         for glu in (False, True):
             segs = [64, 64] if glu else sizes
@@ -357,8 +357,11 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                 x = torch.randn(m, kk).to(device, dtype)
                 ss = x.float().pow(2).reshape(m, 4, -1).sum(-1).t().contiguous()  # 4 partial sums a row
                 res = torch.randn(m, sum(segs) if not glu else segs[0]).to(device, dtype)
-                # split-K formats: one K slice and several; with and without the norm on load
+                # split-K formats: one K slice and several; with and without the norm on load. NVFP4 on
+                # the GPU also as fused_linear picks it (split None: the mma.sync kernel up to 8 rows)
                 splits = [1, 2] if fmt in ("dense", "nvfp4", "nf4") else [None]
+                if fmt == "nvfp4" and device == "cuda":
+                    splits.append(None)
                 for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
                     use_norm = f16 != (split == 2)
                     xd = (K.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()
