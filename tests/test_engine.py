@@ -144,8 +144,8 @@ def test_fp4_relayout_is_exact(fmt):
 
 
 def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
-    # byte 16 * lane + reg of (row block, chunk), lane = 4 g + c, reg = 8 b3 + 4 b2 + 2 b1 + b0, is
-    # chunk byte j = 16 b3 + 8 b2 + 2 c + b0 of row 8 b1 + g; scale entry 2 g + b1 is row 8 b1 + g's
+    # byte 16 * lane + reg of (row block, chunk), lane = 4 r + c, reg = 8 b3 + 4 b2 + 2 b1 + b0, is
+    # chunk byte j = 16 b3 + 8 b2 + 2 c + b0 of row 8 b1 + r; scale entry 2 r + b1 is row 8 b1 + r's
     from qerl_exp.quant.fp4 import quantize_nvfp4
 
     q = quantize_nvfp4(torch.randn(32, 128))
@@ -155,10 +155,10 @@ def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
     sc = q.block_scales.view(torch.uint8).reshape(32, 2, 4).to(torch.int32)
     word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)  # [row, chunk]
     for rb, g, lane, reg in [(0, 0, 0, 0), (1, 1, 31, 15), (0, 1, 13, 6), (1, 0, 22, 9)]:
-        gg, c, b3, b2, b1, b0 = lane // 4, lane % 4, reg // 8, reg // 4 % 2, reg // 2 % 2, reg % 2
-        row = 16 * rb + 8 * b1 + gg
+        r, c, b3, b2, b1, b0 = lane // 4, lane % 4, reg // 8, reg // 4 % 2, reg // 2 % 2, reg % 2
+        row = 16 * rb + 8 * b1 + r
         assert pw.codes[rb, g, 16 * lane + reg] == k64[g, row, 16 * b3 + 8 * b2 + 2 * c + b0]
-        assert pw.scales[rb, g, 2 * gg + b1] == word[row, g]
+        assert pw.scales[rb, g, 2 * r + b1] == word[row, g]
 
 
 def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():

@@ -12,9 +12,9 @@ data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales a
 - NVFP4 ("mma fragments"): a chunk of 64 inputs of row n holds 32 bytes; byte j has W[n, 64g + j]
   low and W[n, 64g + 32 + j] high. `codes` uint8 [N/16, K/64, 512]: the 16 rows x 32 bytes of
   (row block, chunk) in the order of mma.sync's A fragments, so that each of a warp's 32 threads
-  reads the 16 bytes it multiplies with one 16-byte load: byte 16 * lane + reg, lane = 4 g + c,
-  reg = 8 b3 + 4 b2 + 2 b1 + b0, is row 8 b1 + g, j = 16 b3 + 8 b2 + 2 c + b0. `scales` int32
-  [N/16, K/64, 16]: entry 2 g + b1 = the four E4M3 block scales of row 8 b1 + g (block b in byte
+  reads the 16 bytes it multiplies with one 16-byte load: byte 16 * lane + reg, lane = 4 r + c,
+  reg = 8 b3 + 4 b2 + 2 b1 + b0, is row 8 b1 + r, j = 16 b3 + 8 b2 + 2 c + b0. `scales` int32
+  [N/16, K/64, 16]: entry 2 r + b1 = the four E4M3 block scales of row 8 b1 + r (block b in byte
   b). A warp streams its rows' K slice from one contiguous run. `out_scale` = tensor scale.
 - MXFP4 ("k32"): `codes` uint8 [K/32, N, 16] (low = W[n, 32g + j], high = W[n, 32g + 16 + j]),
   `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
@@ -183,7 +183,7 @@ def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | f
             raise ValueError(f"out_features={n} must be a multiple of 16 for the nvfp4 kernels")
         word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)  # [n, G]
         g = k // 64
-        byte = _to_chunks(nib, fmt, 64).view(g, n // 16, 2, 8, 2, 2, 4, 2)  # (g, rb, b1, row, b3, b2, c, b0)
+        byte = _to_chunks(nib, fmt, 64).view(g, n // 16, 2, 8, 2, 2, 4, 2)  # (chunk, rb, b1, r, b3, b2, c, b0)
         codes = byte.permute(1, 0, 3, 6, 4, 5, 2, 7).reshape(n // 16, g, 512)
         scales = word.view(n // 16, 2, 8, g).permute(0, 3, 2, 1).reshape(n // 16, g, 16)
         return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), float(tensor_scale), n, k)
@@ -443,7 +443,7 @@ if HAS_TRITON:
         blk = (row0 // 16 + tl.arange(0, BLOCK_N // 16)) * G + g
         c = tl.load(c_ptr + blk[:, None] * 512 + tl.arange(0, 512)[None, :])
         c = tl.permute(tl.reshape(c, (BLOCK_N // 16, 8, 4, 2, 2, 2, 2)), (0, 5, 1, 3, 4, 2, 6))
-        c = tl.reshape(c, (BLOCK_N, 2, 16))  # [row 16 rb + 8 b1 + g, half b3, byte 8 b2 + 2 c + b0]
+        c = tl.reshape(c, (BLOCK_N, 2, 16))  # [row 16 rb + 8 b1 + r, half b3, byte 8 b2 + 2 c + b0]
         word = tl.load(s_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :])
         word = tl.reshape(tl.permute(tl.reshape(word, (BLOCK_N // 16, 8, 2)), (0, 2, 1)), (BLOCK_N,))
         s_lo = tl.broadcast_to(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1))[:, :, None], (BLOCK_N, 2, 16))
@@ -459,7 +459,7 @@ if HAS_TRITON:
         return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
 
     @triton.jit
-    def _nvfp4_dequant_kernel(c_ptr, s_ptr, out_ptr, N, K, out_scale, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _nvfp4_dequant_kernel(c_ptr, s_ptr, out_ptr, K, out_scale, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
         # out[n, 64g + j] = W[n, 64g + j] in out's dtype, one (BLOCK_N rows, chunk g) tile a program
         # (prefill multiplies whole prompts, where dequantize + cuBLAS beats the decode kernel).
         g = tl.program_id(1)
@@ -1140,7 +1140,7 @@ def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype, out: Tensor | None =
         dst = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device) if out is None else \
             out[: w.n * w.k].view(w.n, w.k)
         bn = math.gcd(w.n, 64)
-        _nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, dst, w.n, w.k, w.out_scale,
+        _nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, dst, w.k, w.out_scale,
                                                       ASM=not _interpreting(), BLOCK_N=bn)
         return dst
     return dequantize_packed(w).to(dtype)

@@ -1,5 +1,5 @@
 """The NVFP4 split-K kernel for decode shapes on the GPU: mma.sync with the weights loaded straight
-into its A fragments (Gluon, Triton with explicit layouts; Ampere and later).
+into its A fragments (Gluon, Triton with explicit layouts; sm_89 and later, for the e4m3 conversion).
 
 `kernels._splitk_kernel` computes the same K slices for every format and under the interpreter;
 on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (H200, docs/engine.md):
@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from qerl_exp.engine import kernels as K
 
-MAX_M = 8  # rows up to which `kernels.fused_linear` takes this kernel for NVFP4 (H200: slower from 16)
+MAX_M = 8  # rows up to which `kernels.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
 BLOCK_N = 64  # weight rows a program: 4 warps x 16
 _ASM = gl.constexpr(K.e2m1x4_asm(4, 8))  # the code word broadcast over $4..$7, scales $8..$11
 
@@ -73,8 +73,8 @@ def _e4m3(word, q: gl.constexpr):
 
 @gluon.jit
 def _fragment(v, A: gl.constexpr):
-    # [128 threads, 16 registers] -> the [64, 32] A fragments: row 16 w + 8 b1 + g, k 16 b3 + 8 b2 +
-    # 2 c + b0 for thread 32 w + 4 g + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
+    # [128 threads, 16 registers] -> the [64, 32] A fragments: row 16 w + 8 b1 + r, k 16 b3 + 8 b2 +
+    # 2 c + b0 for thread 32 w + 4 r + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
     v = gl.reshape(v, [4, 8, 4, 2, 2, 2, 2])
     v = gl.permute(v, (0, 5, 1, 3, 4, 2, 6))
     return gl.convert_layout(gl.reshape(v, [64, 32]), A, assert_trivial=True)
