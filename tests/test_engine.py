@@ -161,6 +161,30 @@ def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
         assert pw.scales[rb, g, 2 * r + b1] == word[row, g]
 
 
+def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
+    # nvfp4_mma multiplies whole 64-row tiles of up to 8 rows; anything else stays on _splitk_kernel
+    pytest.importorskip("triton")
+    mma = pytest.importorskip("qerl_exp.engine.nvfp4_mma")
+    from qerl_exp.quant.fp4 import quantize_nvfp4
+
+    def packed(n):
+        q = quantize_nvfp4(torch.randn(n, 128))
+        return K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+
+    def plan(sizes, fmt="nvfp4"):
+        ws = [packed(n) if fmt == "nvfp4" else torch.randn(n, 128) for n in sizes]
+        return K.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False, torch.device("cpu"),
+                           workspace=torch.zeros(K.SPLIT_MAX, 16, sum(sizes)))
+
+    assert mma.usable(plan([128, 64, 64]), 8)
+    assert not mma.usable(plan([128, 64, 64]), 9)  # more rows: _splitk_kernel
+    assert not mma.usable(plan([64, 32, 32]), 1)  # a 32-row segment would split a tile
+    assert not mma.usable(plan([128], "dense"), 1)
+    p = plan([128, 64, 64])  # 4 tiles of 64 rows, 2 chunks of 64 inputs
+    assert mma.split_of(p, 8, sms=1) == (8, 1)  # 4 programs already fill one SM
+    assert mma.split_of(p, 8, sms=132) == (8, 2)  # more K slices, as far as the 2 chunks allow
+
+
 def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every (low, high) nibble pair
     codes = codes.repeat(1, 2)  # [16, 32] -> in = 64
