@@ -881,6 +881,27 @@ class LinearPlan:
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
+def k_split(tiles: int, chunks: int, programs: int) -> int:
+    """K slices (a power of two up to SPLIT_MAX dividing `chunks`) until `tiles` * slices reaches
+    `programs` in flight: one decode-sized tile cannot keep HBM busy by itself."""
+    split = 1
+    while split < SPLIT_MAX and tiles * split < programs and chunks % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+def norm_shrink_args(x: Tensor, norm: tuple | None, shrink: Tensor | None, t: Tensor | None) -> tuple:
+    """The split-K kernels' norm and shrink arguments (g, ss, stride_ss, T, eps, a_tab, t,
+    stride_tm), dummies where unused, and T_PAD."""
+    gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
+    f32 = _dummy(x.device, torch.float32)
+    args = (gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
+            ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
+            shrink if shrink is not None else _dummy(x.device, torch.int64), t if t is not None else f32,
+            t.stride(0) if t is not None else 0)
+    return args, _pow2(ss.shape[0] if ss is not None else 1, 1)
+
+
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
@@ -898,12 +919,10 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
         while seg_gcd % bn:
             bn //= 2
         bk = 64 if fmt != "dense" or not wide else 128
-        split, chunks = 1, k // bk
         # NVFP4 up to 16 rows: 8 programs per SM (H200, gate/up at 8 rows split 4: 25.3 us, split 2:
         # 26.9; at 64 rows split 4 was 18 % slower). More pipeline stages were slower, not faster.
         per_sm = 8 if fmt == "nvfp4" and m <= 16 else 4
-        while split < SPLIT_MAX and (total // bn) * m_blocks * split < per_sm * sms and chunks % (2 * split) == 0:
-            split *= 2
+        split = k_split((total // bn) * m_blocks, k // bk, per_sm * sms)
         return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
     for bn in (128, 64, 32):
@@ -1034,18 +1053,13 @@ def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
     R = _pow2(plan.r)
     nt = total // cfg["BLOCK_N"]
     nsh = plan.nseg * R // 16 if shrink is not None else 0
-    gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
-    f32 = _dummy(x.device, torch.float32)
+    ns_args, t_pad = norm_shrink_args(x, norm, shrink, t)
+    lut = plan.lut if plan.lut is not None else _dummy(x.device, torch.float32)
     _splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
-        x, x.stride(0), plan.tab, plan.lut if plan.lut is not None else f32, ws, ws.stride(1), ws.stride(0),
-        gamma if gamma is not None else _dummy(x.device, x.dtype), ss if ss is not None else f32,
-        ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
-        shrink if shrink is not None else _dummy(x.device, torch.int64), t if t is not None else f32,
-        t.stride(0) if t is not None else 0,
+        x, x.stride(0), plan.tab, lut, ws, ws.stride(1), ws.stride(0), *ns_args,
         m, plan.k, plan.n1, plan.n2, plan.k // bk // split, nt, nsh, max(plan.r, 1),
         FMT=_FMT_ID[plan.fmt], NSEG=plan.nseg, ASM=not _interpreting(), NORM=norm is not None, R=R,
-        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=_pow2(ss.shape[0] if ss is not None else 1, 1),
-        F16=bool(f16), **cfg,
+        LDT=_tl_dtype(plan.lora_dtype or x.dtype), T_PAD=t_pad, F16=bool(f16), **cfg,
     )
     return split
 

@@ -19,7 +19,6 @@ launch finishes the tile.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -234,10 +233,7 @@ def split_of(plan, m: int, sms: int) -> tuple[int, int]:
     docs/engine.md: gate/up at 8 rows 19.6 us with 592 programs, 21.5 with 1184)."""
     block_m = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
     tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // block_m)
-    chunks, split = plan.k // 64, 1
-    while split < K.SPLIT_MAX and tiles * split < 4 * sms and chunks % (2 * split) == 0:
-        split *= 2
-    return block_m, split
+    return block_m, K.k_split(tiles, plan.k // 64, 4 * sms)
 
 
 def launch(plan, x, t, norm, shrink, block_m: int, split: int) -> None:
@@ -248,18 +244,12 @@ def launch(plan, x, t, norm, shrink, block_m: int, split: int) -> None:
     nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
     nsh = plan.nseg * R // 16 if shrink is not None else 0
     scps = next(c for c in (4, 2, 1) if (plan.k // 64) % c == 0)  # chunks a shrink program
-    gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
-    f32 = K._dummy(x.device, torch.float32)
+    ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
     grid = ((nsh * (plan.k // 64 // scps) + nt * split) * -(-m // block_m),)
     nvfp4_splitk_kernel[grid](
-        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0),
-        gamma if gamma is not None else K._dummy(x.device, x.dtype), ss if ss is not None else f32,
-        ss.stride(0) if ss is not None else 0, ss.shape[0] if ss is not None else 1, eps,
-        shrink if shrink is not None else K._dummy(x.device, torch.int64), t if t is not None else f32,
-        t.stride(0) if t is not None else 0,
+        x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), *ns_args,
         m, plan.k, plan.n1, plan.n2, plan.k // 64 // split, nt, nsh, max(plan.r, 1),
         NSEG=plan.nseg, NORM=norm is not None, R=R, LDT=K._tl_dtype(plan.lora_dtype or x.dtype),
-        T_PAD=K._pow2(ss.shape[0] if ss is not None else 1, 1), SPLIT=split, SCPS=scps, BLOCK_M=block_m,
-        num_warps=4,
+        T_PAD=t_pad, SPLIT=split, SCPS=scps, BLOCK_M=block_m, num_warps=4,
     )
 
