@@ -145,20 +145,21 @@ def test_fp4_relayout_is_exact(fmt):
 
 def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
     # byte 16 * lane + reg of (row block, chunk), lane = 4 r + c, reg = 8 b3 + 4 b2 + 2 b1 + b0, is
-    # chunk byte j = 16 b3 + 8 b2 + 2 c + b0 of row 8 b1 + r; scale entry 2 r + b1 is row 8 b1 + r's
+    # chunk byte j = 16 b3 + 8 b2 + 2 c + b0 of row 8 b1 + r; byte 2 h + b1 of scale entry 2 r + b3
+    # is row 8 b1 + r's scale of block 2 h + b3 (blocks of 16 inputs)
     from qerl_exp.quant.fp4 import quantize_nvfp4
 
     q = quantize_nvfp4(torch.randn(32, 128))
     pw = K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
     nib = torch.stack([q.codes & 15, q.codes >> 4], dim=-1).reshape(32, 128)
     k64 = K._to_chunks(nib, "nvfp4", 64)  # [chunk, row, byte j]
-    sc = q.block_scales.view(torch.uint8).reshape(32, 2, 4).to(torch.int32)
-    word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)  # [row, chunk]
+    sc = q.block_scales.view(torch.uint8).reshape(32, 2, 4).to(torch.int32)  # [row, chunk, block]
     for rb, g, lane, reg in [(0, 0, 0, 0), (1, 1, 31, 15), (0, 1, 13, 6), (1, 0, 22, 9)]:
         r, c, b3, b2, b1, b0 = lane // 4, lane % 4, reg // 8, reg // 4 % 2, reg // 2 % 2, reg % 2
         row = 16 * rb + 8 * b1 + r
         assert pw.codes[rb, g, 16 * lane + reg] == k64[g, row, 16 * b3 + 8 * b2 + 2 * c + b0]
-        assert pw.scales[rb, g, 2 * r + b1] == word[row, g]
+        for h in (0, 1):
+            assert (pw.scales[rb, g, 2 * r + b3] >> (8 * (2 * h + b1))) & 0xFF == sc[row, g, 2 * h + b3]
 
 
 def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
@@ -167,12 +168,12 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     mma = pytest.importorskip("qerl_exp.engine.nvfp4_mma")
     from qerl_exp.quant.fp4 import quantize_nvfp4
 
-    def packed(n):
-        q = quantize_nvfp4(torch.randn(n, 128))
+    def packed(n, k):
+        q = quantize_nvfp4(torch.randn(n, k))
         return K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
 
-    def plan(sizes, fmt="nvfp4"):
-        ws = [packed(n) if fmt == "nvfp4" else torch.randn(n, 128) for n in sizes]
+    def plan(sizes, fmt="nvfp4", k=128):
+        ws = [packed(n, k) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
         return K.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False, torch.device("cpu"),
                            workspace=torch.zeros(K.SPLIT_MAX, 16, sum(sizes)))
 
@@ -180,9 +181,13 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     assert not mma.usable(plan([128, 64, 64]), 9)  # more rows: _splitk_kernel
     assert not mma.usable(plan([64, 32, 32]), 1)  # a 32-row segment would split a tile
     assert not mma.usable(plan([128], "dense"), 1)
-    p = plan([128, 64, 64])  # 4 tiles of 64 rows, 2 chunks of 64 inputs
-    assert mma.split_of(p, 8, sms=1) == (8, 1)  # 4 programs already fill one SM
-    assert mma.split_of(p, 8, sms=132) == (8, 2)  # more K slices, as far as the 2 chunks allow
+    # (K slices, chunks a slice): 4 tiles of 64 rows; as many slices as keep all programs resident
+    # (mma.RESIDENT = 9 an SM), of at least MIN_CPS = 4 chunks, the last one possibly shorter
+    assert mma.RESIDENT == 9 and mma.MIN_CPS == 4
+    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=1) == (2, 8)  # 8 programs fit one SM
+    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=132) == (4, 4)  # 16 chunks: 4 slices
+    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132) == (4, 5)  # 18 chunks: 5, 5, 5, 3
+    assert mma.split_of(plan([128, 64, 64]), 8, sms=132) == (1, 2)  # 2 chunks: one slice
 
 
 def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():

@@ -14,8 +14,10 @@ data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales a
   (row block, chunk) in the order of mma.sync's A fragments, so that each of a warp's 32 threads
   reads the 16 bytes it multiplies with one 16-byte load: byte 16 * lane + reg, lane = 4 r + c,
   reg = 8 b3 + 4 b2 + 2 b1 + b0, is row 8 b1 + r, j = 16 b3 + 8 b2 + 2 c + b0. `scales` int32
-  [N/16, K/64, 16]: entry 2 r + b1 = the four E4M3 block scales of row 8 b1 + r (block b in byte
-  b). A warp streams its rows' K slice from one contiguous run. `out_scale` = tensor scale.
+  [N/16, K/64, 16]: entry 2 r + b3 = four E4M3 block scales, byte 2 h + b1 = block 2 h + b3 of row
+  8 b1 + r (the low nibbles' block b3, then the high ones' block 2 + b3, for the thread's two rows:
+  each 16-bit half converts straight into the fp16 pair the decode multiplies with). A warp streams
+  its rows' K slice from one contiguous run. `out_scale` = tensor scale.
 - MXFP4 ("k32"): `codes` uint8 [K/32, N, 16] (low = W[n, 32g + j], high = W[n, 32g + 16 + j]),
   `scales` uint8 E8M0 [K/32, N], `out_scale` 1.
 - NF4 ("k32"): plain nibbles (low = first), `scales` float32 [K/64, N] (absmax, double quant undone
@@ -176,16 +178,16 @@ def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | f
     nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)
     k = nib.shape[1]
     if fmt == "nvfp4":
-        sc = block_scales.view(torch.uint8).reshape(n, -1, 4).to(torch.int32)
+        sc = block_scales.view(torch.uint8).reshape(n, -1, 4)
         if sc.shape[1] * 64 != k:
             raise ValueError(f"in_features={k} must be a multiple of 64 for the nvfp4 kernels")
         if n % 16:
             raise ValueError(f"out_features={n} must be a multiple of 16 for the nvfp4 kernels")
-        word = sc[..., 0] | (sc[..., 1] << 8) | (sc[..., 2] << 16) | (sc[..., 3] << 24)  # [n, G]
         g = k // 64
         byte = _to_chunks(nib, fmt, 64).view(g, n // 16, 2, 8, 2, 2, 4, 2)  # (chunk, rb, b1, r, b3, b2, c, b0)
         codes = byte.permute(1, 0, 3, 6, 4, 5, 2, 7).reshape(n // 16, g, 512)
-        scales = word.view(n // 16, 2, 8, g).permute(0, 3, 2, 1).reshape(n // 16, g, 16)
+        sb = sc.view(n // 16, 2, 8, g, 2, 2)  # (rb, b1, r, chunk, h, b3): block 2 h + b3
+        scales = sb.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, g, 16, 4).contiguous().view(torch.int32).squeeze(-1)
         return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), float(tensor_scale), n, k)
     return PackedWeight(fmt, _to_chunks(nib, fmt, 32), block_scales.t().contiguous(), float(tensor_scale), n, k)
 
@@ -230,8 +232,8 @@ def dequantize_packed(pw: PackedWeight) -> Tensor:
         nb, g = pw.n // 16, pw.k // 64
         c = pw.codes.view(nb, g, 8, 4, 2, 2, 2, 2).permute(1, 0, 6, 2, 4, 5, 3, 7).reshape(g, pw.n, 32)
         vals = torch.stack(_e2m1_halves(c), dim=2) * 64.0  # [G, n, 2, 32] e2m1 values
-        word = pw.scales.view(nb, g, 8, 2).permute(0, 3, 2, 1).reshape(pw.n, g)  # four E4M3 bytes, block b in byte b
-        sc = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], -1).to(torch.uint8)
+        sb = pw.scales.contiguous().view(torch.uint8).view(nb, g, 8, 2, 2, 2)  # (rb, chunk, r, b3, h, b1)
+        sc = sb.permute(0, 5, 2, 1, 4, 3).reshape(pw.n, g, 4)  # block 2 h + b3 of row 16 rb + 8 b1 + r
         scale = sc.view(torch.float8_e4m3fn).float().reshape(pw.n, -1, 2, 2, 1)  # [n, G, half, block, 1]
         w = vals.permute(1, 0, 2, 3).reshape(pw.n, -1, 2, 2, 16) * scale
         return w.reshape(pw.n, pw.k) * pw.out_scale
@@ -246,10 +248,29 @@ def dequantize_packed(pw: PackedWeight) -> Tensor:
     return (w * pw.scales.t().unsqueeze(-1)).reshape(pw.n, pw.k) * pw.out_scale
 
 
-def e2m1x4_asm(code: int, scale: int) -> str:
+def e2m1x4_asm(code: int, scale: int, scale_word: bool = False) -> str:
     """Inline PTX: four permuted E2M1 bytes (operand $code) -> eight fp16, low elements $0 $1 and
-    high ones $2 $3, each times its block scale (fp16 pairs in $scale .. $scale + 3): bit masks,
-    then Hopper's e4m3x2 -> f16x2 conversion."""
+    high ones $2 $3, each times its block scale: fp16 pairs in $scale .. $scale + 3, or with
+    `scale_word` one int32 $scale of four E4M3 scales (the layout's scale entry: the low elements'
+    scale for $0 and for $1, then the high ones' for $2 and $3). Bit masks, then Hopper's
+    e4m3x2 -> f16x2 conversion."""
+    if scale_word:
+        scales = f"""
+    .reg .b32 slo, shi, s0, s1, s2, s3;
+    .reg .b16 w0, w1, u0, u1, v0, v1;
+    mov.b32 {{w0, w1}}, ${scale};
+    cvt.rn.f16x2.e4m3x2 slo, w0;
+    cvt.rn.f16x2.e4m3x2 shi, w1;
+    mov.b32 {{u0, u1}}, slo;
+    mov.b32 {{v0, v1}}, shi;
+    mov.b32 s0, {{u0, u0}};
+    mov.b32 s1, {{u1, u1}};
+    mov.b32 s2, {{v0, v0}};
+    mov.b32 s3, {{v1, v1}};"""
+        s = ["s0", "s1", "s2", "s3"]
+    else:
+        scales = ""
+        s = [f"${scale + i}" for i in range(4)]
     return f"""
     {{
     .reg .b32 lo, hi, t;
@@ -261,15 +282,15 @@ def e2m1x4_asm(code: int, scale: int) -> str:
     and.b32 t, t, 0x10101010;
     or.b32 hi, hi, t;
     mov.b32 {{l0, l1}}, lo;
-    mov.b32 {{h0, h1}}, hi;
+    mov.b32 {{h0, h1}}, hi;{scales}
     cvt.rn.f16x2.e4m3x2 $0, l0;
     cvt.rn.f16x2.e4m3x2 $1, l1;
     cvt.rn.f16x2.e4m3x2 $2, h0;
     cvt.rn.f16x2.e4m3x2 $3, h1;
-    mul.rn.f16x2 $0, $0, ${scale};
-    mul.rn.f16x2 $1, $1, ${scale + 1};
-    mul.rn.f16x2 $2, $2, ${scale + 2};
-    mul.rn.f16x2 $3, $3, ${scale + 3};
+    mul.rn.f16x2 $0, $0, {s[0]};
+    mul.rn.f16x2 $1, $1, {s[1]};
+    mul.rn.f16x2 $2, $2, {s[2]};
+    mul.rn.f16x2 $3, $3, {s[3]};
     }}
     """
 
@@ -444,10 +465,12 @@ if HAS_TRITON:
         c = tl.load(c_ptr + blk[:, None] * 512 + tl.arange(0, 512)[None, :])
         c = tl.permute(tl.reshape(c, (BLOCK_N // 16, 8, 4, 2, 2, 2, 2)), (0, 5, 1, 3, 4, 2, 6))
         c = tl.reshape(c, (BLOCK_N, 2, 16))  # [row 16 rb + 8 b1 + r, half b3, byte 8 b2 + 2 c + b0]
-        word = tl.load(s_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :])
-        word = tl.reshape(tl.permute(tl.reshape(word, (BLOCK_N // 16, 8, 2)), (0, 2, 1)), (BLOCK_N,))
-        s_lo = tl.broadcast_to(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1))[:, :, None], (BLOCK_N, 2, 16))
-        s_hi = tl.broadcast_to(tl.join(_e4m3_byte(word, 2), _e4m3_byte(word, 3))[:, :, None], (BLOCK_N, 2, 16))
+        word = tl.reshape(tl.load(s_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :]), (BLOCK_N // 16, 8, 2))
+        # byte 2 h + b1 of entry (r, b3): block 2 h + b3 of row 8 b1 + r -> [row, b3] per half h
+        s_lo = tl.reshape(tl.permute(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1)), (0, 3, 1, 2)), (BLOCK_N, 2))
+        s_hi = tl.reshape(tl.permute(tl.join(_e4m3_byte(word, 2), _e4m3_byte(word, 3)), (0, 3, 1, 2)), (BLOCK_N, 2))
+        s_lo = tl.broadcast_to(s_lo[:, :, None], (BLOCK_N, 2, 16))
+        s_hi = tl.broadcast_to(s_hi[:, :, None], (BLOCK_N, 2, 16))
         if ASM:
             w_lo, w_hi = tl.inline_asm_elementwise(
                 asm=_E2M1X4_TO_F16, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s_lo, s_hi],
@@ -1034,9 +1057,8 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
     ws = plan.workspace
     if m > ws.shape[1]:
         raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
-    if mma:  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`)
-        block_m, split = _mma().split_of(plan, m, _sm_count(x.device))
-        _mma().launch(plan, x, t, norm, shrink, block_m, split)
+    if mma:  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
+        split, ws = _mma().launch(plan, x, t, norm, shrink, _sm_count(x.device))
     else:
         split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))

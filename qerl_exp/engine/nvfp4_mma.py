@@ -27,7 +27,10 @@ from qerl_exp.engine import kernels as K
 
 MAX_M = 8  # rows up to which `kernels.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
 BLOCK_N = 64  # weight rows a program: 4 warps x 16
-_ASM = gl.constexpr(K.e2m1x4_asm(4, 8))  # the code word broadcast over $4..$7, scales $8..$11
+MAX_REGS = 56  # registers a thread (ptxas' maxnreg): 9 programs of 128 threads fit an SM's 65536
+RESIDENT = 65536 // (MAX_REGS * 128)  # programs an SM holds at once
+MIN_CPS = 4  # chunks of 64 inputs a K slice takes at least
+_ASM = gl.constexpr(K.e2m1x4_asm(4, 8, scale_word=True))  # code word broadcast over $4..$7, scales $8..$11
 
 
 @gluon.jit
@@ -56,18 +59,25 @@ def _rstd(ss_ptr, stride_ss, T, offs_m, M, K, eps, T_PAD: gl.constexpr, OUT: gl.
 
 
 @gluon.jit
-def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: gl.constexpr):
-    # x'[k, m] of one chunk (transposed: [64, BM]); NORM: RMSNorm(x) * gamma, rounded where HF rounds
-    x = gl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :], other=0.0)
-    if NORM:
-        hn = (x.to(gl.float32) * rstd[None, :]).to(x.dtype)
-        x = (gl.load(g_ptr + offs_k)[:, None].to(gl.float32) * hn.to(gl.float32)).to(x.dtype)
-    return x
+def _x_load(x_ptr, stride_xm, offs_m, m_ok, offs_k):
+    # x[m, k] of one chunk, transposed: [64, BM]
+    return gl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :], other=0.0)
 
 
 @gluon.jit
-def _e4m3(word, q: gl.constexpr):
-    return ((word >> (8 * q)) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+def _x_norm(x, gamma, rstd):
+    # RMSNorm(x) * gamma of loaded rows, rounded where HF rounds
+    hn = (x.to(gl.float32) * rstd[None, :]).to(x.dtype)
+    return (gamma[:, None].to(gl.float32) * hn.to(gl.float32)).to(x.dtype)
+
+
+@gluon.jit
+def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: gl.constexpr):
+    # x'[k, m] of one chunk (transposed: [64, BM]); NORM: RMSNorm(x) * gamma
+    x = _x_load(x_ptr, stride_xm, offs_m, m_ok, offs_k)
+    if NORM:
+        x = _x_norm(x, gl.load(g_ptr + offs_k), rstd)
+    return x
 
 
 @gluon.jit
@@ -81,35 +91,31 @@ def _fragment(v, A: gl.constexpr):
 
 @gluon.jit
 def _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm, M, K, NSH, r, p,
-            NORM: gl.constexpr, R: gl.constexpr, LDT: gl.constexpr, T_PAD: gl.constexpr, SCPS: gl.constexpr,
-            BLOCK_M: gl.constexpr):
-    # t[:, 16j:16j+16] += x'[:, slice] @ A^T over SCPS chunks (products of model-dtype values in fp32,
-    # FMA): short slices, so that the shrink never outlasts the tiles
+            NORM: gl.constexpr, R: gl.constexpr, LDT: gl.constexpr, T_PAD: gl.constexpr, BLOCK_M: gl.constexpr):
+    # t[:, 16j:16j+16] += x'[:, chunk] @ A[16j:16j+16, chunk]^T (products of model-dtype values in
+    # fp32, FMA), one chunk a program: a shrink program is a chain of dependent round trips (A's
+    # address, the loads, the norm, the atomics), so it stays shorter than the tiles' programs
     ACT: gl.constexpr = x_ptr.dtype.element_ty
     P3: gl.constexpr = gl.BlockedLayout([1, 8, 1], [2, 1, 16], [1, 4, 1], [2, 1, 0])  # [BM, 64, 16]
     XL: gl.constexpr = gl.SliceLayout(2, P3)
     AL: gl.constexpr = gl.SliceLayout(0, P3)
     TO: gl.constexpr = gl.SliceLayout(1, P3)
     XT: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # [64 k, BM], as the tiles load x
-    SS = K // 64 // SCPS
     j = p % NSH
-    pid_k = (p // NSH) % SS
-    pid_m = p // (NSH * SS)
-    mm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
-    kk = gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
-    rstd = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, XT))
-    if NORM:
-        rstd = _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT))
+    kc = p // NSH
+    mm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
+    kk = kc * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
     ka = gl.arange(0, 64, layout=gl.SliceLayout(1, AL))
     rr = (j * 16) % R + gl.arange(0, 16, layout=gl.SliceLayout(0, AL))
     a_ptr = gl.load(a_tab_ptr + (j * 16) // R).to(gl.pointer_type(LDT))
-    acc = gl.zeros([BLOCK_M, 16], gl.float32, layout=TO)
-    for kc in range(pid_k * SCPS, pid_k * SCPS + SCPS):
-        xt = _x_tile(x_ptr, stride_xm, mm, mm < M, kc * 64 + kk, g_ptr, rstd, NORM)
-        xt = gl.convert_layout(gl.permute(xt, (1, 0)), XL).to(gl.float32)
-        a = gl.load(a_ptr + rr[None, :] * K + kc * 64 + ka[:, None], mask=rr[None, :] < r, other=0.0)
-        acc += gl.sum(xt[:, :, None] * a.to(ACT).to(gl.float32)[None, :, :], 1)
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TO))
+    a = gl.load(a_ptr + rr[None, :] * K + kc * 64 + ka[:, None], mask=rr[None, :] < r, other=0.0)
+    x = _x_load(x_ptr, stride_xm, mm, mm < M, kk)
+    if NORM:  # loads first, so that their round trips overlap the sums of squares'
+        g = gl.load(g_ptr + kk)
+        x = _x_norm(x, g, _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT)))
+    xt = gl.convert_layout(gl.permute(x, (1, 0)), XL).to(gl.float32)
+    acc = gl.sum(xt[:, :, None] * a.to(ACT).to(gl.float32)[None, :, :], 1)
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TO))
     oc = gl.arange(0, 16, layout=gl.SliceLayout(0, TO))
     gl.atomic_add(t_ptr + om[:, None] * stride_tm + (j * 16 + oc)[None, :], acc,
                   mask=(om < M)[:, None] & ((j * 16) % R + oc < r)[None, :])
@@ -118,7 +124,7 @@ def _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr
 @gluon.jit
 def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr, stride_ss, T, eps,
           M, K, N1, N2, CPS, NT, q, NSEG: gl.constexpr, NORM: gl.constexpr, T_PAD: gl.constexpr,
-          SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+          BLOCK_M: gl.constexpr):
     # ws[pid_k, m, n0:n0+64] = x'[m, slice] / 16 @ W[n0:n0+64, slice]^T / 2^-6, W from its fragments
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -126,16 +132,15 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     L3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [4, 1, 1], [2, 1, 0])
     CW: gl.constexpr = gl.SliceLayout(2, L3)  # [128 threads, 4 code words]: 16 bytes a thread
     L5: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    X3: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, L5))  # [128, b3, b1]
-    SW: gl.constexpr = gl.SliceLayout(1, X3)  # [128, b1]: a thread's two scale words
+    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))  # [128, b3]: scale words
     XT: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # [64 k, BM] activations
     XS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
 
     pid_n = q % NT
-    pid_k = (q // NT) % SPLIT
-    pid_m = q // (NT * SPLIT)
+    pid_k = q // NT
     n0 = pid_n * 64
     c0 = pid_k * CPS
+    n_chunks = gl.minimum(CPS, K // 64 - c0)  # the last slice may be shorter
     seg, start = _segment(n0, N1, N2, NSEG)
     c_ptr = gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32))
     s_ptr = gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32))
@@ -143,63 +148,62 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     rb0 = (n0 - start) // 16  # the tile's first row block within its segment
 
     kk = gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
-    mm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
+    mm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, XT))
     m_ok = mm < M
-    rstd = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, XT))
-    if NORM:
-        rstd = _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT))
     xs = gl.allocate_shared_memory(gl.float16, [2, 64, BLOCK_M], XS)
 
-    # thread t = 32 w + lane reads its 16 code bytes and its rows' two scale words of each chunk
+    # thread t = 32 w + lane reads its 16 code bytes and its two scale words (b3) of each chunk
     t = gl.arange(0, 128, layout=gl.SliceLayout(1, CW))
     cptr = c_ptr + ((rb0 + t // 32) * G + c0)[:, None] * 128 + ((t % 32) * 4)[:, None] \
         + gl.arange(0, 4, layout=gl.SliceLayout(0, CW))[None, :]
     ts = gl.arange(0, 128, layout=gl.SliceLayout(1, SW))
-    b1 = gl.arange(0, 2, layout=gl.SliceLayout(0, SW))
-    sptr = s_ptr + ((rb0 + ts // 32) * G + c0)[:, None] * 16 + ((ts % 32) // 4 * 2)[:, None] + b1[None, :]
-    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(0, X3))), 1), 0)
-    zero5 = gl.full([128, 2, 2, 2, 2], 0, gl.float16, L5)
+    b3 = gl.arange(0, 2, layout=gl.SliceLayout(0, SW))
+    sptr = s_ptr + ((rb0 + ts // 32) * G + c0)[:, None] * 16 + ((ts % 32) // 4 * 2)[:, None] + b3[None, :]
     zero3 = gl.full([128, 4, 4], 0, gl.int32, L3)
+    zero5 = gl.full([128, 2, 2, 2, 2], 0, gl.int32, L5)
 
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
-    acc2 = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)  # a second HMMA chain (the high halves)
-    # chunks i + 1 and i + 2 are in flight while chunk i is decoded
+    # codes and scales of chunks i + 1 and i + 2 (HBM) and x, gamma of chunk i + 1 (L2) are in
+    # flight while chunk i is decoded; x is normalised only when staged (loaded values are not
+    # waited for early), and registers stay under MAX_REGS
     q_1 = gl.load(cptr)
     w_1 = gl.load(sptr)
-    x_1 = _x_tile(x_ptr, stride_xm, mm, m_ok, c0 * 64 + kk, g_ptr, rstd, NORM)
-    i2 = gl.minimum(1, CPS - 1)
+    x_1 = _x_load(x_ptr, stride_xm, mm, m_ok, c0 * 64 + kk)
+    if NORM:
+        g_1 = gl.load(g_ptr + c0 * 64 + kk)
+    i2 = gl.minimum(1, n_chunks - 1)
     q_2 = gl.load(cptr + i2 * 128)
     w_2 = gl.load(sptr + i2 * 16)
-    x_2 = _x_tile(x_ptr, stride_xm, mm, m_ok, (c0 + i2) * 64 + kk, g_ptr, rstd, NORM)
-    for i in range(CPS):
+    if NORM:  # after the first loads are issued, so that the round trips overlap
+        rstd = _rstd(ss_ptr, stride_ss, T, mm, M, K, eps, T_PAD, gl.SliceLayout(0, XT))
+    for i in range(n_chunks):
         cw = q_1
         word = w_1
         xv = x_1
         q_1 = q_2
         w_1 = w_2
-        x_1 = x_2
-        nxt = gl.minimum(i + 2, CPS - 1)
+        nxt = gl.minimum(i + 2, n_chunks - 1)
         q_2 = gl.load(cptr + nxt * 128)
         w_2 = gl.load(sptr + nxt * 16)
-        x_2 = _x_tile(x_ptr, stride_xm, mm, m_ok, (c0 + nxt) * 64 + kk, g_ptr, rstd, NORM)
+        x_1 = _x_load(x_ptr, stride_xm, mm, m_ok, (c0 + gl.minimum(i + 1, n_chunks - 1)) * 64 + kk)
+        if NORM:
+            xv = _x_norm(xv, g_1, rstd)
+            g_1 = gl.load(g_ptr + (c0 + gl.minimum(i + 1, n_chunks - 1)) * 64 + kk)
         buf = xs.index(i % 2)
         buf.store((xv * 0.0625).to(gl.float16))  # scaled in x's dtype (exact), then one rounding
-        # block scales: the low halves use blocks b3 (0, 1), the high halves 2 + b3; rows by b1
-        s_lo = gl.where(b3 == 0, gl.expand_dims(_e4m3(word, 0), 1), gl.expand_dims(_e4m3(word, 1), 1))
-        s_hi = gl.where(b3 == 0, gl.expand_dims(_e4m3(word, 2), 1), gl.expand_dims(_e4m3(word, 3), 1))
-        s_lo = gl.broadcast(gl.expand_dims(gl.expand_dims(s_lo, 2), 4), zero5)[0]
-        s_hi = gl.broadcast(gl.expand_dims(gl.expand_dims(s_hi, 2), 4), zero5)[0]
-        # each code word broadcast over its four bytes: the asm reads the word once a pack
+        # each code word broadcast over its four bytes and each scale word over the (b2, b1, b0)
+        # it scales: the asm takes both registers as loaded
         c5 = gl.broadcast(gl.expand_dims(cw, 2), zero3)[0]
         c5 = gl.convert_layout(gl.reshape(c5, [128, 2, 2, 2, 2]), L5, assert_trivial=True)
-        a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s_lo, s_hi],
+        s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4), zero5)[0]
+        a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
                                                dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
         acc = mma_v2(_fragment(gl.reshape(a_lo, [128, 16]), A), buf.slice(0, 32).load(B), acc)
-        acc2 = mma_v2(_fragment(gl.reshape(a_hi, [128, 16]), A), buf.slice(32, 32).load(B), acc2)
+        acc = mma_v2(_fragment(gl.reshape(a_hi, [128, 16]), A), buf.slice(32, 32).load(B), acc)
 
     offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    gl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc + acc2,
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    gl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
              mask=(offs_m < M)[None, :])
 
 
@@ -209,18 +213,18 @@ def nvfp4_splitk_kernel(
     g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm,
     M, K, N1, N2, CPS, NT, NSH, r,
     NSEG: gl.constexpr, NORM: gl.constexpr, R: gl.constexpr, LDT: gl.constexpr, T_PAD: gl.constexpr,
-    SPLIT: gl.constexpr, SCPS: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_M: gl.constexpr,
 ):
-    # Programs in id order: [0, NSH * (K / 64 / SCPS) * MB) the LoRA shrink (16 columns of t over
-    # SCPS chunks each), then the tiles (pid_n, pid_k, pid_m) of 64 weight rows.
+    # Programs in id order: [0, NSH * K / 64) the LoRA shrink (16 columns of t over one chunk
+    # each), then the tiles (pid_n, K slice) of 64 weight rows; all for M <= BLOCK_M rows.
     p = gl.program_id(0)
-    n_sh = NSH * (K // 64 // SCPS) * gl.cdiv(M, BLOCK_M)
+    n_sh = NSH * (K // 64)
     if p < n_sh:
         _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr, stride_tm, M, K, NSH, r,
-                p, NORM, R, LDT, T_PAD, SCPS, BLOCK_M)
+                p, NORM, R, LDT, T_PAD, BLOCK_M)
     else:
         _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr, stride_ss, T, eps,
-              M, K, N1, N2, CPS, NT, p - n_sh, NSEG, NORM, T_PAD, SPLIT, BLOCK_M)
+              M, K, N1, N2, CPS, NT, p - n_sh, NSEG, NORM, T_PAD, BLOCK_M)
 
 
 def usable(plan, m: int) -> bool:
@@ -229,27 +233,36 @@ def usable(plan, m: int) -> bool:
 
 
 def split_of(plan, m: int, sms: int) -> tuple[int, int]:
-    """(BLOCK_M, SPLIT): K slices until about 4 programs per SM are in flight (H200 sweep,
-    docs/engine.md: gate/up at 8 rows 19.6 us with 592 programs, 21.5 with 1184)."""
-    block_m = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // block_m)
-    return block_m, K.k_split(tiles, plan.k // 64, 4 * sms)
+    """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
+    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks. H200, 8 rows,
+    docs/engine.md: gate/up 35.0 -> 27.7 us at 2 slices, down 22.2 -> 16.6 us at 20."""
+    chunks = plan.k // 64
+    tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // MAX_M)
+    slices = max(1, min(RESIDENT * sms // tiles, chunks // MIN_CPS))
+    cps = -(-chunks // slices)
+    return -(-chunks // cps), cps
 
 
-def launch(plan, x, t, norm, shrink, block_m: int, split: int) -> None:
-    """K slices of x' @ W^T into plan.workspace (and the LoRA shrink into t with `shrink`)."""
+def launch(plan, x, t, norm, shrink, sms: int):
+    """K slices of x' @ W^T into the workspace (and the LoRA shrink into t with `shrink`).
+
+    Returns (slices, ws): the slices as `kernels._linear_kernel` sums them, a [slices, m, n] view of
+    plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
-    ws = plan.workspace
-    R = K._pow2(plan.r)
+    split, cps = split_of(plan, m, sms)
     nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
+    flat = plan.workspace.view(-1)
+    if split * m * nt * BLOCK_N > flat.numel():
+        raise ValueError(f"{split} K slices of {m} x {nt * BLOCK_N} do not fit the split-K workspace")
+    ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
+    R = K._pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
-    scps = next(c for c in (4, 2, 1) if (plan.k // 64) % c == 0)  # chunks a shrink program
     ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
-    grid = ((nsh * (plan.k // 64 // scps) + nt * split) * -(-m // block_m),)
+    grid = (nsh * (plan.k // 64) + nt * split,)
     nvfp4_splitk_kernel[grid](
         x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), *ns_args,
-        m, plan.k, plan.n1, plan.n2, plan.k // 64 // split, nt, nsh, max(plan.r, 1),
+        m, plan.k, plan.n1, plan.n2, cps, nt, nsh, max(plan.r, 1),
         NSEG=plan.nseg, NORM=norm is not None, R=R, LDT=K._tl_dtype(plan.lora_dtype or x.dtype),
-        T_PAD=t_pad, SPLIT=split, SCPS=scps, BLOCK_M=block_m, num_warps=4,
+        T_PAD=t_pad, BLOCK_M=MAX_M, num_warps=4, maxnreg=MAX_REGS,
     )
-
+    return split, ws
