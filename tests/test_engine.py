@@ -188,6 +188,8 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=132) == (4, 4)  # 16 chunks: 4 slices
     assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132) == (4, 5)  # 18 chunks: 5, 5, 5, 3
     assert mma.split_of(plan([128, 64, 64]), 8, sms=132) == (1, 2)  # 2 chunks: one slice
+    # norm and shrink on load, unless the launch has many tiles (each would normalise again)
+    assert mma.norm_on_load(plan([128, 64, 64]), sms=132) and not mma.norm_on_load(plan([128, 64, 64]), sms=2)
 
 
 def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():

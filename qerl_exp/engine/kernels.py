@@ -999,8 +999,9 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     m = x.shape[0]
     sms = _sm_count(x.device)
     cfg = dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
-    if (norm is not None or shrink is not None) and (plan.workspace is None or
-                                                     not norm_on_load(plan.fmt, plan.k, m)):
+    mma = plan.workspace is not None and config is None and x.is_cuda and _mma() is not None and _mma().usable(plan, m)
+    on_load = _mma().norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m)
+    if (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty_like(x) if norm is not None else None
         norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
@@ -1008,7 +1009,6 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        mma = config is None and x.is_cuda and _mma() is not None and _mma().usable(plan, m)
         _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, mma)
         return out
     for w, raw in plan.cublas or []:

@@ -232,6 +232,15 @@ def usable(plan, m: int) -> bool:
     return plan.fmt == "nvfp4" and m <= MAX_M and plan.seg_gcd % BLOCK_N == 0
 
 
+def norm_on_load(plan, sms: int) -> bool:
+    """Whether the tiles normalise x and shrink it on load (else `kernels.norm_shrink` first): every
+    tile normalises its K slice again, which a launch of many tiles pays many times. H200, 7B, 8
+    rows, kernel time a linear: gate/up (592 tiles) 38.2 us on load against 28.9 + 4.8 after a
+    norm_shrink launch; q/k/v (72 tiles) 11.2 against 6.3 + 6.0; o (56, shrink only) 7.2 against
+    5.3 + 3.0. The threshold sits between the measured tile counts."""
+    return plan.n * (2 if plan.glu else 1) // BLOCK_N < 2 * sms
+
+
 def split_of(plan, m: int, sms: int) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
     program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks. H200, 8 rows,
