@@ -412,9 +412,14 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                     if split:
                         cfg = {**K.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": split}
                     # `norm_on_load` picks one path per shape; at 33 rows the one-slice cases take
-                    # the other (a norm_shrink launch first), so both stay covered
-                    other = m > 16 and split == 1
-                    with mock.patch.object(K, "norm_on_load", lambda *_: False) if other else nullcontext():
+                    # the other (a norm_shrink launch first), so both stay covered; so does the mma
+                    # kernel at 8 rows (its rule: on load unless the launch has many tiles)
+                    patch = nullcontext()
+                    if m > 16 and split == 1:
+                        patch = mock.patch.object(K, "norm_on_load", lambda *_: False)
+                    elif split is None and m == 8:
+                        patch = mock.patch.object(K._mma(), "norm_on_load", lambda *_: False)
+                    with patch:
                         K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg,
                                        norm=(gamma, 1e-6, ss) if use_norm else None, shrink=a_tab,
                                        ss_out=ss_out)
