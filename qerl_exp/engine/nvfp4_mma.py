@@ -7,9 +7,12 @@ on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (
   `mma.sync.m16n8k16` (`kernels.relayout_nvfp4`), so each thread reads the 16 bytes it multiplies
   with one 16-byte load, two chunks ahead, and decodes them in registers into its A fragment
   (a layout relabelling, checked trivial at compile time);
-- each warp streams its 16 rows' K slice from one contiguous run of codes and scales;
+- each warp streams its 16 rows' K slice from one contiguous run of codes and scales, and the
+  scale words are stored so that the decode converts them as loaded;
 - only the activations pass through shared memory (swizzled: the plain layout's bank conflicts
-  cost a third of the kernel's time), one chunk of 64 inputs a step.
+  cost a third of the kernel's time), one chunk of 64 inputs a step;
+- the loop is bound by latency, so the launch keeps as many warps in flight as fit: registers are
+  capped (`MAX_REGS`) and K is cut into as many slices as keep every program resident at once.
 
 Same contract as the NVFP4 tiles of `_splitk_kernel`: K slice `pid_k` of x' (x, or RMSNorm(x) *
 gamma) pre-scaled by 1/16 into fp16, times the weights in units of 2^-6, fp32 into ws[pid_k];
@@ -69,15 +72,6 @@ def _x_norm(x, gamma, rstd):
     # RMSNorm(x) * gamma of loaded rows, rounded where HF rounds
     hn = (x.to(gl.float32) * rstd[None, :]).to(x.dtype)
     return (gamma[:, None].to(gl.float32) * hn.to(gl.float32)).to(x.dtype)
-
-
-@gluon.jit
-def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: gl.constexpr):
-    # x'[k, m] of one chunk (transposed: [64, BM]); NORM: RMSNorm(x) * gamma
-    x = _x_load(x_ptr, stride_xm, offs_m, m_ok, offs_k)
-    if NORM:
-        x = _x_norm(x, gl.load(g_ptr + offs_k), rstd)
-    return x
 
 
 @gluon.jit
@@ -243,8 +237,9 @@ def norm_on_load(plan, sms: int) -> bool:
 
 def split_of(plan, m: int, sms: int) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
-    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks. H200, 8 rows,
-    docs/engine.md: gate/up 35.0 -> 27.7 us at 2 slices, down 22.2 -> 16.6 us at 20."""
+    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks. H200, 7B, 8 rows,
+    kernel only (docs/engine.md): the gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs),
+    down 22.2 -> 17.9 us (20 slices instead of 8)."""
     chunks = plan.k // 64
     tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // MAX_M)
     slices = max(1, min(RESIDENT * sms // tiles, chunks // MIN_CPS))
