@@ -184,10 +184,11 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     # (K slices, chunks a slice): 4 tiles of 64 rows; as many slices as keep all programs resident
     # (mma.RESIDENT = 9 an SM), of at least MIN_CPS = 4 chunks, the last one possibly shorter
     assert mma.RESIDENT == 9 and mma.MIN_CPS == 4
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=1) == (2, 8)  # 8 programs fit one SM
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=132) == (4, 4)  # 16 chunks: 4 slices
-    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132) == (4, 5)  # 18 chunks: 5, 5, 5, 3
-    assert mma.split_of(plan([128, 64, 64]), 8, sms=132) == (1, 2)  # 2 chunks: one slice
+    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=1, max_slices=64) == (2, 8)  # 8 programs fit an SM
+    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=132, max_slices=64) == (4, 4)  # 16 chunks: 4 slices
+    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132, max_slices=64) == (4, 5)  # 18 chunks: 5, 5, 5, 3
+    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132, max_slices=3) == (3, 6)  # what the workspace holds
+    assert mma.split_of(plan([128, 64, 64]), 8, sms=132, max_slices=64) == (1, 2)  # 2 chunks: one slice
     # norm and shrink on load, unless the launch has many tiles (each would normalise again)
     assert mma.norm_on_load(plan([128, 64, 64]), sms=132) and not mma.norm_on_load(plan([128, 64, 64]), sms=2)
 

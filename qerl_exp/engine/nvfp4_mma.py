@@ -235,14 +235,15 @@ def norm_on_load(plan, sms: int) -> bool:
     return plan.n * (2 if plan.glu else 1) // BLOCK_N < 2 * sms
 
 
-def split_of(plan, m: int, sms: int) -> tuple[int, int]:
+def split_of(plan, m: int, sms: int, max_slices: int) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
-    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks. H200, 7B, 8 rows,
-    kernel only (docs/engine.md): the gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs),
-    down 22.2 -> 17.9 us (20 slices instead of 8)."""
+    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks, at most
+    `max_slices` (what the workspace holds). H200, 7B, 8 rows, kernel only (docs/engine.md): the
+    gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs), down 22.2 -> 17.9 us (20 slices
+    instead of 8)."""
     chunks = plan.k // 64
     tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // MAX_M)
-    slices = max(1, min(RESIDENT * sms // tiles, chunks // MIN_CPS))
+    slices = max(1, min(RESIDENT * sms // tiles, chunks // MIN_CPS, max_slices))
     cps = -(-chunks // slices)
     return -(-chunks // cps), cps
 
@@ -253,11 +254,9 @@ def launch(plan, x, t, norm, shrink, sms: int):
     Returns (slices, ws): the slices as `kernels._linear_kernel` sums them, a [slices, m, n] view of
     plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
-    split, cps = split_of(plan, m, sms)
     nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
     flat = plan.workspace.view(-1)
-    if split * m * nt * BLOCK_N > flat.numel():
-        raise ValueError(f"{split} K slices of {m} x {nt * BLOCK_N} do not fit the split-K workspace")
+    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N))
     ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
     R = K._pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
