@@ -101,7 +101,7 @@ def _shrink(x_ptr, stride_xm, g_ptr, ss_ptr, stride_ss, T, eps, a_tab_ptr, t_ptr
     kk = kc * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, XT))
     ka = gl.arange(0, 64, layout=gl.SliceLayout(1, AL))
     rr = (j * 16) % R + gl.arange(0, 16, layout=gl.SliceLayout(0, AL))
-    a_ptr = gl.load(a_tab_ptr + (j * 16) // R).to(gl.pointer_type(LDT))
+    a_ptr = gl.multiple_of(gl.load(a_tab_ptr + (j * 16) // R).to(gl.pointer_type(LDT)), 16)
     a = gl.load(a_ptr + rr[None, :] * K + kc * 64 + ka[:, None], mask=rr[None, :] < r, other=0.0)
     x = _x_load(x_ptr, stride_xm, mm, mm < M, kk)
     if NORM:  # loads first, so that their round trips overlap the sums of squares'
@@ -136,8 +136,10 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     c0 = pid_k * CPS
     n_chunks = gl.minimum(CPS, K // 64 - c0)  # the last slice may be shorter
     seg, start = _segment(n0, N1, N2, NSEG)
-    c_ptr = gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32))
-    s_ptr = gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32))
+    # 16-byte aligned (`kernels.make_plan` checks): without the hint the code and scale loads
+    # split into 4-byte ones
+    c_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32)), 16)
+    s_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32)), 16)
     G = K // 64
     rb0 = (n0 - start) // 16  # the tile's first row block within its segment
 
