@@ -418,7 +418,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                     patch = nullcontext()
                     if m > 16 and split == 1:
                         patch = mock.patch.object(K, "norm_on_load", lambda *_: False)
-                    elif split is None and m == 8:
+                    elif fmt == "nvfp4" and split is None and m == 8:
                         patch = mock.patch.object(K._mma(), "norm_on_load", lambda *_: False)
                     with patch:
                         K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg,

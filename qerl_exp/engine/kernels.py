@@ -998,8 +998,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     """
     m = x.shape[0]
     sms = _sm_count(x.device)
-    cfg = dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
     mma = plan.workspace is not None and config is None and x.is_cuda and _mma() is not None and _mma().usable(plan, m)
+    cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
     on_load = _mma().norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m)
     if (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
@@ -1009,7 +1009,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, mma)
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, mma, sms)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -1052,16 +1052,16 @@ def _mma():
 
 
 def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                   mma: bool) -> None:
+                   mma: bool, sms: int) -> None:
     m = x.shape[0]
     ws = plan.workspace
     if m > ws.shape[1]:
         raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
     if mma:  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
-        split, ws = _mma().launch(plan, x, t, norm, shrink, _sm_count(x.device))
+        split, ws = _mma().launch(plan, x, t, norm, shrink, sms)
     else:
         split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
-    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, _sm_count(x.device))
+    epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
     _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
 
 

@@ -181,10 +181,11 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
         nxt = gl.minimum(i + 2, n_chunks - 1)
         q_2 = gl.load(cptr + nxt * 128)
         w_2 = gl.load(sptr + nxt * 16)
-        x_1 = _x_load(x_ptr, stride_xm, mm, m_ok, (c0 + gl.minimum(i + 1, n_chunks - 1)) * 64 + kk)
+        k1 = (c0 + gl.minimum(i + 1, n_chunks - 1)) * 64 + kk
+        x_1 = _x_load(x_ptr, stride_xm, mm, m_ok, k1)
         if NORM:
             xv = _x_norm(xv, g_1, rstd)
-            g_1 = gl.load(g_ptr + (c0 + gl.minimum(i + 1, n_chunks - 1)) * 64 + kk)
+            g_1 = gl.load(g_ptr + k1)
         buf = xs.index(i % 2)
         buf.store((xv * 0.0625).to(gl.float16))  # scaled in x's dtype (exact), then one rounding
         # each code word broadcast over its four bytes and each scale word over the (b2, b1, b0)
