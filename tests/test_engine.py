@@ -463,6 +463,33 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
     att = K.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
     torch.testing.assert_close(att, _attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
+    # the prefill epilogue (LoRA term, GLU, residual on cuBLAS outputs) into a column slice, against
+    # float64 with the model-dtype roundings where HF rounds
+    m, n, r, ldt = 37, 96, 8, lora_dtype or dtype
+    y, y2, res = (torch.randn(m, n).to(device, dtype) for _ in range(3))
+    t, t2 = (torch.randn(m, r).to(device, ldt) for _ in range(2))
+    b, b2 = ((torch.randn(n, r) * 0.1).to(device, ldt) for _ in range(2))
+
+    def rnd(v):
+        return v.to(dtype).double()
+
+    def lora(y, t, b, s):
+        return y.double() + s * t.double() @ b.double().T
+
+    for glu, with_lora in [(False, True), (True, True), (True, False)]:
+        s1, s2 = (0.5, 2.0) if with_lora else (0.0, 0.0)
+        kw = dict(t=t, b=b, scale=s1) if with_lora else {}
+        g = rnd(lora(y, t, b, s1))
+        if glu:
+            kw.update(y2=y2, **(dict(t2=t2, b2=b2, scale2=s2) if with_lora else {}))
+            ref = rnd(rnd(torch.nn.functional.silu(g)) * rnd(lora(y2, t2, b2, s2)))
+        else:
+            kw.update(residual=res)
+            ref = rnd(g + res.double())
+        out = torch.full((m, n + 48), float("nan"), device=device, dtype=dtype)
+        K.prefill_epilogue(y, out[:, 16:16 + n], **kw)
+        torch.testing.assert_close(out[:, 16:16 + n].double(), ref.to(device), rtol=tol, atol=tol)
+        assert out[:, :16].isnan().all() and out[:, 16 + n:].isnan().all()
 
 
 def _nf4_packed(w: torch.Tensor) -> K.PackedWeight:
@@ -517,6 +544,28 @@ def test_triton_kernels_and_engine_in_the_interpreter():
 @needs_cuda
 def test_gpu_kernels_match_dequantize_matmul():
     _check_kernels("cuda", torch.bfloat16, 1.5e-2, torch.float32)
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_linear_matches_its_torch_twin():
+    # the prefill's Triton epilogue against the torch composition it replaces (peft's rounding):
+    # q|k|v into column slices, GLU, residual; the fp32 LoRA sums may differ in their last bits
+    from qerl_exp.engine.decode import _Linear, _linear_torch, _prefill_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
+    for glu, segs in [(False, [256, 64, 64]), (True, [512, 512]), (False, [256])]:
+        ws = [(torch.randn(n, 256, device="cuda") * 0.05).bfloat16() for n in segs]
+        a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
+        b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
+        lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu)
+        res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
+        ref = _linear_torch(lin, x) + (res if res is not None else 0)
+        out = _prefill_linear(lin, x, None, residual=res)
+        assert out.shape == ref.shape
+        assert (out != ref).float().mean() < 1e-3, (glu, segs)
+        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
 
 
 @gpu
