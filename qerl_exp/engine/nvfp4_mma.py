@@ -238,15 +238,16 @@ def norm_on_load(plan, sms: int) -> bool:
     return plan.n * (2 if plan.glu else 1) // BLOCK_N < 2 * sms
 
 
-def split_of(plan, m: int, sms: int, max_slices: int) -> tuple[int, int]:
+def split_of(plan, m: int, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
-    program resident at once (`RESIDENT` an SM), each at least `MIN_CPS` chunks, at most
-    `max_slices` (what the workspace holds). H200, 7B, 8 rows, kernel only (docs/engine.md): the
-    gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs), down 22.2 -> 17.9 us (20 slices
-    instead of 8)."""
+    program resident at once (`RESIDENT` an SM) beside the launch's `shrink_programs`, each at least
+    `MIN_CPS` chunks, at most `max_slices` (what the workspace holds). H200, 7B, 8 rows, kernel only
+    (docs/engine.md): the gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs), down 22.2 ->
+    17.9 us (20 slices instead of 8)."""
     chunks = plan.k // 64
     tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // MAX_M)
-    slices = max(1, min(RESIDENT * sms // tiles, chunks // MIN_CPS, max_slices))
+    room = max(RESIDENT * sms - shrink_programs, tiles)
+    slices = max(1, min(room // tiles, chunks // MIN_CPS, max_slices))
     cps = -(-chunks // slices)
     return -(-chunks // cps), cps
 
@@ -258,11 +259,11 @@ def launch(plan, x, t, norm, shrink, sms: int):
     plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
     nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
-    flat = plan.workspace.view(-1)
-    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N))
-    ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
     R = K._pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
+    flat = plan.workspace.view(-1)
+    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N), nsh * (plan.k // 64))
+    ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
     ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
     grid = (nsh * (plan.k // 64) + nt * split,)
     nvfp4_splitk_kernel[grid](
