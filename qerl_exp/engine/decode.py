@@ -281,10 +281,11 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
 
 
 def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None) -> Tensor:
-    """`_linear_torch(lin, x)` (+ residual), the same rounding, for the prefill: on the GPU each
-    segment's cuBLAS output gets its LoRA term (GLU, residual) in one Triton pass over it
+    """`_linear_torch(lin, x)` (+ residual) for the prefill, rounded at the same points: on the GPU
+    each segment's cuBLAS output gets its LoRA term (GLU, residual) in one Triton pass over it
     (`kernels.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
-    concatenation: a fifth of the 7B prefill at batch 8."""
+    concatenation (H200, 7B bf16, 8 x 128 tokens: prefill 52.6 -> 37.9 ms). The fp32 LoRA sums
+    may differ from addmm's in their last bits (another summation order)."""
     if not (x.is_cuda and K.HAS_TRITON):
         y = _linear_torch(lin, x, scratch)
         return y if residual is None else residual + y

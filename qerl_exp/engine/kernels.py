@@ -1196,7 +1196,8 @@ def prefill_epilogue(y: Tensor, out: Tensor, *, t: Tensor | None = None, b: Tens
 
     Args:
         y, y2: [M, N] base outputs (model dtype, rows contiguous, the same stride).
-        t, t2: [M, r] LoRA shrinks (adapter dtype, the same stride); b, b2: [N, r] LoRA B. None: no LoRA.
+        t, t2: [M, r] LoRA shrinks (adapter dtype, the same stride); b, b2: [N, r] LoRA B,
+            contiguous. None: no LoRA.
         residual: [M, N], may alias out. out: [M, N] (a column slice of a wider buffer is fine).
     """
     m, n = y.shape
