@@ -944,15 +944,6 @@ class LinearPlan:
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
 
 
-def k_split(tiles: int, chunks: int, programs: int) -> int:
-    """K slices (a power of two up to SPLIT_MAX dividing `chunks`) until `tiles` * slices reaches
-    `programs` in flight: one decode-sized tile cannot keep HBM busy by itself."""
-    split = 1
-    while split < SPLIT_MAX and tiles * split < programs and chunks % (2 * split) == 0:
-        split *= 2
-    return split
-
-
 def norm_shrink_args(x: Tensor, norm: tuple | None, shrink: Tensor | None, t: Tensor | None) -> tuple:
     """The split-K kernels' norm and shrink arguments (g, ss, stride_ss, T, eps, a_tab, t,
     stride_tm), dummies where unused, and T_PAD."""
@@ -985,7 +976,9 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
         # NVFP4 up to 16 rows: 8 programs per SM (H200, gate/up at 8 rows split 4: 25.3 us, split 2:
         # 26.9; at 64 rows split 4 was 18 % slower). More pipeline stages were slower, not faster.
         per_sm = 8 if fmt == "nvfp4" and m <= 16 else 4
-        split = k_split((total // bn) * m_blocks, k // bk, per_sm * sms)
+        split, tiles, chunks = 1, (total // bn) * m_blocks, k // bk
+        while split < SPLIT_MAX and tiles * split < per_sm * sms and chunks % (2 * split) == 0:
+            split *= 2
         return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
     for bn in (128, 64, 32):

@@ -261,11 +261,12 @@ def launch(plan, x, t, norm, shrink, sms: int):
     nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
     R = K._pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
+    n_shrink = nsh * (plan.k // 64)  # one program a (16 columns of t, chunk)
     flat = plan.workspace.view(-1)
-    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N), nsh * (plan.k // 64))
+    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N), n_shrink)
     ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
     ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
-    grid = (nsh * (plan.k // 64) + nt * split,)
+    grid = (n_shrink + nt * split,)
     nvfp4_splitk_kernel[grid](
         x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), *ns_args,
         m, plan.k, plan.n1, plan.n2, cps, nt, nsh, max(plan.r, 1),
