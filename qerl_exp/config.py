@@ -37,7 +37,9 @@ class WarmupConfig:
     """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
 
     Args:
-        max_steps: upper bound on optimizer steps of the warm-up.
+        max_steps: upper bound on optimizer steps of the warm-up; 0 skips it: the model keeps its
+            seeded random initialization, built on the run's device and not cached (memory and
+            speed measurements at large shapes, where a CPU warm-up is out of reach; reward ~0).
         batch_size: problems per warm-up step.
         lr: AdamW learning rate of the warm-up.
         target_accuracy: stop once greedy exact-answer accuracy on a probe set reaches this; kept
@@ -52,7 +54,7 @@ class WarmupConfig:
     eval_every: int = 100
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 1, f"model.warmup.max_steps must be >= 1, got {self.max_steps}")
+        _check(self.max_steps >= 0, f"model.warmup.max_steps must be >= 0, got {self.max_steps}")
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
 
 

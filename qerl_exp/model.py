@@ -81,9 +81,11 @@ class Models:
 
 def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype):
     if cfg.model.name == "tiny":
-        from qerl_exp.warmup import load_or_warm_up
+        from qerl_exp.warmup import build, load_or_warm_up
 
         tokenizer = CharTokenizer()
+        if cfg.model.warmup.max_steps == 0:  # random weights, made where they run (7B: 28 GB in fp32 on CPU)
+            return build(cfg.model, len(tokenizer), device, dtype), tokenizer, {"warmup": "none (random weights)"}
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
     from transformers import AutoModelForCausalLM

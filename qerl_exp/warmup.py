@@ -60,7 +60,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     with open(root / f"tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "warmup.json").exists():
-            model = _build(cfg, len(tokenizer))
+            model = build(cfg, len(tokenizer))
             info = _warm_up(model, cfg, task, tokenizer)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
             model.save_pretrained(tmp)
@@ -72,13 +72,15 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     return model, {**info, "cache_key": key, "path": str(path)}
 
 
-def _build(cfg: ModelConfig, vocab_size: int):
+def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The embedded model at its seeded random initialization, created on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     from qerl_exp.model import tiny_config
 
     torch.manual_seed(WARMUP_SEED)
-    return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size), dtype=torch.float32)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size), dtype=dtype)
 
 
 def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:

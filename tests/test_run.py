@@ -70,3 +70,15 @@ def test_same_seed_reproduces_metrics(tmp_path):
     drop = ("perf/", "mem/peak")
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]  # noqa: E731
     assert strip(_rows(a)) == strip(_rows(b))
+
+
+def test_zero_warmup_steps_run_on_random_weights_and_cache_nothing(tmp_path):
+    # the large-shape measurement mode: no CPU warm-up, the seeded random init built in place
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    out = qerl(*TINY_RUN, "train.steps=1", "monitor.every=0", f"run_dir={run_dir}", f"model.cache_dir={cache}",
+               "model.warmup.max_steps=0", "model.hidden_size=192")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not cache.exists() or not any(cache.iterdir()), "a random-weight model was cached"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["warmup/greedy_accuracy"] is None  # NaN: no warm-up
+    assert "warm-up" not in out.stderr
