@@ -14,6 +14,7 @@
 #   SEEDS       seeds of every configuration (default "0 1")
 #   STRATEGIES  the presets to run (default: all eight)
 #   ABLATIONS   1 (default) also runs the ablations of Figs. 9/15, 10 and 16-17; 0 skips them
+#   PYTHON      the interpreter (default python3: machines without a venv may have no `python`)
 #   OMP_NUM_THREADS  torch CPU threads per run (default 1: on a shared CPU, more threads than
 #               free cores make OpenMP spin and steps 10-50x slower, which swamps the timings)
 #
@@ -28,6 +29,7 @@ fi
 out=$1
 shift
 seeds=${SEEDS:-0 1}
+py=${PYTHON:-python3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 strategies=${STRATEGIES:-full_precision nvfp4_rollout nvfp4_lora nf4_dq nf4_lora mxfp4_lora nvfp4_lora_noaqn bf16_aqn}
 failed=0
@@ -43,7 +45,7 @@ run() {
       continue
     fi
     echo "run: $dir"
-    if ! python -m qerl_exp "$@" seed="$seed" hydra.run.dir="$dir" "${overrides[@]}"; then
+    if ! "$py" -m qerl_exp "$@" seed="$seed" hydra.run.dir="$dir" "${overrides[@]}"; then
       echo "FAILED: $dir (see $dir/error.txt)" >&2
       failed=$((failed + 1))
     fi
@@ -67,5 +69,5 @@ if [ "${ABLATIONS:-1}" = 1 ]; then
   run ablation/full_precision_lr-1e-3 strategy=full_precision train.lr=1e-3
 fi
 
-python -m analysis "$out" --out "$out/report"
+"$py" -m analysis "$out" --out "$out/report"
 echo "failed runs: $failed"

@@ -418,7 +418,8 @@ TINY = ["train.steps=3", "train.prompts_per_step=2", "algo.group_size=2", "monit
 def real_runs(tmp_path_factory):
     """The strategy command itself at tiny size: the four-way presets x 2 seeds, W&B offline."""
     out = tmp_path_factory.mktemp("strategies")
-    env = {**os.environ, "SEEDS": "0 1", "STRATEGIES": " ".join(FOUR_WAY), "ABLATIONS": "0", "WANDB_MODE": "offline"}
+    env = {**os.environ, "SEEDS": "0 1", "STRATEGIES": " ".join(FOUR_WAY), "ABLATIONS": "0", "WANDB_MODE": "offline",
+           "PYTHON": sys.executable}
     p = subprocess.run(["bash", "sweeps/strategies.sh", str(out), *TINY], cwd=ROOT, capture_output=True, text=True,
                        timeout=1800, env=env)
     assert p.returncode == 0 and "failed runs: 0" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
