@@ -60,8 +60,9 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     with open(root / f"tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "warmup.json").exists():
-            model = build(cfg, len(tokenizer))
-            info = _warm_up(model, cfg, task, tokenizer)
+            with torch.random.fork_rng(devices=[]):  # a cache miss must not move the run's RNG
+                model = build(cfg, len(tokenizer))
+                info = _warm_up(model, cfg, task, tokenizer)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
             model.save_pretrained(tmp)
             (tmp / "warmup.json").write_text(json.dumps(info, indent=2))
@@ -73,13 +74,15 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
 
 
 def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """The embedded model at its seeded random initialization, created on `device` in `dtype`."""
+    """The embedded model at its seeded random initialization, created on `device` in `dtype`;
+    the global RNG (CPU and `device`'s) is left as it was."""
     from transformers import AutoModelForCausalLM
 
     from qerl_exp.model import tiny_config
 
-    torch.manual_seed(WARMUP_SEED)
-    with torch.device(device):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(WARMUP_SEED)
         return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size), dtype=dtype)
 
 

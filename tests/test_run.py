@@ -82,3 +82,25 @@ def test_zero_warmup_steps_run_on_random_weights_and_cache_nothing(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["warmup/greedy_accuracy"] is None  # NaN: no warm-up
     assert "warm-up" not in out.stderr
+
+
+def test_building_the_embedded_model_leaves_the_run_rng_alone(tmp_path):
+    # The run seeds torch before building its models; a cache miss (build + warm-up) or a random
+    # build must not reseed it, or the LoRA init and sampling would not depend on the run's seed.
+    import torch
+
+    from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig
+    from qerl_exp.tasks import build_task
+    from qerl_exp.tokenizer import CharTokenizer
+    from qerl_exp.warmup import build, load_or_warm_up
+
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    tok = CharTokenizer()
+    a = build(ModelConfig(), len(tok))
+    assert torch.equal(torch.get_rng_state(), state)
+    b = build(ModelConfig(), len(tok))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # seeded all the same
+    cfg = ModelConfig(cache_dir=str(tmp_path), warmup=WarmupConfig(max_steps=2, eval_every=1))
+    load_or_warm_up(cfg, TaskConfig(), build_task(TaskConfig()), tok)
+    assert torch.equal(torch.get_rng_state(), state)
