@@ -184,14 +184,14 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     # (K slices, chunks a slice): 4 tiles of 64 rows; as many slices as keep all programs resident
     # (mma.RESIDENT = 9 an SM), of at least MIN_CPS = 4 chunks, the last one possibly shorter
     assert mma.RESIDENT == 9 and mma.MIN_CPS == 4
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=1, max_slices=64) == (2, 8)  # 8 programs fit an SM
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=132, max_slices=64) == (4, 4)  # 16 chunks: 4 slices
-    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132, max_slices=64) == (4, 5)  # 18 chunks: 5, 5, 5, 3
-    assert mma.split_of(plan([128, 64, 64], k=1152), 8, sms=132, max_slices=3) == (3, 6)  # what the workspace holds
-    assert mma.split_of(plan([128, 64, 64]), 8, sms=132, max_slices=64) == (1, 2)  # 2 chunks: one slice
+    assert mma.split_of(plan([128, 64, 64], k=1024), sms=1, max_slices=64) == (2, 8)  # 8 programs fit an SM
+    assert mma.split_of(plan([128, 64, 64], k=1024), sms=132, max_slices=64) == (4, 4)  # 16 chunks: 4 slices
+    assert mma.split_of(plan([128, 64, 64], k=1152), sms=132, max_slices=64) == (4, 5)  # 18 chunks: 5, 5, 5, 3
+    assert mma.split_of(plan([128, 64, 64], k=1152), sms=132, max_slices=3) == (3, 6)  # what the workspace holds
+    assert mma.split_of(plan([128, 64, 64]), sms=132, max_slices=64) == (1, 2)  # 2 chunks: one slice
     # the launch's shrink programs take their room first: 36 - 24 = 12 programs hold 3 slices
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=4, max_slices=64, shrink_programs=24) == (3, 6)
-    assert mma.split_of(plan([128, 64, 64], k=1024), 8, sms=4, max_slices=64, shrink_programs=40) == (1, 16)
+    assert mma.split_of(plan([128, 64, 64], k=1024), sms=4, max_slices=64, shrink_programs=24) == (3, 6)
+    assert mma.split_of(plan([128, 64, 64], k=1024), sms=4, max_slices=64, shrink_programs=40) == (1, 16)
     # norm and shrink on load, unless the launch has many tiles (each would normalise again)
     assert mma.norm_on_load(plan([128, 64, 64]), sms=132) and not mma.norm_on_load(plan([128, 64, 64]), sms=2)
 

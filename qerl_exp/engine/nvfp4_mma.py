@@ -229,25 +229,29 @@ def usable(plan, m: int) -> bool:
     return plan.fmt == "nvfp4" and m <= MAX_M and plan.seg_gcd % BLOCK_N == 0
 
 
+def tiles(plan) -> int:
+    """Tile programs a K slice of the launch: its weight rows (gate and up for GLU) / BLOCK_N."""
+    return plan.n * (2 if plan.glu else 1) // BLOCK_N
+
+
 def norm_on_load(plan, sms: int) -> bool:
     """Whether the tiles normalise x and shrink it on load (else `kernels.norm_shrink` first): every
     tile normalises its K slice again, which a launch of many tiles pays many times. H200, 7B, 8
     rows, kernel time a linear: gate/up (592 tiles) 38.2 us on load against 28.9 + 4.8 after a
     norm_shrink launch; q/k/v (72 tiles) 11.2 against 6.3 + 6.0; o (56, shrink only) 7.2 against
     5.3 + 3.0. The threshold sits between the measured tile counts."""
-    return plan.n * (2 if plan.glu else 1) // BLOCK_N < 2 * sms
+    return tiles(plan) < 2 * sms
 
 
-def split_of(plan, m: int, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple[int, int]:
+def split_of(plan, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
     program resident at once (`RESIDENT` an SM) beside the launch's `shrink_programs`, each at least
     `MIN_CPS` chunks, at most `max_slices` (what the workspace holds). H200, 7B, 8 rows, kernel only
     (docs/engine.md): the gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs), down 22.2 ->
     17.9 us (20 slices instead of 8)."""
-    chunks = plan.k // 64
-    tiles = plan.n * (2 if plan.glu else 1) // BLOCK_N * -(-m // MAX_M)
-    room = max(RESIDENT * sms - shrink_programs, tiles)
-    slices = max(1, min(room // tiles, chunks // MIN_CPS, max_slices))
+    chunks, nt = plan.k // 64, tiles(plan)
+    room = max(RESIDENT * sms - shrink_programs, nt)
+    slices = max(1, min(room // nt, chunks // MIN_CPS, max_slices))
     cps = -(-chunks // slices)
     return -(-chunks // cps), cps
 
@@ -258,12 +262,12 @@ def launch(plan, x, t, norm, shrink, sms: int):
     Returns (slices, ws): the slices as `kernels._linear_kernel` sums them, a [slices, m, n] view of
     plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
-    nt = plan.n * (2 if plan.glu else 1) // BLOCK_N
+    nt = tiles(plan)
     R = K._pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
     n_shrink = nsh * (plan.k // 64)  # one program a (16 columns of t, chunk)
     flat = plan.workspace.view(-1)
-    split, cps = split_of(plan, m, sms, flat.numel() // (m * nt * BLOCK_N), n_shrink)
+    split, cps = split_of(plan, sms, flat.numel() // (m * nt * BLOCK_N), n_shrink)
     ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
     ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
     grid = (n_shrink + nt * split,)
