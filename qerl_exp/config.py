@@ -71,6 +71,12 @@ class ModelConfig:
         num_layers: decoder blocks of the embedded model.
         num_heads: attention heads of the embedded model.
         num_kv_heads: key/value heads of the embedded model (grouped-query attention).
+        vocab_size: embedded model vocabulary; 0 uses the character tokenizer's. A real model's
+            vocabulary (Qwen2.5: 152064) makes the embedding, lm_head and logits their real size
+            in shape presets; ids beyond the tokenizer's are never sampled by a warmed-up model.
+        max_positions: embedded model context length (prompt + completion).
+        tie_embeddings: the embedded model's lm_head shares the embedding matrix (Qwen2.5 ties
+            them up to 3B, not at 7B and above).
         dtype: compute dtype of activations and unquantized weights; `auto` is bfloat16 on CUDA
             and float32 on CPU.
         cache_dir: where the warmed-up embedded model is cached, keyed by its config.
@@ -84,6 +90,9 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
+    vocab_size: int = 0
+    max_positions: int = 256
+    tie_embeddings: bool = True
     dtype: str = "auto"
     cache_dir: str = "~/.cache/qerl_exp"
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -97,6 +106,8 @@ class ModelConfig:
                 _check(v > 0 and v % 64 == 0, f"model.{f} must be a positive multiple of 64, got {v}")
             _check(self.hidden_size % self.num_heads == 0, "model.hidden_size must divide by model.num_heads")
             _check(self.num_heads % self.num_kv_heads == 0, "model.num_heads must divide by model.num_kv_heads")
+            _check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: the tokenizer's), got {self.vocab_size}")
+            _check(self.max_positions >= 64, f"model.max_positions must be >= 64, got {self.max_positions}")
 
 
 QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
@@ -263,8 +274,13 @@ class AlgoConfig:
         top_p: nucleus sampling threshold (1 disables it).
         max_new_tokens: completion length cap.
         tis_cap: truncated importance sampling: weight each token's loss by
-            min(pi_learner / pi_sampler, tis_cap) to correct for a sampler that differs from the
-            learner (e.g. `rollout.quant`); 0 disables it.
+            min(pi_old / pi_sampler, tis_cap), pi_old the learner before this step's first update,
+            pi_sampler the (quantized, noisy) policy that sampled; 0 disables it.
+        num_iterations: policy updates per rollout batch (TRL's name; verl's ppo_epochs). With 1,
+            the old policy is the learner itself and the ratio is exactly 1 (the clip never acts);
+            above 1 the batch is reused and clipping bounds how far the policy moves.
+        mini_batches: optimizer steps per iteration: the batch's completions are split into this
+            many equal mini-batches, each one update.
     """
 
     name: str = "grpo"
@@ -280,8 +296,12 @@ class AlgoConfig:
     top_p: float = 1.0
     max_new_tokens: int = 32
     tis_cap: float = 0.0
+    num_iterations: int = 1
+    mini_batches: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.num_iterations >= 1, f"algo.num_iterations must be >= 1, got {self.num_iterations}")
+        _check(self.mini_batches >= 1, f"algo.mini_batches must be >= 1, got {self.mini_batches}")
         _check(self.tis_cap >= 0, f"algo.tis_cap must be >= 0, got {self.tis_cap}")
         _choice("algo.name", self.name, ("grpo", "dapo"))
         _choice("algo.loss_agg", self.loss_agg, ("token", "sequence"))
@@ -309,6 +329,12 @@ class TrainConfig:
         deterministic: ask torch for deterministic kernels.
         max_nonfinite: a step whose loss or gradients are not finite is skipped (no update) and
             counted; this many in a row stop the run, its last good checkpoint intact.
+        micro_batch_size: completions per forward/backward of the learner; gradients accumulate
+            over micro-batches to exactly the full batch's (the loss uses the whole batch's
+            normaliser). 0: the whole mini-batch at once. Lower it when the learner runs out of
+            memory.
+        gradient_checkpointing: recompute each decoder block's activations in backward instead of
+            keeping them (the paper does at 14B and 32B): less memory, one more forward.
     """
 
     steps: int = 60
@@ -320,8 +346,11 @@ class TrainConfig:
     device: str = "auto"
     deterministic: bool = False
     max_nonfinite: int = 3
+    micro_batch_size: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        _check(self.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0 (0: the whole batch), got {self.micro_batch_size}")
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0, got {self.lr}")
@@ -387,10 +416,13 @@ class RolloutConfig:
             `mxfp4`, `nf4`): the sampler is a separate copy of the model whose linears hold
             base + LoRA merged and quantized to that format, re-quantized after every update
             (the "NVFP4 rollouts only" strategy; the learner keeps quant.format).
+        ignore_eos: sample every completion to exactly `algo.max_new_tokens` tokens (EOS is kept
+            as an ordinary token): fixed, long completions for speed and memory benchmarks.
     """
 
     engine: str = "auto"
     quant: str = "none"
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
@@ -471,6 +503,12 @@ class Config:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        batch = self.train.prompts_per_step * self.algo.group_size
+        _check(batch % self.algo.mini_batches == 0,
+               f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
+               "(train.prompts_per_step * algo.group_size)")
 
 
 GROUPS = {

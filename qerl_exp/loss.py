@@ -4,15 +4,22 @@ GRPO and DAPO differ only in fields of `AlgoConfig`: the clip range (DAPO's clip
 eps_high 0.28), the loss aggregation (`sequence` for GRPO, `token` for DAPO) and whether groups
 with zero reward spread are dropped. The k3 KL term and the entropy bonus are off by default, as in
 QeRL; the KL is measured either way.
+
+Scoring never materialises [B, T, vocabulary] logits: `score_completions` runs the decoder to its
+hidden states and applies the LM head to `LOGIT_CHUNK` elements' worth of completion tokens at a
+time, each chunk checkpointed (its fp32 logits are recomputed in backward, not kept).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from qerl_exp.config import AlgoConfig
-from qerl_exp.metrics import clip_metrics, kl_k3
+from qerl_exp.metrics import kl_k3
 from qerl_exp.rollout import Rollout
+
+LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:
@@ -24,12 +31,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tor
     return adv.reshape(-1)
 
 
-def completion_logits(model, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced."""
+def _model_inputs(rollout: Rollout) -> dict[str, torch.Tensor]:
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
     position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
+
+
+def completion_logits(model, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced: the whole
+    vocabulary at every position, for the monitor's exact KL (small models; the learner uses
+    `score_completions`)."""
+    logits = model(**_model_inputs(rollout)).logits
     prompt_len, new = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
     return logits[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
 
@@ -39,42 +52,99 @@ def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """`token`: mean over all tokens of the batch (DAPO). `sequence`: mean per completion, then
-    over completions (GRPO)."""
+def _causal_lm(model):
+    """The HF causal LM inside a peft wrapper (or the model itself): `.model` and `.lm_head`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float):
+    logp_all = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    return logp, entropy
+
+
+def score_completions(model, rollout: Rollout, temperature: float, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs and entropies of the completion tokens, in chunks of the vocabulary.
+
+    Equal to `token_logp(completion_logits(...))` and `entropy_from_logits(completion_logits(...))`
+    on the completion tokens, without ever holding more than `chunk` fp32 logits (times a few for
+    softmax), in forward or in backward.
+
+    Args:
+        model: the policy (a peft model or a plain HF causal LM of the Llama/Qwen2 family).
+        rollout: the batch; only positions with `completion_mask == 1` are scored.
+        temperature: logits are divided by it.
+        chunk: most logits (tokens x vocabulary) per chunk.
+
+    Returns:
+        `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; differentiable when
+        grad is enabled.
+    """
+    lm = _causal_lm(model)
+    hidden = lm.model(**_model_inputs(rollout)).last_hidden_state
+    prompt_len, (b, t) = rollout.prompt_ids.shape[1], rollout.completion_ids.shape
+    hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
+    where = rollout.completion_mask.reshape(-1).nonzero().squeeze(1)
+    hidden, tokens = hidden[where], rollout.completion_ids.reshape(-1)[where]
+    step = max(1, chunk // lm.lm_head.out_features)
+    logp, entropy = [], []
+    for i in range(0, len(where), step):
+        args = (hidden[i : i + step], tokens[i : i + step], lm.lm_head, temperature)
+        lp, ent = checkpoint(_chunk_scores, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_scores(*args)
+        logp.append(lp)
+        entropy.append(ent)
+    zeros = hidden.new_zeros(b * t, dtype=torch.float32)
+
+    def scatter(parts):
+        values = torch.cat(parts) if parts else zeros[:0]
+        return zeros.index_put((where,), values).view(b, t)
+
+    return scatter(logp), scatter(entropy)
+
+
+def loss_normalizer(mask: torch.Tensor, how: str) -> float:
+    """The denominator of `aggregate` over a whole (mini-)batch: its completion tokens (`token`) or
+    its non-empty completions (`sequence`), so that micro-batches summed give the batch's loss."""
+    if how == "token":
+        return max(1.0, float(mask.sum()))
+    return max(1.0, float((mask.sum(dim=1) > 0).sum()))
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, normalizer: float) -> torch.Tensor:
+    """This micro-batch's share of the batch loss. `token`: sum over tokens / the batch's tokens
+    (DAPO). `sequence`: sum of each completion's token mean / the batch's completions (GRPO)."""
     mask = mask.to(per_token.dtype)
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    rows = mask.sum(dim=1) > 0
+        return (per_token * mask).sum() / normalizer
     per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_seq[rows].mean() if rows.any() else per_seq.sum() * 0
+    return per_seq.sum() / normalizer
 
 
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
     algo: AlgoConfig,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate (+ beta * k3 KL - entropy_coef * entropy), aggregated per `algo.loss_agg`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (+ beta * k3 KL - entropy_coef * entropy), before aggregation.
 
     Args:
         logp: `[B, T]` learner log-probs of the sampled tokens (with grad).
-        old_logp: `[B, T]` log-probs of the policy that the ratio is taken against (no grad).
+        old_logp: `[B, T]` log-probs of the policy before this step's first update (no grad); the
+            ratio exp(logp - old_logp) is exactly 1 in the first update.
         advantages: `[B]` group-normalized advantages.
-        mask: `[B, T]` completion tokens that count.
         algo: the objective's settings.
         ref_logp: `[B, T]` reference-policy log-probs; needed when `algo.beta > 0`.
         entropy: `[B, T]` learner entropies (with grad); needed when `algo.entropy_coef > 0`.
-        sampler_logp: `[B, T]` sampler log-probs of the sampled tokens; needed when
-            `algo.tis_cap > 0` (truncated importance weights min(pi_old / pi_sampler, cap)).
+        sampler_logp: `[B, T]` log-probs under the policy that sampled (quantized, noisy); needed
+            when `algo.tis_cap > 0` (truncated importance weights min(pi_old / pi_sampler, cap)).
 
     Returns:
-        The scalar loss and its clip metrics.
+        `(per_token [B, T], ratio [B, T])`; aggregate the first with `aggregate`.
     """
     adv = advantages.unsqueeze(1)
     ratio = torch.exp(logp - old_logp)
@@ -87,6 +157,4 @@ def policy_loss(
         per_token = per_token + algo.beta * kl_k3(logp, ref_logp)
     if algo.entropy_coef > 0:
         per_token = per_token - algo.entropy_coef * entropy
-    loss = aggregate(per_token, mask, algo.loss_agg)
-    return loss, clip_metrics(ratio.detach(), adv.expand_as(ratio), mask, algo.eps_low, algo.eps_high)
-
+    return per_token, ratio.detach()

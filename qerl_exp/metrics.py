@@ -7,26 +7,28 @@ these functions; it never builds metric names itself. Token means are over compl
 | name | definition |
 | --- | --- |
 | reward | mean total reward per completion |
-| reward_std | mean over groups of the within-group std of total reward |
+| reward_std | std of total reward over the batch's completions (as TRL logs it) |
+| reward_group_std | mean over groups of the within-group std of total reward |
 | rewards/<fn>/mean | mean of reward function `fn` per completion |
 | frac_reward_zero_std | fraction of groups whose rewards are all equal (no learning signal) |
 | completions/mean_length | mean completion length in tokens (EOS included) |
 | completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
-| clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low |
-| clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high |
+| clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low, over every token of every update of the step (0 with one update: the ratio is 1) |
+| clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high, likewise |
 | kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA) |
-| entropy | token mean of the learner's entropy of softmax(logits / T) |
+| entropy | token mean of the learner's entropy of softmax(logits / T), before the step's update |
 | sampler/entropy | token mean of the sampler's entropy (quantization and noise included) |
 | entropy_gain | sampler/entropy minus the full-precision reference's entropy on the same tokens |
 | quant/kl | token mean of KL(reference || sampler) over the vocabulary, on the same tokens |
-| sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens |
+| sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens (learner before the update; 0 up to rounding when sampler and learner are one clean policy) |
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
 | perf/rollout_tok_s | completion tokens generated per second of rollout wall time |
 | perf/step_s | wall time of the whole step |
 | mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
+| mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |
 | mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) |
-| loss, grad_norm, lr | the optimized loss, the global grad norm before clipping, the learning rate |
+| loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 """
 
@@ -73,7 +75,8 @@ def reward_metrics(rewards: dict[str, torch.Tensor], group_size: int) -> dict[st
     groups = total.view(-1, group_size)
     out = {
         "reward": total.mean().item(),
-        "reward_std": groups.std(dim=1).mean().item(),
+        "reward_std": total.std().item(),
+        "reward_group_std": groups.std(dim=1).mean().item(),
         "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
     }
     out.update({f"rewards/{name}/mean": r.mean().item() for name, r in rewards.items()})
@@ -95,26 +98,26 @@ def clip_metrics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
 
 
 def monitor_metrics(
-    sampler_logp: torch.Tensor,
     sampler_entropy: torch.Tensor,
-    sampler_logits: torch.Tensor | None,
+    sampler_logits: torch.Tensor,
     ref_logits: torch.Tensor,
-    learner_logp: torch.Tensor,
     mask: torch.Tensor,
 ) -> dict[str, float]:
-    """The noise monitor: the sampler against the full-precision reference and the learner.
+    """The noise monitor: the sampler against the full-precision reference.
 
     `ref_logits` and `sampler_logits` are `[B, T, V]` tempered logits on the sampled tokens'
     positions; `sampler_logits` comes from re-scoring the batch with the sampler (noise on).
     """
     ref_entropy = entropy_from_logits(ref_logits)
-    out = {
+    return {
         "entropy_gain": (token_mean(sampler_entropy, mask) - token_mean(ref_entropy, mask)).item(),
-        "sampling/logp_gap": token_mean((sampler_logp - learner_logp).abs(), mask).item(),
+        "quant/kl": token_mean(kl_full(ref_logits, sampler_logits), mask).item(),
     }
-    if sampler_logits is not None:
-        out["quant/kl"] = token_mean(kl_full(ref_logits, sampler_logits), mask).item()
-    return out
+
+
+def logp_gap_metric(sampler_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler (quantized, noisy) and the learner (clean) disagree on the sampled tokens."""
+    return {"sampling/logp_gap": token_mean((sampler_logp - learner_logp).abs(), mask).item()}
 
 
 def entropy_metrics(learner_entropy: torch.Tensor, sampler_entropy: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -137,9 +140,9 @@ def optim_metrics(loss: float, grad_norm: float, lr: float, skipped: bool) -> di
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "train/skipped": float(skipped)}
 
 
-def memory_metrics(weights: dict[str, int], device: torch.device) -> dict[str, float]:
-    """`weights` from `qerl_exp.quant.memory_bytes`, plus the peak so far."""
-    return {**weights, "mem/peak_bytes": peak_memory_bytes(device)}
+def memory_metrics(weights: dict[str, int], device: torch.device, rollout_bytes: int = 0) -> dict[str, float]:
+    """`weights` from `qerl_exp.quant.memory_bytes`, the rollout engine's own bytes, and the peak so far."""
+    return {**weights, "mem/rollout_bytes": rollout_bytes, "mem/peak_bytes": peak_memory_bytes(device)}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qerl_exp.config import AlgoConfig
+from qerl_exp.engine import FastEngine
 from qerl_exp.metrics import entropy_from_logits
 
 
@@ -59,11 +60,11 @@ class HFSampler:
         self.model, self.tokenizer = model, tokenizer
 
     @torch.no_grad()
-    def generate(self, ids, mask, algo: AlgoConfig):
+    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int):
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=algo.temperature,
             top_p=algo.top_p, top_k=0, max_new_tokens=algo.max_new_tokens,
-            eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
+            eos_token_id=eos_id, pad_token_id=self.tokenizer.pad_id,
             output_logits=True, return_dict_in_generate=True,
         )
         completion = out.sequences[:, ids.shape[1]:]
@@ -73,34 +74,42 @@ class HFSampler:
 
 
 class FastSampler:
-    """Sampling through our CUDA-graph engine (`qerl_exp.engine.FastEngine`)."""
+    """Sampling through our CUDA-graph engine (`qerl_exp.engine.FastEngine`), built on the first
+    call and sized by it (batch, prompt + new tokens); a later, larger call grows it."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int, max_seq_len: int):
-        from qerl_exp.engine import FastEngine
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.engine: FastEngine | None = None
 
-        self.engine = FastEngine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-        self.tokenizer = tokenizer
-
-    def generate(self, ids, mask, algo: AlgoConfig):
+    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int):
+        if self.engine is None:  # room for prompts somewhat longer than the first batch's
+            self.engine = FastEngine(self.model, max_batch_size=ids.shape[0],
+                                     max_seq_len=ids.shape[1] + 64 + algo.max_new_tokens)
         out = self.engine.generate(
             ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
-            eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+            eos_id=eos_id, pad_id=self.tokenizer.pad_id,
         )
         return out.completion_ids, out.logprobs, out.entropy
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the engine beyond the model's tensors (KV cache, buffers, NF4 copies)."""
+        return 0 if self.engine is None else self.engine.nbytes
 
-def make_sampler(engine: str, model, tokenizer, device: torch.device, max_batch_size: int, max_seq_len: int):
+
+def make_sampler(engine: str, model, tokenizer, device: torch.device):
     """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere)."""
     if engine == "auto":
         engine = "fast" if device.type == "cuda" else "hf"
     if engine == "fast":
         if device.type != "cuda":
             raise ValueError("rollout.engine=fast needs a CUDA device; use rollout.engine=hf (or auto) on CPU")
-        return FastSampler(model, tokenizer, max_batch_size, max_seq_len)
+        return FastSampler(model, tokenizer)
     return HFSampler(model, tokenizer)
 
 
-def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device) -> Rollout:
+def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device,
+           ignore_eos: bool = False) -> Rollout:
     """Draw `algo.group_size` completions for each prompt text.
 
     Args:
@@ -109,14 +118,16 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
         prompts: rendered prompt texts, one per problem.
         algo: sampling settings (group size, temperature, top-p, length cap).
         device: where the batch lives.
+        ignore_eos: EOS does not end a completion: every one is `algo.max_new_tokens` long.
 
     Returns:
         A `Rollout` with `len(prompts) * group_size` rows, each group's rows adjacent.
     """
     repeated = [p for p in prompts for _ in range(algo.group_size)]
     ids, mask = encode_prompts(repeated, tokenizer, device)
-    completion, logp, entropy = sampler.generate(ids, mask, algo)
-    cmask, terminated = completion_mask(completion, tokenizer.eos_id)
+    eos_id = -1 if ignore_eos else tokenizer.eos_id  # -1: no token ends a completion
+    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id)
+    cmask, terminated = completion_mask(completion, eos_id)
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_id))
     texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion.cpu(), cmask.cpu())]
     return Rollout(

@@ -14,7 +14,7 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +26,8 @@ from qerl_exp import checkpoint
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.eval import evaluate
-from qerl_exp.loss import completion_logits, group_advantages, policy_loss, token_logp
+from qerl_exp import learner
+from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
@@ -153,8 +154,9 @@ def run(
     dtype = resolve_dtype(cfg.model.dtype, device)
     algo, G = cfg.algo, cfg.algo.group_size
     batch = cfg.train.prompts_per_step * G
-    # The fast engine's static KV cache holds prompts of up to 1024 tokens plus the completion.
-    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device, batch, max_seq_len=1024 + algo.max_new_tokens)
+    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device)
+    if cfg.train.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(models.sampler, cfg.noise, seed=cfg.seed + 1)
     schedule = Schedule(cfg.noise, cfg.train.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -204,8 +206,8 @@ def run(
             aqn.draw(sigma)
             models.sampler.eval()
             t_roll = time.perf_counter()
-            with aqn.applied(models.sampler):
-                rollout = sample(sampler, tok, prompts, algo, device)
+            with _phase("rollout"), aqn.applied(models.sampler):
+                rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
             rollout_s = time.perf_counter() - t_roll
 
             # Rewards and group-normalized advantages.
@@ -219,32 +221,24 @@ def run(
             if algo.filter_zero_std:
                 informative = total.view(-1, G).std(dim=1) > 0
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
-            with torch.no_grad(), policy.disable_adapter():
-                ref_logp = token_logp(completion_logits(policy, rollout, algo.temperature), rollout.completion_ids)
-
-            # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
-            policy.train()
-            with aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
-                logits = completion_logits(policy, rollout, algo.temperature)
-                logp = token_logp(logits, rollout.completion_ids)
-                entropy = M.entropy_from_logits(logits)
-                loss, clip = policy_loss(logp, logp.detach(), advantages, loss_mask, algo, ref_logp=ref_logp,
-                                         entropy=entropy, sampler_logp=rollout.sampler_logp)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+            with _phase("reference"), torch.no_grad(), policy.disable_adapter():
+                ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train.micro_batch_size)
 
             # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}
             if reference is not None and step % cfg.monitor.every == 0:
-                step_metrics.update(_monitor(policy, models.sampler, reference, aqn, rollout, logp.detach(), algo.temperature))
+                with _phase("monitor"):
+                    step_metrics.update(_monitor(policy, models.sampler, reference, aqn, rollout, algo.temperature))
+
+            # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
+            policy.train()
+            with _phase("learner"), aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+                update = learner.update_policy(policy, opt, params, rollout, advantages, loss_mask, algo,
+                                               cfg.train, ref_logp=ref_logp)
 
             lr = lr_sched.get_last_lr()[0]
-            finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+            finite = update.skipped == 0
             nonfinite = 0 if finite else nonfinite + 1
-            if finite:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
             lr_sched.step()
             if separate_sampler and finite:
                 requantize_sampler(policy, models.sampler, sampler_quant, dtype)
@@ -256,12 +250,13 @@ def run(
                     batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=SYSTEM_PROMPT))
             step_metrics.update(M.reward_metrics(rewards, G))
             step_metrics.update(M.completion_metrics(mask, rollout.terminated))
-            step_metrics.update(clip)
-            step_metrics.update(M.kl_metric(logp, ref_logp, mask))
-            step_metrics.update(M.entropy_metrics(entropy, rollout.sampler_entropy, mask))
+            step_metrics.update(update.clip)
+            step_metrics.update(M.kl_metric(update.logp, ref_logp, mask))
+            step_metrics.update(M.entropy_metrics(update.entropy, rollout.sampler_entropy, mask))
+            step_metrics.update(M.logp_gap_metric(rollout.sampler_logp, update.logp, mask))
             step_metrics.update(M.noise_metrics(sigma, stage))
-            step_metrics.update(M.optim_metrics(loss.item(), grad_norm.item(), lr, skipped=not finite))
-            step_metrics.update(M.memory_metrics(weights, device))
+            step_metrics.update(M.optim_metrics(update.loss, update.grad_norm, lr, skipped=not finite))
+            step_metrics.update(M.memory_metrics(weights, device, rollout_bytes=getattr(sampler, "nbytes", 0)))
             step_metrics.update(M.perf_metrics(int(mask.sum()), rollout_s, time.perf_counter() - t_step))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
@@ -289,12 +284,32 @@ def run(
 
 
 @torch.no_grad()
-def _monitor(policy, sampler, reference, aqn: AQN, rollout, learner_logp: torch.Tensor, temperature: float) -> dict[str, float]:
+def _monitor(policy, sampler, reference, aqn: AQN, rollout, temperature: float) -> dict[str, float]:
     """Reference (full-precision base + the same LoRA) vs the sampler, on the rollout batch."""
     sync_lora(policy, reference)
     reference.eval()
     ref_logits = completion_logits(reference, rollout, temperature)
     with aqn.applied():
         sampler_logits = completion_logits(sampler, rollout, temperature)
-    return M.monitor_metrics(rollout.sampler_logp, rollout.sampler_entropy, sampler_logits, ref_logits,
-                             learner_logp, rollout.completion_mask)
+    return M.monitor_metrics(rollout.sampler_entropy, sampler_logits, ref_logits, rollout.completion_mask)
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA ran out of memory; the message names the phase and the settings that lower it."""
+
+
+_LOWER = {
+    "rollout": "lower train.prompts_per_step, algo.group_size or algo.max_new_tokens",
+    "reference": "set train.micro_batch_size (e.g. 1) or turn on train.gradient_checkpointing=true",
+    "monitor": "set monitor.every=0 (the full-precision reference doubles the weights)",
+    "learner": "set train.micro_batch_size (e.g. 1), train.gradient_checkpointing=true, or lower algo.max_new_tokens",
+}
+
+
+@contextmanager
+def _phase(name: str):
+    """Turn a CUDA out-of-memory error inside a phase into one line naming the phase and the fix."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(f"CUDA out of memory in the {name} phase; {_LOWER[name]}") from None

@@ -340,14 +340,17 @@ def test_engine_sampling_logprobs_match_teacher_forcing_and_generator_reproduces
     torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
 
 
-def test_engine_rejects_bad_sizes_and_backends():
+def test_engine_rejects_bad_backends_and_grows_to_a_larger_call():
     model = tiny_model(lora=False)
     with pytest.raises(ValueError, match="backend"):
         FastEngine(model, 2, 16, backend="cuda")
     eng = FastEngine(model, 2, 16, backend="torch")
+    small = eng.nbytes
     ids, mask = prompts(b=3)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        eng.generate(ids, mask, 4, eos_id=1, pad_id=0)
+    grown = eng.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert eng.max_batch_size == 3 and eng.max_seq_len >= ids.shape[1] + 20 and eng.nbytes > small
+    fresh = FastEngine(model, 3, ids.shape[1] + 20, backend="torch")
+    assert torch.equal(grown, fresh.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids)
 
 
 # ---------------------------------------------------------------------------------------------

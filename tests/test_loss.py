@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from qerl_exp.config import AlgoConfig
-from qerl_exp.loss import aggregate, group_advantages, policy_loss
+from qerl_exp.loss import aggregate, group_advantages, loss_normalizer, policy_loss
+from qerl_exp.metrics import clip_metrics
 from qerl_exp.rollout import completion_mask
+
+
+def _loss(logp, old, adv, mask, algo, **kw):
+    per_token, ratio = policy_loss(logp, old, adv, algo, **kw)
+    loss = aggregate(per_token, mask, algo.loss_agg, loss_normalizer(mask, algo.loss_agg))
+    return loss, clip_metrics(ratio, adv.unsqueeze(1).expand_as(ratio), mask, algo.eps_low, algo.eps_high)
 
 
 def test_group_advantages_normalize_within_each_group():
@@ -21,8 +28,21 @@ def test_group_advantages_normalize_within_each_group():
 def test_token_and_sequence_aggregation_differ_as_documented():
     per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
-    assert aggregate(per_token, mask, "token").item() == pytest.approx(8 / 5)  # DAPO: all tokens equal
-    assert aggregate(per_token, mask, "sequence").item() == pytest.approx((1 + 4) / 2)  # GRPO: all sequences equal
+    token = aggregate(per_token, mask, "token", loss_normalizer(mask, "token"))
+    sequence = aggregate(per_token, mask, "sequence", loss_normalizer(mask, "sequence"))
+    assert token.item() == pytest.approx(8 / 5)  # DAPO: all tokens equal
+    assert sequence.item() == pytest.approx((1 + 4) / 2)  # GRPO: all sequences equal
+
+
+def test_micro_batch_shares_sum_to_the_batch_loss():
+    torch.manual_seed(0)
+    per_token, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).long()
+    mask[2] = 0  # an empty completion counts in neither normaliser
+    for how in ("token", "sequence"):
+        whole = aggregate(per_token, mask, how, loss_normalizer(mask, how))
+        norm = loss_normalizer(mask, how)
+        parts = sum(aggregate(per_token[i : i + 2], mask[i : i + 2], how, norm) for i in range(0, 6, 2))
+        assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
 def test_policy_loss_clips_like_ppo():
@@ -30,7 +50,7 @@ def test_policy_loss_clips_like_ppo():
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[0.5, 1.1, 1.5, 1.0]])).requires_grad_()
     adv = torch.tensor([1.0])
-    loss, clip = policy_loss(logp, old, adv, torch.ones(1, 4), algo)
+    loss, clip = _loss(logp, old, adv, torch.ones(1, 4), algo)
     # positive advantage: ratio capped at 1.28 from above; below, the unclipped term is the max
     want = -(0.5 + 1.1 + 1.28 + 1.0) / 4
     assert loss.item() == pytest.approx(want, rel=1e-6)
@@ -45,7 +65,7 @@ def test_on_policy_gradient_equals_reinforce_with_advantages():
     algo = AlgoConfig(loss_agg="token")
     logp = torch.randn(2, 3).requires_grad_()
     adv = torch.tensor([0.5, -2.0])
-    loss, _ = policy_loss(logp, logp.detach(), adv, torch.ones(2, 3), algo)
+    loss, _ = _loss(logp, logp.detach(), adv, torch.ones(2, 3), algo)
     loss.backward()
     assert torch.allclose(logp.grad, -adv[:, None].expand(2, 3) / 6)
 
@@ -53,8 +73,8 @@ def test_on_policy_gradient_equals_reinforce_with_advantages():
 def test_kl_term_only_with_beta():
     logp = torch.zeros(1, 2)
     ref = torch.full((1, 2), -1.0)
-    base, _ = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig())
-    with_kl, _ = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig(beta=0.5), ref_logp=ref)
+    base, _ = _loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig())
+    with_kl, _ = _loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 2), AlgoConfig(beta=0.5), ref_logp=ref)
     assert base.item() == 0.0
     assert with_kl.item() == pytest.approx(0.5 * (torch.exp(torch.tensor(-1.0)) + 1 - 1).item())
 

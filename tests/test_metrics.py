@@ -59,7 +59,8 @@ def test_reward_metrics():
     assert got["reward"] == pytest.approx(sum(totals) / 6)
     import statistics
 
-    assert got["reward_std"] == pytest.approx((statistics.stdev(totals[:3]) + statistics.stdev(totals[3:])) / 2)
+    assert got["reward_std"] == pytest.approx(statistics.stdev(totals))  # TRL's: the batch std
+    assert got["reward_group_std"] == pytest.approx((statistics.stdev(totals[:3]) + statistics.stdev(totals[3:])) / 2)
     assert got["frac_reward_zero_std"] == 0.5
     assert got["rewards/format/mean"] == pytest.approx(1.0 / 6)
     assert got["rewards/correct/mean"] == pytest.approx(8.0 / 6)
@@ -85,7 +86,8 @@ def test_monitor_metrics_against_direct_computation():
     learner_logp = sampler_logp - 0.1
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     sampler_entropy = M.entropy_from_logits(sampler_logits)
-    got = M.monitor_metrics(sampler_logp, sampler_entropy, sampler_logits, ref_logits, learner_logp, mask)
+    got = {**M.monitor_metrics(sampler_entropy, sampler_logits, ref_logits, mask),
+           **M.logp_gap_metric(sampler_logp, learner_logp, mask)}
     keep = mask.bool()
     h = lambda l: -(torch.softmax(l, -1) * torch.log_softmax(l, -1)).sum(-1)  # noqa: E731
     assert got["entropy_gain"] == pytest.approx((h(sampler_logits)[keep].mean() - h(ref_logits)[keep].mean()).item(), rel=1e-5)

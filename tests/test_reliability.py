@@ -91,17 +91,18 @@ def _in_process_cfg(tmp_path, *overrides):
 
 
 def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_path, monkeypatch):
+    import qerl_exp.learner as learner
     import qerl_exp.train as train
 
-    real = train.policy_loss
+    real = learner.policy_loss
     calls = {"n": 0}
 
     def nan_after_two(*args, **kwargs):  # fault injection: the loss turns NaN from the third step on
-        loss, clip = real(*args, **kwargs)
+        per_token, ratio = real(*args, **kwargs)
         calls["n"] += 1
-        return (loss * float("nan") if calls["n"] > 2 else loss), clip
+        return (per_token * float("nan") if calls["n"] > 2 else per_token), ratio
 
-    monkeypatch.setattr(train, "policy_loss", nan_after_two)
+    monkeypatch.setattr(learner, "policy_loss", nan_after_two)
     cfg = _in_process_cfg(tmp_path, "train.steps=8", "checkpoint.every=1", "train.max_nonfinite=3")
     run_dir = tmp_path / "run"
     with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):

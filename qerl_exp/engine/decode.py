@@ -4,12 +4,13 @@ A static KV cache (`setup_caches`), an eager `prefill()`, and a `decode_one_toke
 (forward, sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once
 per batch size in a CUDA graph and replays `max_new_tokens - 1` times (`decode_n_tokens`).
 
-No weight is copied: the engine holds the HF model's own tensors (dense base weights, LoRA A/B,
-RMSNorm scales, embeddings, lm_head), and its Triton kernels read them through address tables,
-so an optimizer step on the LoRA parameters or AQN noise added in place to
-`input_layernorm.weight` / `post_attention_layernorm.weight` is seen by the next replay without a
-recapture. Frozen 4-bit bases (`FP4Linear` NVFP4/MXFP4, bitsandbytes NF4 `Linear4bit`) are
-re-laid out once, at build time, into the kernels' layout (`kernels.PackedWeight`). LoRA is
+The engine holds the HF model's own tensors (dense base weights, LoRA A/B, RMSNorm scales,
+embeddings, lm_head), and its Triton kernels read them through address tables, so an optimizer
+step on the LoRA parameters or AQN noise added in place to `input_layernorm.weight` /
+`post_attention_layernorm.weight` is seen by the next replay without a recapture. `FP4Linear`
+bases (NVFP4/MXFP4) convert themselves to the kernels' layout (`kernels.PackedWeight`) and the
+learner decodes from it too: one copy. bitsandbytes NF4 `Linear4bit` bases are re-laid out once,
+at build time, into a second copy (`FastEngine.nbytes` counts it with the KV cache). LoRA is
 applied unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a referenced tensor is
 re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
 """
@@ -114,10 +115,11 @@ def _split_lora(mod: nn.Module):
 
 
 def _base_weight(base: nn.Module):
-    """(format, weight, bias): the dense weight itself, or the 4-bit one in the kernel layout."""
-    if all(hasattr(base, a) for a in ("codes", "block_scales", "tensor_scale")):
-        fmt = getattr(base, "format", "nvfp4")
-        return fmt, K.relayout_nvfp4(base.codes, base.block_scales, base.tensor_scale, fmt), base.bias
+    """(format, weight, bias): the dense weight itself, or the 4-bit one in the kernel layout (an
+    `FP4Linear` on CUDA converts itself to it, so the engine holds no second copy; NF4 is laid out
+    again here, a copy counted by `FastEngine.nbytes`)."""
+    if callable(getattr(base, "kernel_weight", None)):  # FP4Linear (NVFP4, MXFP4)
+        return base.format, base.kernel_weight(), base.bias
     qs = getattr(getattr(base, "weight", None), "quant_state", None)
     if qs is not None:  # bitsandbytes Linear4bit
         import bitsandbytes.functional as bnbf
@@ -556,6 +558,26 @@ class FastEngine:
             torch.cuda.synchronize()
         self.build_s = time.perf_counter() - t0
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the engine holds beyond the model's own tensors: the KV cache, per-batch
+        buffers, workspaces, and the NF4 weights it laid out again."""
+        tensors = [self.cache.k, self.cache.v] + ([self.scratch] if self.scratch is not None else [])
+        for ly in self.m.layers:
+            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                tensors += [w for w in lin.weights if isinstance(w, K.PackedWeight) and w.fmt == "nf4"]
+                if lin.plan is not None and lin.plan.workspace is not None:
+                    tensors.append(lin.plan.workspace)
+        for st in self._states.values():
+            tensors += [v for v in vars(st).values() if isinstance(v, Tensor)]
+        seen, total = set(), 0
+        for t in tensors:
+            key = (t.codes.data_ptr(), t.scales.data_ptr()) if isinstance(t, K.PackedWeight) else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.nbytes if isinstance(t, K.PackedWeight) else t.numel() * t.element_size()
+        return total
+
     def _rt(self) -> int:
         rt = 16
         for ly in self.m.layers:
@@ -649,8 +671,12 @@ class FastEngine:
         """
         b, p = prompt_ids.shape
         if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"batch {b} x ({p} prompt + {max_new_tokens} new) exceeds the engine's "
-                             f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}")
+            # Grow to what this call needs (KV cache, buffers and graphs are made anew).
+            self.max_batch_size = max(b, self.max_batch_size)
+            self.max_seq_len = max(p + max_new_tokens, self.max_seq_len)
+            self.seq_cap = -(-self.max_seq_len // 64) * 64
+            self.cache = None
+            self._build()
         self._check_refs()
         dev = self.m.embed.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)

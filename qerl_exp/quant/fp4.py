@@ -26,6 +26,11 @@ up to 2^-6: the two differ only for blocks whose largest value is below ~1/30000
 A tensor whose largest value is below ~3e-35 has a subnormal fp32 tensor scale and is quantized
 more coarsely than the format otherwise allows (still finite).
 
+Memory: `FP4Linear.forward` decodes the weight in forward and again in backward (a custom autograd
+function that saves no tensor), so autograd never holds a dense copy. On CUDA the layer converts
+itself once to the engine kernels' layout (`kernel_weight`), which both the learner's decode (a
+Triton dequant kernel for NVFP4) and the rollout engine read: one 4-bit copy per layer.
+
 LoRA through peft: `FP4Linear` subclasses `nn.Linear` the way bitsandbytes' `Linear4bit` does (its
 `weight` is the packed data, here the uint8 codes; it never calls `nn.Linear.__init__`, so no dense
 weight exists). peft's default dispatcher therefore wraps it in its standard LoRA `Linear` with any
@@ -41,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qerl_exp.engine.kernels import PackedWeight, relayout_nvfp4, weight_of
 
 FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
@@ -231,15 +238,36 @@ def _blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return weight.detach().float().reshape(out, inp // block, block)
 
 
-_PACKED = ("codes", "block_scales", "tensor_scale")
+_PACKED = ("codes", "block_scales", "tensor_scale", "kernel_codes", "kernel_scales")
+_KERNEL_BLOCK = {"nvfp4": (16, 64), "mxfp4": (1, 32)}  # the kernel layout needs out % a, in % b == 0
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """`x @ W_hat^T + b` for a frozen packed layer: W_hat is decoded in forward and again in backward,
+    so autograd keeps only a reference to the layer, never the decoded weight."""
+
+    @staticmethod
+    def forward(ctx, x, layer, bias):
+        ctx.layer = layer
+        return F.linear(x, layer.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad @ ctx.layer.dequantize(grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
 
 
 class FP4Linear(nn.Linear):
     """A frozen linear layer whose weight is stored only as NVFP4/MXFP4 packed data.
 
-    `forward(x)` is `x @ W_hat.T + bias` computed in `x.dtype`, W_hat decoded on the fly (no dense
-    copy is kept). Gradients flow to `x`; nothing in the layer is trainable. The packed buffers keep
-    their dtypes under `.to(dtype)` / `.half()` (they are the format); the bias follows the casts.
+    `forward(x)` is `x @ W_hat.T + bias` computed in `x.dtype`, W_hat decoded on the fly in forward
+    and again in backward (no dense copy is kept, not even for autograd). Gradients flow to `x`;
+    nothing in the layer is trainable. The packed buffers keep their dtypes under `.to(dtype)` /
+    `.half()` (they are the format); the bias follows the casts.
+
+    Two layouts hold the same bits: the storage layout of `FP4Tensor` (`codes`, `block_scales`),
+    and on CUDA the engine kernels' layout (`kernel_codes`, `kernel_scales`), to which the layer
+    converts itself on its first CUDA forward or when the rollout engine asks (`kernel_weight`).
 
     Args:
         weight: the packed weight.
@@ -253,7 +281,10 @@ class FP4Linear(nn.Linear):
         self.register_buffer("codes", weight.codes)
         self.register_buffer("block_scales", weight.block_scales)
         self.register_buffer("tensor_scale", weight.tensor_scale)
+        self.register_buffer("kernel_codes", None)
+        self.register_buffer("kernel_scales", None)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._out_scale = 1.0  # the tensor scale as a float, read once at conversion
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, bias_dtype: torch.dtype | None = None) -> FP4Linear:
@@ -276,21 +307,48 @@ class FP4Linear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The packed codes, uint8 [out, in // 2] (as `Linear4bit.weight` is its packed data)."""
-        return self.codes
+        """The packed codes, uint8 (as `Linear4bit.weight` is its packed data)."""
+        return self.codes if self.codes is not None else self.kernel_codes
 
     @property
     def weight_fp4(self) -> FP4Tensor:
-        """The packed weight as an `FP4Tensor` (shares the buffers)."""
+        """The packed weight as an `FP4Tensor` (shares the buffers); only in the storage layout."""
+        if self.codes is None:
+            raise RuntimeError("this FP4Linear holds the kernel layout; use dequantize() or kernel_weight()")
         return FP4Tensor(self.format, self.codes, self.block_scales, self.tensor_scale)
 
+    def kernel_weight(self) -> PackedWeight:
+        """The weight in the engine kernels' layout (`qerl_exp.engine.kernels.PackedWeight`).
+
+        On CUDA the layer converts itself (once; its storage-layout buffers are freed), so that the
+        engine and the learner read one copy. On the CPU a converted copy is returned and the layer
+        keeps its storage layout.
+        """
+        if self.kernel_codes is not None:
+            return PackedWeight(self.format, self.kernel_codes, self.kernel_scales, self._out_scale,
+                                self.out_features, self.in_features)
+        pw = relayout_nvfp4(self.codes, self.block_scales, self.tensor_scale, self.format)
+        if self.codes.is_cuda:
+            self.kernel_codes, self.kernel_scales, self._out_scale = pw.codes, pw.scales, pw.out_scale
+            self.codes = self.block_scales = None
+        return pw
+
+    def _kernel_layout_fits(self) -> bool:
+        rows, cols = _KERNEL_BLOCK[self.format]
+        return self.out_features % rows == 0 and self.in_features % cols == 0
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense weight W_hat [out, in] in `dtype`."""
+        """The dense weight W_hat [out, in] in `dtype` (on CUDA: from the kernel layout, through the
+        engine's NVFP4 dequant kernel; bit-identical to the storage layout's decode)."""
+        if self.kernel_codes is None and self.codes.is_cuda and self._kernel_layout_fits():
+            self.kernel_weight()
+        if self.kernel_codes is not None:
+            return weight_of(self.kernel_weight(), dtype)
         return self.weight_fp4.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        return _FrozenLinear.apply(x, self, bias)
 
     def quantized_bytes(self) -> int:
         """Bytes this layer stores: codes, every block scale, the tensor scale and the bias."""
@@ -300,7 +358,7 @@ class FP4Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, bias={self.bias is not None}"
 
     def _apply(self, fn, recurse=True):
-        packed = {name: self._buffers[name] for name in _PACKED}
+        packed = {name: self._buffers[name] for name in _PACKED if self._buffers[name] is not None}
         super()._apply(fn, recurse)
         for name, before in packed.items():
             after = self._buffers[name]

@@ -1,0 +1,164 @@
+"""The policy update of one RL step: old log-probs, iterations, mini-batches, micro-batches.
+
+What the ratio is taken against, in QeRL's setting: three policies score the sampled tokens.
+- the *sampler* (behaviour policy): the quantized base + LoRA with this step's AQN draw in its norm
+  scales; its log-probs come with the rollout (`Rollout.sampler_logp`).
+- the *old* policy: the learner (the same quantized base + LoRA, clean norm scales) before this
+  step's first update. With `algo.num_iterations == 1` and one mini-batch it is the learner itself,
+  so the PPO ratio is exactly 1 and the clip never acts (GRPO as QeRL runs it); otherwise its
+  log-probs are taken once, without grad, before the first update.
+- the *learner*: the policy being optimised, re-scored in every update.
+The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler / old mismatch
+(noise, a separately quantized sampler) with weights min(old / sampler, cap).
+
+Each update accumulates gradients over micro-batches of `train.micro_batch_size` completions;
+the loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals
+that of one pass over the mini-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from qerl_exp.config import AlgoConfig, TrainConfig
+from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
+from qerl_exp.metrics import clip_metrics
+from qerl_exp.rollout import Rollout
+
+
+@dataclass
+class Update:
+    """What one RL step's policy update did.
+
+    Args:
+        loss: mean over the optimizer steps of the optimized loss.
+        grad_norm: mean over the optimizer steps of the global grad norm before clipping.
+        skipped: optimizer steps skipped for a non-finite loss or gradient.
+        steps: optimizer steps taken or skipped (num_iterations * mini_batches).
+        logp: `[B, T]` learner log-probs before the first update (the old policy's).
+        entropy: `[B, T]` learner entropies before the first update.
+        clip: the clip counters over every token of every update (`metrics.clip_metrics`).
+        ratio_dev: per optimizer step, the largest |ratio - 1| over its tokens.
+    """
+
+    loss: float
+    grad_norm: float
+    skipped: int
+    steps: int
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    clip: dict[str, float]
+    ratio_dev: list[float] = field(default_factory=list)
+
+
+def rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
+    """The completions `index` of a batch, without the padding columns none of them uses."""
+    pm, cm = rollout.prompt_mask[index], rollout.completion_mask[index]
+    p0 = int((pm.sum(0) > 0).nonzero().min()) if pm.any() else pm.shape[1] - 1
+    t1 = int(cm.sum(1).max()) if cm.any() else 1
+    return Rollout(
+        prompt_ids=rollout.prompt_ids[index, p0:], prompt_mask=pm[:, p0:],
+        completion_ids=rollout.completion_ids[index, :t1], completion_mask=cm[:, :t1],
+        sampler_logp=rollout.sampler_logp[index, :t1], sampler_entropy=rollout.sampler_entropy[index, :t1],
+        terminated=rollout.terminated[index], texts=[rollout.texts[i] for i in index.tolist()],
+    )
+
+
+def _micro_batches(index: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(index.split(size)) if size > 0 else [index]
+
+
+def score_all(policy, rollout: Rollout, temperature: float, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies `[B, T]` of a whole batch under `policy`, `micro` completions at a
+    time (0: all at once), without grad."""
+    b, t = rollout.completion_ids.shape
+    logp = rollout.sampler_logp.new_zeros(b, t)
+    entropy = torch.zeros_like(logp)
+    with torch.no_grad():
+        for idx in _micro_batches(torch.arange(b, device=logp.device), micro):
+            sub = rows(rollout, idx)
+            lp, ent = score_completions(policy, sub, temperature)
+            logp[idx, : lp.shape[1]] = lp
+            entropy[idx, : ent.shape[1]] = ent
+    return logp, entropy
+
+
+def update_policy(
+    policy,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    algo: AlgoConfig,
+    train: TrainConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> Update:
+    """Run `algo.num_iterations` x `algo.mini_batches` optimizer steps on one rollout batch.
+
+    Args:
+        policy: the peft model; only `params` are updated.
+        optimizer: the optimizer over `params`.
+        params: the trainable parameters (for clipping the global grad norm).
+        rollout: the step's completions (each row's sampler log-probs included).
+        advantages: `[B]` group-normalized advantages.
+        loss_mask: `[B, T]` tokens that count in the loss (the completion mask, minus filtered
+            groups).
+        algo: the objective.
+        train: `micro_batch_size` and `grad_clip`.
+        ref_logp: `[B, T]` reference log-probs; needed when `algo.beta > 0`.
+
+    Returns:
+        An `Update`. A non-finite loss or gradient skips that optimizer step (no parameter change).
+    """
+    b, t = rollout.completion_ids.shape
+    device = advantages.device
+    reuse = algo.num_iterations > 1 or algo.mini_batches > 1
+    if reuse:  # the old policy's log-probs, once, before any update
+        old_logp, old_entropy = score_all(policy, rollout, algo.temperature, train.micro_batch_size)
+    else:
+        old_logp, old_entropy = torch.zeros(b, t, device=device), torch.zeros(b, t, device=device)
+    losses, norms, ratio_dev, ratios, ratio_adv = [], [], [], [], []
+    skipped = 0
+    for _ in range(algo.num_iterations):
+        for mini in torch.arange(b, device=device).chunk(algo.mini_batches):
+            normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg)
+            optimizer.zero_grad(set_to_none=True)
+            loss, dev = 0.0, 0.0
+            for idx in _micro_batches(mini, train.micro_batch_size):
+                sub = rows(rollout, idx)
+                w = sub.completion_ids.shape[1]
+                logp, entropy = score_completions(policy, sub, algo.temperature)
+                if not reuse:  # one update: the learner before it is the old policy
+                    old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
+                per_token, ratio = policy_loss(
+                    logp, old_logp[idx, :w], advantages[idx], algo,
+                    ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
+                    sampler_logp=sub.sampler_logp,
+                )
+                mask = loss_mask[idx, :w]
+                part = aggregate(per_token, mask, algo.loss_agg, normalizer)
+                part.backward()
+                loss += part.item()
+                on = mask.bool()
+                ratios.append(ratio[on])
+                ratio_adv.append(advantages[idx].unsqueeze(1).expand_as(ratio)[on])
+                dev = max(dev, float((ratio[on] - 1).abs().max()) if on.any() else 0.0)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf")))
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss)
+            norms.append(grad_norm)
+            ratio_dev.append(dev)
+    ratio_all, adv_all = torch.cat(ratios), torch.cat(ratio_adv)
+    clip = clip_metrics(ratio_all, adv_all, torch.ones_like(ratio_all), algo.eps_low, algo.eps_high)
+    return Update(
+        loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped=skipped,
+        steps=len(losses), logp=old_logp, entropy=old_entropy, clip=clip, ratio_dev=ratio_dev,
+    )
