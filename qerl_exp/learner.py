@@ -19,6 +19,7 @@ that of one pass over the mini-batch.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,8 @@ class Update:
         entropy: `[B, T]` learner entropies before the first update.
         clip: the clip counters over every token of every update (`metrics.clip_metrics`).
         ratio_dev: per optimizer step, the largest |ratio - 1| over its tokens.
+        learner_s: seconds in forward and backward passes (old log-probs included).
+        optimizer_s: seconds in gradient clipping and optimizer steps.
     """
 
     loss: float
@@ -52,6 +55,15 @@ class Update:
     entropy: torch.Tensor
     clip: dict[str, float]
     ratio_dev: list[float] = field(default_factory=list)
+    learner_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+def clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
@@ -116,6 +128,7 @@ def update_policy(
     """
     b, t = rollout.completion_ids.shape
     device = advantages.device
+    t0, optimizer_s = clock(device), 0.0
     reuse = algo.num_iterations > 1 or algo.mini_batches > 1
     if reuse:  # the old policy's log-probs, once, before any update
         old_logp, old_entropy = score_all(policy, rollout, algo.temperature, train.micro_batch_size)
@@ -147,12 +160,14 @@ def update_policy(
                 ratios.append(ratio[on])
                 ratio_adv.append(advantages[idx].unsqueeze(1).expand_as(ratio)[on])
                 dev = max(dev, float((ratio[on] - 1).abs().max()) if on.any() else 0.0)
+            t_opt = clock(device)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf")))
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 optimizer.step()
             else:
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
+            optimizer_s += clock(device) - t_opt
             losses.append(loss)
             norms.append(grad_norm)
             ratio_dev.append(dev)
@@ -161,4 +176,5 @@ def update_policy(
     return Update(
         loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped=skipped,
         steps=len(losses), logp=old_logp, entropy=old_entropy, clip=clip, ratio_dev=ratio_dev,
+        learner_s=clock(device) - t0 - optimizer_s, optimizer_s=optimizer_s,
     )

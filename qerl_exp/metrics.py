@@ -24,10 +24,12 @@ these functions; it never builds metric names itself. Token means are over compl
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
 | perf/rollout_tok_s | completion tokens generated per second of rollout wall time |
 | perf/step_s | wall time of the whole step |
+| timing_s/rollout, timing_s/reference, timing_s/learner, timing_s/optimizer | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the learner's forward and backward passes, in gradient clipping and optimizer steps |
 | mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |
-| mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) |
+| mem/load_peak_bytes | peak device memory (CUDA) or resident set size (CPU) while the models were built |
+| mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) since the run started training |
 | loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 """
@@ -131,8 +133,11 @@ def noise_metrics(sigma: float, stage: int) -> dict[str, float]:
     return {"noise/sigma": sigma, "noise/stage": stage}
 
 
-def perf_metrics(completion_tokens: int, rollout_s: float, step_s: float) -> dict[str, float]:
-    return {"perf/rollout_tok_s": completion_tokens / max(rollout_s, 1e-9), "perf/step_s": step_s}
+def perf_metrics(completion_tokens: int, step_s: float, phases: dict[str, float]) -> dict[str, float]:
+    """Throughput and the step's wall time, whole and by phase (`phases` in seconds, by name)."""
+    out = {"perf/rollout_tok_s": completion_tokens / max(phases["rollout"], 1e-9), "perf/step_s": step_s}
+    out.update({f"timing_s/{name}": seconds for name, seconds in phases.items()})
+    return out
 
 
 def optim_metrics(loss: float, grad_norm: float, lr: float, skipped: bool) -> dict[str, float]:
@@ -140,9 +145,11 @@ def optim_metrics(loss: float, grad_norm: float, lr: float, skipped: bool) -> di
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "train/skipped": float(skipped)}
 
 
-def memory_metrics(weights: dict[str, int], device: torch.device, rollout_bytes: int = 0) -> dict[str, float]:
-    """`weights` from `qerl_exp.quant.memory_bytes`, the rollout engine's own bytes, and the peak so far."""
-    return {**weights, "mem/rollout_bytes": rollout_bytes, "mem/peak_bytes": peak_memory_bytes(device)}
+def memory_metrics(weights: dict[str, int], device: torch.device, rollout_bytes: int, load_peak: int) -> dict[str, float]:
+    """`weights` from `qerl_exp.quant.memory_bytes`, the rollout engine's own bytes, the peak while
+    the models were built, and the peak since."""
+    return {**weights, "mem/rollout_bytes": rollout_bytes, "mem/load_peak_bytes": load_peak,
+            "mem/peak_bytes": peak_memory_bytes(device)}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

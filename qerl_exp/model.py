@@ -38,7 +38,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def tiny_config(cfg: ModelConfig, vocab_size: int, max_positions: int = 256):
+def tiny_config(cfg: ModelConfig, vocab_size: int):
     """The HF config of the embedded model (Qwen2 or Llama shaped)."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -50,8 +50,8 @@ def tiny_config(cfg: ModelConfig, vocab_size: int, max_positions: int = 256):
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=cfg.tie_embeddings,
         pad_token_id=0,
     )
 
@@ -79,13 +79,14 @@ class Models:
     base_info: dict
 
 
-def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype):
+def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_block=None):
     if cfg.model.name == "tiny":
         from qerl_exp.warmup import build, load_or_warm_up
 
         tokenizer = CharTokenizer()
         if cfg.model.warmup.max_steps == 0:  # random weights, made where they run (7B: 28 GB in fp32 on CPU)
-            return build(cfg.model, len(tokenizer), device, dtype), tokenizer, {"warmup": "none (random weights)"}
+            model = build(cfg.model, len(tokenizer), device, dtype, on_block=on_block)
+            return model, tokenizer, {"warmup": "none (random weights)", "blockwise": on_block is not None}
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
     from transformers import AutoModelForCausalLM
@@ -131,7 +132,11 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
         `Models` with the policy, tokenizer, optional reference, and facts about the base.
     """
     dtype = resolve_dtype(cfg.model.dtype, device)
-    base, tokenizer, info = _load_base(cfg, task, device, dtype)
+    # With no full-precision copy wanted, each block is quantized as soon as it exists, so loading
+    # never holds more than the quantized model and one block.
+    dense_copies = cfg.monitor.every > 0 or cfg.rollout.quant != "none"
+    on_block = None if dense_copies or cfg.quant.format == "none" else lambda block: quantize_model(block, cfg.quant, dtype)
+    base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
     sampler = copy.deepcopy(base) if cfg.rollout.quant != "none" else None

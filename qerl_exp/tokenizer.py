@@ -37,7 +37,9 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} is not in the embedded tokenizer's vocabulary") from None
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.vocab[i] for i in ids if i not in (self.pad_id, self.bos_id, self.eos_id))
+        # Ids past the vocabulary come from models built wider than it (shape presets): U+FFFD.
+        specials = (self.pad_id, self.bos_id, self.eos_id)
+        return "".join(self.vocab[i] if i < len(self.vocab) else "\ufffd" for i in ids if i not in specials)
 
     def render_prompt(self, question: str, system_prompt: str) -> str:
         # The embedded model has no chat template; it learned the format during warm-up.

@@ -167,6 +167,7 @@ def run(
     if separate_sampler:  # the rollout copy is memory the strategy pays for too
         sampler_bytes = memory_bytes(models.sampler)
         weights = {k: weights[k] + sampler_bytes[k] for k in weights}
+    load_peak = M.peak_memory_bytes(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -208,7 +209,7 @@ def run(
             t_roll = time.perf_counter()
             with _phase("rollout"), aqn.applied(models.sampler):
                 rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
-            rollout_s = time.perf_counter() - t_roll
+            rollout_s = time.perf_counter() - t_roll  # sample() returns decoded texts: synchronised
 
             # Rewards and group-normalized advantages.
             repeated = [p for p in problems for _ in range(G)]
@@ -221,8 +222,10 @@ def run(
             if algo.filter_zero_std:
                 informative = total.view(-1, G).std(dim=1) > 0
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
+            t_ref = learner.clock(device)
             with _phase("reference"), torch.no_grad(), policy.disable_adapter():
                 ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train.micro_batch_size)
+            reference_s = learner.clock(device) - t_ref
 
             # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}
@@ -256,8 +259,10 @@ def run(
             step_metrics.update(M.logp_gap_metric(rollout.sampler_logp, update.logp, mask))
             step_metrics.update(M.noise_metrics(sigma, stage))
             step_metrics.update(M.optim_metrics(update.loss, update.grad_norm, lr, skipped=not finite))
-            step_metrics.update(M.memory_metrics(weights, device, rollout_bytes=getattr(sampler, "nbytes", 0)))
-            step_metrics.update(M.perf_metrics(int(mask.sum()), rollout_s, time.perf_counter() - t_step))
+            step_metrics.update(M.memory_metrics(weights, device, getattr(sampler, "nbytes", 0), load_peak))
+            phases = {"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
+                      "optimizer": update.optimizer_s}
+            step_metrics.update(M.perf_metrics(int(mask.sum()), time.perf_counter() - t_step, phases))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
             history.append({"step": step, **step_metrics})

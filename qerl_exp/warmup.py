@@ -17,9 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from qerl_exp.config import ModelConfig, TaskConfig
@@ -73,17 +75,61 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     return model, {**info, "cache_key": key, "path": str(path)}
 
 
-def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+          on_block: Callable[[nn.Module], None] | None = None):
     """The embedded model at its seeded random initialization, created on `device` in `dtype`;
-    the global RNG (CPU and `device`'s) is left as it was."""
+    the global RNG (CPU and `device`'s) is left as it was.
+
+    Args:
+        cfg: the model config.
+        vocab_size: the tokenizer's vocabulary (`cfg.vocab_size`, when set, wins).
+        device: where the weights are made.
+        dtype: their dtype.
+        on_block: called on each decoder block right after it is made (e.g. to quantize it), so
+            that at most one block exists in `dtype` at a time: the model is laid out on the meta
+            device and made block by block.
+    """
     from transformers import AutoModelForCausalLM
 
     from qerl_exp.model import tiny_config
 
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+    config = tiny_config(cfg, cfg.vocab_size or vocab_size)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(WARMUP_SEED)
-        return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size), dtype=dtype)
+        if on_block is None:
+            with device:
+                return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        blocks = model.model.layers
+        for name, child in model.model.named_children():
+            if name == "rotary_emb":  # its buffers are computed at construction: make it anew
+                with device:
+                    model.model.rotary_emb = type(child)(config=config)
+            elif child is not blocks:
+                _materialize(child, device, config.initializer_range)
+        if not config.tie_word_embeddings:
+            _materialize(model.lm_head, device, config.initializer_range)
+        model.tie_weights()
+        for block in blocks:
+            _materialize(block, device, config.initializer_range)
+            on_block(block)
+        return model
+
+
+def _materialize(module: nn.Module, device: torch.device, std: float) -> None:
+    """Allocate a meta module's tensors on `device` and initialise them as HF's Llama/Qwen2 do:
+    linears and embeddings N(0, std), norm scales 1, biases 0."""
+    module.to_empty(device=device)
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False):
+            if isinstance(m, (nn.Linear, nn.Embedding)) and name == "weight":
+                nn.init.normal_(p, std=std)
+            elif "norm" in type(m).__name__.lower():
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
 
 
 def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,3 +84,37 @@ def test_bf16_forward_and_backward_on_cuda():
     model(input_ids=ids, labels=ids).loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert len(grads) == 28 and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_cuda_fp4_linear_converts_to_one_kernel_layout_and_keeps_no_dense_weight(fmt):
+    torch.manual_seed(3)
+    layer = FP4Linear.from_linear(torch.nn.Linear(1024, 512).cuda(), fmt, torch.bfloat16)
+    w = layer.weight_fp4.dequantize(torch.float64)  # the storage layout's decode, before conversion
+    stored = layer.quantized_bytes()
+    x = torch.randn(4, 33, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        y = layer(x)
+    assert layer.codes is None and layer.kernel_codes is not None and layer.quantized_bytes() == stored
+    assert sum(saved) <= 0.3 * 512 * 1024 * 2
+    assert torch.equal(layer.dequantize(torch.float32).double(), w)  # the kernel's decode: same bits
+    want = x.detach().double() @ w.T + layer.bias.double()
+    assert ((y.double() - want).norm() / want.norm()).item() < 1e-2
+    g = torch.randn_like(y)
+    y.backward(g)
+    want_grad = g.double() @ w
+    assert ((x.grad.double() - want_grad).norm() / want_grad.norm()).item() < 1e-2
+
+
+def test_engine_reads_the_policy_s_own_nvfp4_layout():
+    from qerl_exp.engine import FastEngine
+
+    model = _lora(quantize_model(_tiny_model().to(torch.bfloat16), QuantConfig(format="nvfp4"), torch.bfloat16))
+    layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
+    before = sum(m.quantized_bytes() for m in layers)
+    allocated = torch.cuda.memory_allocated()
+    engine = FastEngine(model, max_batch_size=2, max_seq_len=64)
+    assert all(m.kernel_codes is not None for m in layers) and sum(m.quantized_bytes() for m in layers) == before
+    # the engine's own memory is the KV cache and buffers, no copy of the 4-bit weights
+    assert torch.cuda.memory_allocated() - allocated <= engine.nbytes + 2**20

@@ -82,11 +82,13 @@ def _handler(cfg: QuantConfig, compute_dtype: torch.dtype):
 
 
 def decoder_linears(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Module, str, nn.Module]]:
-    """(name, parent, attribute, module) for each targeted linear inside the decoder blocks."""
+    """(name, parent, attribute, module) for each targeted linear inside the decoder blocks; a
+    decoder block itself (a module with `self_attn` and `mlp`) counts as inside."""
     found = []
+    is_block = hasattr(model, "self_attn") and hasattr(model, "mlp")
     for name, module in model.named_modules():
         parent_name, _, attr = name.rpartition(".")
-        if attr in targets and ".layers." in f".{parent_name}.":
+        if attr in targets and (is_block or ".layers." in f".{parent_name}."):
             found.append((name, model.get_submodule(parent_name), attr, module))
     return found
 
@@ -100,7 +102,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
     """Replace the targeted decoder linears of `model` in place by frozen quantized layers.
 
     Args:
-        model: a Llama/Qwen2-family causal LM (not yet wrapped by peft).
+        model: a Llama/Qwen2-family causal LM (not yet wrapped by peft), or one decoder block.
         cfg: the quant config; `format=none` leaves the model unchanged.
         compute_dtype: the dtype activations are computed in.
 
@@ -111,7 +113,8 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
         return model
     handler = _handler(cfg, compute_dtype)
     for _, parent, attr, linear in decoder_linears(model, cfg.targets):
-        setattr(parent, attr, handler.quantize_linear(linear))
+        if type(linear) is nn.Linear:  # already quantized layers (a block done while loading) stay
+            setattr(parent, attr, handler.quantize_linear(linear))
     return model
 
 
