@@ -17,8 +17,9 @@ Step 0 (Triton compilation, CUDA-graph capture) is printed as warm-up and left o
 the mean of the later steps: the rollout, the reference forward (base without LoRA, for `kl`), the
 learner's forward + backward passes, the optimizer; memory is `mem/weights_bytes` (the policy's
 parameters and buffers, quantized layers with their scales), `mem/load_peak_bytes` (while the
-model was built) and `mem/peak_bytes` (CUDA's max allocated over the training steps). Ratios are
-to full_precision at the same shape when it ran.
+model was built) and CUDA's max allocated in the rollout and in the learner phases over all steps
+(`mem/rollout_peak_bytes`, `mem/learner_peak_bytes`); "peak / fp" is the larger of the two over
+full_precision's at the same shape, as are the other ratios.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "weights": rows[-1]["mem/weights_bytes"] / GIB, "load_peak": rows[-1]["mem/load_peak_bytes"] / GIB,
         "peak": max(r["mem/peak_bytes"] for r in rows) / GIB, "rollout_mem": rows[-1]["mem/rollout_bytes"] / GIB,
+        "rollout_peak": max(r["mem/rollout_peak_bytes"] for r in rows) / GIB,
+        "learner_peak": max(r["mem/learner_peak_bytes"] for r in rows) / GIB,
         "step": mean("perf/step_s"), "rollout": mean("timing_s/rollout"), "reference": mean("timing_s/reference"),
         "learner": mean("timing_s/learner"), "optimizer": mean("timing_s/optimizer"), "tok_s": mean("perf/rollout_tok_s"),
         "warmup": rows[0]["perf/step_s"],
@@ -78,7 +81,8 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(results: dict, shapes: list[str], strategies: list[str]) -> str:
-    head = ("| shape | strategy | weights GiB | load peak GiB | peak GiB | peak / fp | step s | step / fp | rollout s "
+    head = ("| shape | strategy | weights GiB | load peak GiB | rollout peak GiB | learner peak GiB | peak / fp "
+            "| step s | step / fp | rollout s "
             "| reference s | learner s | optimizer s | rollout tok/s | tok/s / fp | step 0 s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for shape in shapes:
@@ -95,7 +99,8 @@ def table(results: dict, shapes: list[str], strategies: list[str]) -> str:
                 return f"{r[key] / base[key]:.2f}x" if "step" in base else "-"
 
             lines.append(
-                f"| {shape} | {strategy} | {r['weights']:.1f} | {r['load_peak']:.1f} | {r['peak']:.1f} | {ratio('peak')} "
+                f"| {shape} | {strategy} | {r['weights']:.1f} | {r['load_peak']:.1f} | {r['rollout_peak']:.1f} "
+                f"| {r['learner_peak']:.1f} | {ratio('peak')} "
                 f"| {r['step']:.2f} | {ratio('step')} | {r['rollout']:.2f} | {r['reference']:.2f} | {r['learner']:.2f} "
                 f"| {r['optimizer']:.3f} | {r['tok_s']:.0f} | {ratio('tok_s')} | {r['warmup']:.1f} |"
             )
@@ -108,7 +113,7 @@ def main() -> None:
     ap.add_argument("--strategies", default="full_precision,nvfp4_lora,nf4_dq")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="paper")
     ap.add_argument("--steps", type=int, default=3, help="RL steps per run (step 0 is warm-up)")
-    ap.add_argument("--micro", type=int, default=2, help="train.micro_batch_size: completions per backward")
+    ap.add_argument("--micro", type=int, default=1, help="train.micro_batch_size: completions per backward")
     ap.add_argument("--out", default="", help="where runs and results.json go (default: a temporary folder)")
     args = ap.parse_args()
     shapes, strategies = args.shapes.split(","), args.strategies.split(",")

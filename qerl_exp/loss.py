@@ -19,7 +19,7 @@ from qerl_exp.config import AlgoConfig
 from qerl_exp.metrics import kl_k3
 from qerl_exp.rollout import Rollout
 
-LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
+LOGIT_CHUNK = 2**24  # fp32 logits per chunk (64 MB): 110 tokens at Qwen's 152,064-token vocabulary
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:

@@ -29,7 +29,8 @@ these functions; it never builds metric names itself. Token means are over compl
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |
 | mem/load_peak_bytes | peak device memory (CUDA) or resident set size (CPU) while the models were built |
-| mem/peak_bytes | peak device memory (CUDA) or peak resident set size (CPU) since the run started training |
+| mem/peak_bytes | peak device memory of the step (CUDA; the max of the two below) or peak resident set size (CPU) |
+| mem/rollout_peak_bytes, mem/learner_peak_bytes | CUDA: the step's peak in the rollout, and in the reference, monitor and learner passes |
 | loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 """
@@ -145,16 +146,22 @@ def optim_metrics(loss: float, grad_norm: float, lr: float, skipped: bool) -> di
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "train/skipped": float(skipped)}
 
 
-def memory_metrics(weights: dict[str, int], device: torch.device, rollout_bytes: int, load_peak: int) -> dict[str, float]:
+def memory_metrics(weights: dict[str, int], device: torch.device, rollout_bytes: int, load_peak: int,
+                   peaks: dict[str, int]) -> dict[str, float]:
     """`weights` from `qerl_exp.quant.memory_bytes`, the rollout engine's own bytes, the peak while
-    the models were built, and the peak since."""
-    return {**weights, "mem/rollout_bytes": rollout_bytes, "mem/load_peak_bytes": load_peak,
-            "mem/peak_bytes": peak_memory_bytes(device)}
+    the models were built, and this step's peak per phase (`peaks`, from `phase_peak_bytes`)."""
+    out = {**weights, "mem/rollout_bytes": rollout_bytes, "mem/load_peak_bytes": load_peak,
+           "mem/peak_bytes": max(peaks.values())}
+    out.update({f"mem/{phase}_peak_bytes": value for phase, value in peaks.items()})
+    return out
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated CUDA memory, or peak resident set size of the process on CPU."""
+def phase_peak_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory since the last call (the counter restarts), or on CPU the peak
+    resident set size of the process so far (which cannot restart)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024

@@ -96,6 +96,11 @@ class FastSampler:
         """Device bytes of the engine beyond the model's tensors (KV cache, buffers, NF4 copies)."""
         return 0 if self.engine is None else self.engine.nbytes
 
+    def release(self) -> None:
+        """Give the KV cache and graph memory back between rollouts (the learner reuses it)."""
+        if self.engine is not None:
+            self.engine.release()
+
 
 def make_sampler(engine: str, model, tokenizer, device: torch.device):
     """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere)."""

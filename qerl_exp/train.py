@@ -167,9 +167,7 @@ def run(
     if separate_sampler:  # the rollout copy is memory the strategy pays for too
         sampler_bytes = memory_bytes(models.sampler)
         weights = {k: weights[k] + sampler_bytes[k] for k in weights}
-    load_peak = M.peak_memory_bytes(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    load_peak = M.phase_peak_bytes(device)
 
     def state(next_step: int) -> dict:
         return {
@@ -210,6 +208,10 @@ def run(
             with _phase("rollout"), aqn.applied(models.sampler):
                 rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
             rollout_s = time.perf_counter() - t_roll  # sample() returns decoded texts: synchronised
+            rollout_bytes = getattr(sampler, "nbytes", 0)
+            if hasattr(sampler, "release"):
+                sampler.release()
+            peaks = {"rollout": M.phase_peak_bytes(device)}
 
             # Rewards and group-normalized advantages.
             repeated = [p for p in problems for _ in range(G)]
@@ -238,6 +240,7 @@ def run(
             with _phase("learner"), aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
                 update = learner.update_policy(policy, opt, params, rollout, advantages, loss_mask, algo,
                                                cfg.train, ref_logp=ref_logp)
+            peaks["learner"] = M.phase_peak_bytes(device)  # the reference and monitor passes included
 
             lr = lr_sched.get_last_lr()[0]
             finite = update.skipped == 0
@@ -259,7 +262,7 @@ def run(
             step_metrics.update(M.logp_gap_metric(rollout.sampler_logp, update.logp, mask))
             step_metrics.update(M.noise_metrics(sigma, stage))
             step_metrics.update(M.optim_metrics(update.loss, update.grad_norm, lr, skipped=not finite))
-            step_metrics.update(M.memory_metrics(weights, device, getattr(sampler, "nbytes", 0), load_peak))
+            step_metrics.update(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks))
             phases = {"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
                       "optimizer": update.optimizer_s}
             step_metrics.update(M.perf_metrics(int(mask.sum()), time.perf_counter() - t_step, phases))

@@ -351,6 +351,9 @@ def test_engine_rejects_bad_backends_and_grows_to_a_larger_call():
     assert eng.max_batch_size == 3 and eng.max_seq_len >= ids.shape[1] + 20 and eng.nbytes > small
     fresh = FastEngine(model, 3, ids.shape[1] + 20, backend="torch")
     assert torch.equal(grown, fresh.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids)
+    fresh.release()  # the KV cache goes back to the allocator between rollouts, and is made again
+    assert fresh.cache is None and fresh.nbytes < eng.nbytes
+    assert torch.equal(grown, fresh.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -562,7 +562,8 @@ class FastEngine:
     def nbytes(self) -> int:
         """Device bytes the engine holds beyond the model's own tensors: the KV cache, per-batch
         buffers, workspaces, and the NF4 weights it laid out again."""
-        tensors = [self.cache.k, self.cache.v] + ([self.scratch] if self.scratch is not None else [])
+        tensors = ([self.cache.k, self.cache.v] if self.cache is not None else []) + \
+            ([self.scratch] if self.scratch is not None else [])
         for ly in self.m.layers:
             for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
                 tensors += [w for w in lin.weights if isinstance(w, K.PackedWeight) and w.fmt == "nf4"]
@@ -645,6 +646,16 @@ class FastEngine:
         g.replay()
         return logits
 
+    def release(self) -> None:
+        """Free the KV cache, the per-batch buffers and the captured graphs (their memory goes back
+        to torch's allocator, e.g. for the learner); the next `generate` makes them again."""
+        self.cache = None
+        self._states.clear()
+        self._graphs.clear()
+        self._prefills.clear()
+        self._prefill_seen.clear()
+        self._pool = None
+
     def _check_refs(self) -> None:
         if any(t.data_ptr() != p for t, p in self._refs):
             warnings.warn("FastEngine: a model tensor was re-allocated (not updated in place); rebuilding "
@@ -678,6 +689,8 @@ class FastEngine:
             self.cache = None
             self._build()
         self._check_refs()
+        if self.cache is None:  # after release()
+            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
         dev = self.m.embed.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
         greedy = temperature <= 0
