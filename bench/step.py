@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,7 @@ def task_file(path: Path, prompt_tokens: int, n: int = 64) -> None:
 def run_one(shape: str, strategy: str, workload: dict, steps: int, micro: int, data: Path, out: Path) -> dict:
     """Run one (shape, strategy) in its own process; return its per-step metrics, or the error."""
     run_dir = out / f"{shape}_{strategy}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # the bench owns its folder: a rerun measures anew
     args = [
         sys.executable, "-m", "qerl_exp", f"model=qwen2.5-{shape}-shape", f"strategy={strategy}", "lora=r32",
         "task=gsm8k", f"task.path={data}", f"train.steps={steps}", f"train.prompts_per_step={workload['prompts']}",
