@@ -9,7 +9,7 @@ RMSNorm scales, embeddings, lm_head), and its Triton kernels read them through a
 so an optimizer step on the LoRA parameters or AQN noise added in place to
 `input_layernorm.weight` / `post_attention_layernorm.weight` is seen by the next replay without a
 recapture. Frozen 4-bit bases (`FP4Linear` NVFP4/MXFP4, bitsandbytes NF4 `Linear4bit`) are
-re-laid out once, at build time, into the kernels' layout (`kernels.PackedWeight`). LoRA is
+re-laid out once, at build time, into the kernels' layout (`layout.PackedWeight`). LoRA is
 applied unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a referenced tensor is
 re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
 """
@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp.engine import kernels as K
+from qerl_exp.engine.launch import (SPLIT_MAX, LinearPlan, decode_attention, fused_linear, make_plan, norm_shrink,
+                                    prefill_epilogue, rope_cache)
+from qerl_exp.engine.layout import PackedWeight, relayout_nf4, relayout_nvfp4
+from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
+from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
 
 BACKENDS = ("auto", "torch", "triton")
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
@@ -59,14 +63,14 @@ class _Linear:
     """1-3 projections sharing one input (q/k/v; gate/up as GLU; o; down), as one launch."""
 
     fmt: str
-    weights: list  # Tensor (the model's own dense weight) or kernels.PackedWeight
+    weights: list  # Tensor (the model's own dense weight) or layout.PackedWeight
     biases: list
     lora_a: list | None  # the model's own LoRA A [r, K] per projection
     lora_b: list | None  # ... and B [N, r]
     scale: list
     r: int
     glu: bool
-    plan: K.LinearPlan | None = None
+    plan: LinearPlan | None = None
     a_tab: Tensor | None = None
 
 
@@ -117,7 +121,7 @@ def _base_weight(base: nn.Module):
     """(format, weight, bias): the dense weight itself, or the 4-bit one in the kernel layout."""
     if all(hasattr(base, a) for a in ("codes", "block_scales", "tensor_scale")):
         fmt = getattr(base, "format", "nvfp4")
-        return fmt, K.relayout_nvfp4(base.codes, base.block_scales, base.tensor_scale, fmt), base.bias
+        return fmt, relayout_nvfp4(base.codes, base.block_scales, base.tensor_scale, fmt), base.bias
     qs = getattr(getattr(base, "weight", None), "quant_state", None)
     if qs is not None:  # bitsandbytes Linear4bit
         import bitsandbytes.functional as bnbf
@@ -128,7 +132,7 @@ def _base_weight(base: nn.Module):
         absmax = qs.absmax
         if qs.nested:
             absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
-        return "nf4", K.relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
+        return "nf4", relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
     if isinstance(base, nn.Linear):
         return "dense", base.weight, base.bias
     raise TypeError(f"FastEngine cannot read a {type(base).__name__} projection")
@@ -154,7 +158,7 @@ def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
         lora_a, lora_b = [], []
         for (fw, w, _), lo in zip((p[0] for p in parts), loras):
             if lo is None:  # a projection without adapter in a group with one: zero LoRA
-                n = w.n if isinstance(w, K.PackedWeight) else w.shape[0]
+                n = w.n if isinstance(w, PackedWeight) else w.shape[0]
                 lo = (torch.zeros_like(ref), torch.zeros(n, r, dtype=ref.dtype, device=ref.device), 0.0)
             lora_a.append(lo[0])
             lora_b.append(lo[1])
@@ -263,12 +267,12 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
     """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection.
 
     As peft, the LoRA term and its addition run in the adapters' dtype (fp32 under a bf16 base),
-    here as one `addmm` into the base output. `scratch`: see `kernels.weight_of`.
+    here as one `addmm` into the base output. `scratch`: see `layout.weight_of`.
     """
     outs = []
     xa = x.to(lin.lora_a[0].dtype) if lin.lora_a is not None else None  # once for all segments
     for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
-        y = K.linear_ref(x, w, b, scratch)
+        y = linear_ref(x, w, b, scratch)
         if lin.lora_a is not None:
             a = lin.lora_a[s]
             t = F.linear(xa, a)
@@ -283,30 +287,30 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
 def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None) -> Tensor:
     """`_linear_torch(lin, x)` (+ residual) for the prefill, rounded at the same points: on the GPU
     each segment's cuBLAS output gets its LoRA term (GLU, residual) in one Triton pass over it
-    (`kernels.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
+    (`launch.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
     concatenation (H200, 7B bf16, 8 x 128 tokens: prefill 52.6 -> 37.9 ms). The fp32 LoRA sums
     may differ from addmm's in their last bits (another summation order)."""
-    if not (x.is_cuda and K.HAS_TRITON):
+    if not (x.is_cuda and HAS_TRITON):
         y = _linear_torch(lin, x, scratch)
         return y if residual is None else residual + y
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     res = residual.reshape(x.shape[0], -1) if residual is not None else None
-    ys = [K.linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
+    ys = [linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
     ts = bs = [None] * len(ys)
     if lin.lora_a is not None:  # one shrink for all segments
         t = F.linear(x.to(lin.lora_a[0].dtype), torch.cat(lin.lora_a) if len(lin.lora_a) > 1 else lin.lora_a[0])
         ts, bs = t.split(lin.r, dim=1), lin.lora_b
     if lin.glu:
         out = torch.empty_like(ys[0])
-        K.prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
-                           scale2=lin.scale[1], residual=res)
+        prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
+                         scale2=lin.scale[1], residual=res)
         return out.view(*lead, -1)
     out = torch.empty(x.shape[0], sum(y.shape[1] for y in ys), dtype=x.dtype, device=x.device)
     col = 0
     for y, t, b, sc in zip(ys, ts, bs, lin.scale):  # q, k, v: each into its columns, no concatenation
         cols = slice(col, col + y.shape[1])
-        K.prefill_epilogue(y, out[:, cols], t=t, b=b, scale=sc, residual=res[:, cols] if res is not None else None)
+        prefill_epilogue(y, out[:, cols], t=t, b=b, scale=sc, residual=res[:, cols] if res is not None else None)
         col = cols.stop
     return out.view(*lead, -1)
 
@@ -338,20 +342,20 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     x = F.embedding(ids, m.embed)
     g = m.hq // m.hkv
     for li, ly in enumerate(m.layers):
-        h = K.rms_norm_ref(x, ly.ln1, m.eps)
+        h = rms_norm_ref(x, ly.ln1, m.eps)
         qkv = _prefill_linear(ly.qkv, h, scratch)
         q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = K.rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
-        k = K.rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
+        q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
+        k = rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
         v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
         cache.k[li, :b, :, :p] = k
         cache.v[li, :b, :, :p] = v
         att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                              attn_mask=bias, scale=m.scaling)
         x = _prefill_linear(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d), scratch, residual=x)
-        x = _prefill_linear(ly.down, _prefill_linear(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch,
+        x = _prefill_linear(ly.down, _prefill_linear(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch,
                             residual=x)
-    return F.linear(K.rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
+    return F.linear(rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
 
 
 def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
@@ -363,15 +367,15 @@ def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
     x = F.embedding(st.tok, m.embed)  # [B, H]
     cos, sin = m.cos[st.pos][:, None], m.sin[st.pos][:, None]  # [B, 1, d]
     for li, ly in enumerate(m.layers):
-        qkv = _linear_torch(ly.qkv, K.rms_norm_ref(x, ly.ln1, m.eps))
+        qkv = _linear_torch(ly.qkv, rms_norm_ref(x, ly.ln1, m.eps))
         q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = K.rope_ref(q.view(b, m.hq, m.d), cos, sin)
-        k = K.rope_ref(k.view(b, m.hkv, m.d), cos, sin)
+        q = rope_ref(q.view(b, m.hq, m.d), cos, sin)
+        k = rope_ref(k.view(b, m.hkv, m.d), cos, sin)
         cache.k[li, :b].index_copy_(2, st.slot, k[:, :, None])
         cache.v[li, :b].index_copy_(2, st.slot, v.view(b, m.hkv, 1, m.d))
         x = x + _linear_torch(ly.o, _attend(q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling))
-        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps)))
-    return F.linear(K.rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
+        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps)))
+    return F.linear(rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
 
 
 def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
@@ -387,18 +391,18 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         t = st.t[li]  # [4, B, RT]
         lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        K.fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
-                       shrink=ly.qkv.a_tab, f16=f16)
-        K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
-        att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
-        K.fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
-                       ss_out=st.ss)
+        fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
+                     shrink=ly.qkv.a_tab, f16=f16)
+        rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
+        att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
+        fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
+                     ss_out=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
-        K.fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
-                       shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
-                       t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
-        K.fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
-    K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
+        fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
+                     shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
+                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
+        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
+    norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 
 
@@ -506,8 +510,8 @@ class FastEngine:
         self.seq_cap = -(-max_seq_len // 64) * 64  # cache length, aligned for the attention kernels
         dev = next(model.parameters()).device
         if backend == "auto":
-            backend = "triton" if dev.type == "cuda" and K.HAS_TRITON else "torch"
-        if backend == "triton" and not K.HAS_TRITON:
+            backend = "triton" if dev.type == "cuda" and HAS_TRITON else "torch"
+        if backend == "triton" and not HAS_TRITON:
             raise RuntimeError("backend='triton' needs the triton package")
         self.backend = backend
         self.use_graph = cuda_graph and dev.type == "cuda"
@@ -526,9 +530,9 @@ class FastEngine:
             self.m = build_model(self.model, self.seq_cap)
             dev = self.m.embed.device
             if self.backend == "triton":
-                widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
+                widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
                              for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-                ws = torch.zeros(K.SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
+                ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
                 raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
@@ -537,13 +541,13 @@ class FastEngine:
                             bufs = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
                                 self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
                                 for s, w in enumerate(lin.weights)]
-                        lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                               lin.r, lin.glu, dev, raw=bufs, workspace=ws)
+                        lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
+                                             lin.r, lin.glu, dev, raw=bufs, workspace=ws)
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
             packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
-                      if isinstance(w, K.PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
+                      if isinstance(w, PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
             self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
                 if packed else None
         self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
@@ -560,7 +564,7 @@ class FastEngine:
         rt = 16
         for ly in self.m.layers:
             for lin, nseg in ((ly.qkv, 3), (ly.o, 1), (ly.gate_up, 2), (ly.down, 1)):
-                rt = max(rt, K._pow2(nseg * K._pow2(lin.r)))
+                rt = max(rt, pow2(nseg * pow2(lin.r)))
         return rt
 
     def _state(self, b: int) -> _State:
