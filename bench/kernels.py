@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import kernels as K  # noqa: E402
+from qerl_exp.engine import launch, layout  # noqa: E402
+from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
 SHAPES_7B = [("qkv 3584x4608", 3584, 4608), ("o 3584x3584", 3584, 3584),
@@ -67,15 +68,16 @@ def time_eager(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def _packed(fmt: str, w: torch.Tensor) -> K.PackedWeight:
+def _packed(fmt: str, w: torch.Tensor) -> layout.PackedWeight:
     if fmt == "nvfp4":
-        return K.relayout_nvfp4(*K.quantize_nvfp4_reference(w))
-    lut = K.nf4_lut(w.device)
+        q = quantize_nvfp4(w)
+        return layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+    lut = layout.nf4_lut(w.device)
     n, k = w.shape
     am = w.float().reshape(n, -1, 64).abs().amax(-1)
     levels, _ = lut.sort()
     nib = torch.bucketize(w.float().reshape(n, -1, 64) / am[..., None], (levels[1:] + levels[:-1]) / 2)
-    return K.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
+    return layout.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
 
 
 def copies_for(nbytes: int) -> int:
@@ -88,11 +90,11 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws, nbytes = dense_copies, w.numel() * 2
     else:
         pw = packs[fmt]
-        ws = [pw] + [K.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
+        ws = [pw] + [layout.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
-    scratch = torch.zeros(K.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
-    return [K.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
+    scratch = torch.zeros(launch.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
+    return [launch.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
 
 
 def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -> list[tuple]:
@@ -127,7 +129,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -
                     plans, nbytes = _plans(fmt, w, packs, dense_copies)
                     deq = w.float() if fmt == "dense" else packs[fmt].dequantize()
                     ref = x.float() @ deq.t()
-                    fns = [lambda p=p: K.fused_linear(p, x, out, f16=mode == "f16") for p in plans]
+                    fns = [lambda p=p: launch.fused_linear(p, x, out, f16=mode == "f16") for p in plans]
                     t = time_graph(fns)
                     out.fill_(float("nan"))
                     fns[0]()
@@ -148,20 +150,20 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool
     plans, _ = _plans(fmt, w, packs, [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)])
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-    base = K.linear_config(m, n, k, fmt, n, False)
+    base = launch.linear_config(m, n, k, fmt, n, False)
     results = []
     for c in sweep_configs():
         cfg = {**base, **c}
         if n % cfg["BLOCK_N"] or (k // cfg["BLOCK_K"]) % cfg["SPLIT"]:
             continue
         try:
-            t = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16, config=cfg) for p in plans])
+            t = time_graph([lambda p=p: launch.fused_linear(p, x, out, f16=f16, config=cfg) for p in plans])
         except Exception as e:
             print(f"  sweep {name} {fmt} M={m} {c}: {type(e).__name__}", flush=True)
             continue
         results.append((t, cfg))
     results.sort(key=lambda r: r[0])
-    t0 = time_graph([lambda p=p: K.fused_linear(p, x, out, f16=f16) for p in plans])
+    t0 = time_graph([lambda p=p: launch.fused_linear(p, x, out, f16=f16) for p in plans])
     for t, cfg in results[:3]:
         print(f"  sweep {name} {fmt} M={m}: {t * 1e6:7.1f} us  {cfg}   (heuristic: {t0 * 1e6:.1f} us)", flush=True)
     return results[0][1] if results else None

@@ -14,8 +14,10 @@ from unittest import mock
 import pytest
 import torch
 
-from qerl_exp.engine import kernels as K
-from qerl_exp.engine.decode import FastEngine, sample
+from qerl_exp.engine import launch, layout, reference
+from qerl_exp.engine.decode import sample
+from qerl_exp.engine.fast_engine import FastEngine
+from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -68,8 +70,6 @@ def _quantize(model, fmt: str, dtype) -> None:
                 if lin is None:
                     continue
                 if fmt in ("nvfp4", "mxfp4"):
-                    from qerl_exp.quant.fp4 import FP4Linear
-
                     new = FP4Linear.from_linear(lin, fmt)
                 else:
                     import bitsandbytes as bnb
@@ -132,12 +132,10 @@ def hf_greedy(model, ids, mask, n):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp4_relayout_is_exact(fmt):
-    from qerl_exp.quant.fp4 import QUANTIZERS
-
     w = torch.randn(96, 128) * torch.logspace(-3, 1, 128)  # outliers and tiny blocks
     w[:, :16] = 0  # an all-zero block
     q = QUANTIZERS[fmt](w)
-    pw = K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt)
+    pw = layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt)
     shape = (96 // 16, 128 // 64, 512) if fmt == "nvfp4" else (128 // 32, 96, 16)
     assert pw.codes.shape == shape and pw.codes.dtype == torch.uint8
     assert torch.equal(pw.dequantize(), q.dequantize(torch.float32))
@@ -147,12 +145,10 @@ def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
     # byte 16 * lane + reg of (row block, chunk), lane = 4 r + c, reg = 8 b3 + 4 b2 + 2 b1 + b0, is
     # chunk byte j = 16 b3 + 8 b2 + 2 c + b0 of row 8 b1 + r; byte 2 h + b1 of scale entry 2 r + b3
     # is row 8 b1 + r's scale of block 2 h + b3 (blocks of 16 inputs)
-    from qerl_exp.quant.fp4 import quantize_nvfp4
-
     q = quantize_nvfp4(torch.randn(32, 128))
-    pw = K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+    pw = layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
     nib = torch.stack([q.codes & 15, q.codes >> 4], dim=-1).reshape(32, 128)
-    k64 = K._to_chunks(nib, "nvfp4", 64)  # [chunk, row, byte j]
+    k64 = layout._to_chunks(nib, "nvfp4", 64)  # [chunk, row, byte j]
     sc = q.block_scales.view(torch.uint8).reshape(32, 2, 4).to(torch.int32)  # [row, chunk, block]
     for rb, g, lane, reg in [(0, 0, 0, 0), (1, 1, 31, 15), (0, 1, 13, 6), (1, 0, 22, 9)]:
         r, c, b3, b2, b1, b0 = lane // 4, lane % 4, reg // 8, reg // 4 % 2, reg // 2 % 2, reg % 2
@@ -166,16 +162,10 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     # nvfp4_mma multiplies whole 64-row tiles of up to 8 rows; anything else stays on _splitk_kernel
     pytest.importorskip("triton")
     mma = pytest.importorskip("qerl_exp.engine.nvfp4_mma")
-    from qerl_exp.quant.fp4 import quantize_nvfp4
-
-    def packed(n, k):
-        q = quantize_nvfp4(torch.randn(n, k))
-        return K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
-
     def plan(sizes, fmt="nvfp4", k=128):
-        ws = [packed(n, k) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
-        return K.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False, torch.device("cpu"),
-                           workspace=torch.zeros(K.SPLIT_MAX, 16, sum(sizes)))
+        ws = [_nvfp4_packed(torch.randn(n, k)) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
+        return launch.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False,
+                                torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 16, sum(sizes)))
 
     assert mma.usable(plan([128, 64, 64]), 8)
     assert not mma.usable(plan([128, 64, 64]), 9)  # more rows: _splitk_kernel
@@ -200,17 +190,8 @@ def test_every_fp4_byte_decodes_through_the_kernel_bit_tricks():
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every (low, high) nibble pair
     codes = codes.repeat(1, 2)  # [16, 32] -> in = 64
     scales = torch.ones(16, 4, dtype=torch.float8_e4m3fn)
-    pw = K.relayout_nvfp4(codes, scales, 1.0)
-    assert torch.equal(pw.dequantize(), K.nvfp4_dequantize(codes, scales, 1.0))
-
-
-def test_reference_nvfp4_packer_matches_the_quant_module():
-    from qerl_exp.quant.fp4 import quantize_nvfp4
-
-    w = torch.randn(32, 64)
-    codes, bs, ts = K.quantize_nvfp4_reference(w)
-    ref = quantize_nvfp4(w)
-    assert torch.equal(K.nvfp4_dequantize(codes, bs, ts), ref.dequantize(torch.float32))
+    pw = layout.relayout_nvfp4(codes, scales, 1.0)
+    assert torch.equal(pw.dequantize(), FP4Tensor("nvfp4", codes, scales, torch.tensor(1.0)).dequantize())
 
 
 def test_nf4_relayout_matches_bitsandbytes():
@@ -377,21 +358,19 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                 elif fmt == "nf4":
                     ws.append(_to(_nf4_packed(w), device))
                 else:
-                    from qerl_exp.quant.fp4 import QUANTIZERS
-
                     q = QUANTIZERS[fmt](w)
-                    ws.append(_to(K.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt), device))
+                    ws.append(_to(layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale, fmt), device))
                 dense.append(ws[-1].double().cpu() if fmt in ("dense", "raw") else
-                             K.weight_of(ws[-1], torch.float64).double().cpu())
+                             layout.weight_of(ws[-1], torch.float64).double().cpu())
             bias = [None if glu else torch.randn(n).to(device, dtype) for n in segs]
             ldt = lora_dtype or dtype  # peft keeps adapters in fp32 under a bf16 base
             a = [(torch.randn(8, kk) * 0.1).to(device, ldt) for _ in segs]
             bb = [(torch.randn(n, 8) * 0.1).to(device, ldt) for n in segs]
             sc = [2.0] * len(segs)
             raw = [torch.empty(256, n, device=device, dtype=dtype) for n in segs] if fmt == "raw" else None
-            wsp = torch.full((K.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
-            plan = K.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device), raw=raw,
-                               workspace=wsp)
+            wsp = torch.full((launch.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
+            plan = launch.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device),
+                                    raw=raw, workspace=wsp)
             a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
             gamma = (1 + 0.1 * torch.randn(kk)).to(device, dtype)
             for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):
@@ -405,7 +384,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                     splits.append(None)
                 for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
                     use_norm = f16 != (split == 2)
-                    xd = (K.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()
+                    xd = (reference.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()
                     outs = []
                     for s, wd in enumerate(dense):
                         y = xd @ wd.T + (xd @ a[s].double().cpu().T) @ bb[s].double().cpu().T * 2.0
@@ -420,19 +399,19 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                     ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=device)
                     cfg = None
                     if split:
-                        cfg = {**K.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": split}
+                        cfg = {**launch.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": split}
                     # `norm_on_load` picks one path per shape; at 33 rows the one-slice cases take
                     # the other (a norm_shrink launch first), so both stay covered; so does the mma
                     # kernel at 8 rows (its rule: on load unless the launch has many tiles)
                     patch = nullcontext()
                     if m > 16 and split == 1:
-                        patch = mock.patch.object(K, "norm_on_load", lambda *_: False)
+                        patch = mock.patch.object(launch, "norm_on_load", lambda *_: False)
                     elif fmt == "nvfp4" and split is None and m == 8:
-                        patch = mock.patch.object(K._mma(), "norm_on_load", lambda *_: False)
+                        patch = mock.patch.object(launch.nvfp4_mma, "norm_on_load", lambda *_: False)
                     with patch:
-                        K.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16, config=cfg,
-                                       norm=(gamma, 1e-6, ss) if use_norm else None, shrink=a_tab,
-                                       ss_out=ss_out)
+                        launch.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16,
+                                            config=cfg, norm=(gamma, 1e-6, ss) if use_norm else None,
+                                            shrink=a_tab, ss_out=ss_out)
                     case = (fmt, glu, m, f16, split, use_norm)
                     tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
                     assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10, case
@@ -443,8 +422,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     x = torch.randn(5, 128).to(device, dtype)
     gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)
     h = torch.empty_like(x)
-    K.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
-    torch.testing.assert_close(h.float(), K.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
+    launch.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
+    torch.testing.assert_close(h.float(), reference.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
     hq, hkv, d, b, s = 4, 2, 32, 3, 16
     qkv = torch.randn(b, (hq + 2 * hkv) * d).to(device, dtype)
     ang = torch.arange(s)[:, None] * torch.rand(d // 2)[None]
@@ -455,11 +434,11 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     q = torch.empty(b, hq, d, device=device, dtype=dtype)
     kc = torch.zeros(4, hkv, s, d, device=device, dtype=dtype)
     vc = torch.zeros_like(kc)
-    K.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
+    launch.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
     qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], 1)
     c, sn = cos[pos][:, None], sin[pos][:, None]
-    torch.testing.assert_close(q, K.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
-    torch.testing.assert_close(kc[:b, :, 11], K.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(q, reference.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc[:b, :, 11], reference.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(vc[:b, :, 11], vr.view(b, hkv, d))
     # decode attention over the live slots pad[b]..slot, against SDPA with the engine's mask
     from qerl_exp.engine.decode import _attend
@@ -470,7 +449,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     pad, slot = torch.tensor([0, 3, 70], device=device), torch.tensor([90], device=device)
     live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
     mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
-    att = K.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
+    att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
     torch.testing.assert_close(att, _attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
     # the prefill epilogue (LoRA term, GLU, residual on cuBLAS outputs) into a column slice, against
     # float64 with the model-dtype roundings where HF rounds
@@ -496,23 +475,29 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             kw.update(residual=res)
             ref = rnd(g + res.double())
         out = torch.full((m, n + 48), float("nan"), device=device, dtype=dtype)
-        K.prefill_epilogue(y, out[:, 16:16 + n], **kw)
+        launch.prefill_epilogue(y, out[:, 16:16 + n], **kw)
         torch.testing.assert_close(out[:, 16:16 + n].double(), ref.to(device), rtol=tol, atol=tol)
         assert out[:, :16].isnan().all() and out[:, 16 + n:].isnan().all()
 
 
-def _nf4_packed(w: torch.Tensor) -> K.PackedWeight:
+def _nvfp4_packed(w: torch.Tensor) -> layout.PackedWeight:
+    """w [n, k] quantized to NVFP4 by `qerl_exp.quant`, in the kernels' layout."""
+    q = quantize_nvfp4(w)
+    return layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
+
+
+def _nf4_packed(w: torch.Tensor) -> layout.PackedWeight:
     """w [n, k] rounded to NF4 with one absmax per 64 inputs, in the kernels' layout."""
     n, k = w.shape
-    lut = K.nf4_lut()
+    lut = layout.nf4_lut()
     am = w.reshape(n, -1, 64).abs().amax(-1)
     nib = ((w.reshape(n, -1, 64) / am[..., None]).unsqueeze(-1) - lut).abs().argmin(-1)
-    return K.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
+    return layout.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
 
 
-def _to(pw: K.PackedWeight, device) -> K.PackedWeight:
-    return K.PackedWeight(pw.fmt, pw.codes.to(device), pw.scales.to(device), pw.out_scale, pw.n, pw.k,
-                          None if pw.lut is None else pw.lut.to(device))
+def _to(pw: layout.PackedWeight, device) -> layout.PackedWeight:
+    return layout.PackedWeight(pw.fmt, pw.codes.to(device), pw.scales.to(device), pw.out_scale, pw.n, pw.k,
+                               None if pw.lut is None else pw.lut.to(device))
 
 
 def _interp_main() -> None:
@@ -542,6 +527,25 @@ def test_triton_kernels_and_engine_in_the_interpreter():
     proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env,
                           timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "INTERPRETER CHECKS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
+    # Set at import, TRITON_INTERPRET leaked into every subprocess; unset, Triton kernels cannot take
+    # CPU tensors, and fused_linear says so in one line instead of failing inside Triton
+    pytest.importorskip("triton")
+    code = ("import os, torch\n"
+            "from qerl_exp.engine import FastEngine, launch\n"
+            "assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET set by an import'\n"
+            "plan = launch.make_plan('dense', [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device('cpu'),"
+            " workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))\n"
+            "launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "
+        "before triton is imported, or use FastEngine(backend='torch')"), proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,11 +588,11 @@ def test_gpu_fp32_models_get_fp32_products():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     w, a, b = torch.randn(64, 256, device=dev), torch.randn(8, 256, device=dev), torch.randn(64, 8, device=dev)
-    plan = K.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
-                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
+    plan = launch.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
+                            workspace=torch.zeros(launch.SPLIT_MAX, 16, 64, device=dev))
     x = torch.randn(5, 256, device=dev)
     t, out = torch.zeros(5, 16, device=dev), torch.empty(5, 64, device=dev)
-    K.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
+    launch.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
     xd = x.double()
     ref = xd @ w.double().T + (xd @ a.double().T) @ b.double().T * 0.5
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
@@ -603,13 +607,13 @@ def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     w = torch.randn(64, 256) * 0.1
-    pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)) if fmt == "nvfp4" else _nf4_packed(w), dev)
-    plan = K.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
-                       workspace=torch.zeros(K.SPLIT_MAX, 16, 64, device=dev))
+    pw = _to(_nvfp4_packed(w) if fmt == "nvfp4" else _nf4_packed(w), dev)
+    plan = launch.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
+                            workspace=torch.zeros(launch.SPLIT_MAX, 16, 64, device=dev))
     x = (torch.randn(8, 256, device=dev) * 3e4).to(torch.bfloat16)  # |x| up to ~1e5
     assert x.float().abs().max() > 65520
-    out = K.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16), f16=True)
-    ref = x.double() @ K.weight_of(pw, torch.float64).T
+    out = launch.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16), f16=True)
+    ref = x.double() @ layout.weight_of(pw, torch.float64).T
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -618,10 +622,10 @@ def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
 @needs_cuda
 def test_gpu_nvfp4_dequantize_kernel_is_exact():
     w = torch.randn(192, 256) * torch.logspace(-3, 1, 256)  # outliers and tiny blocks
-    pw = _to(K.relayout_nvfp4(*K.quantize_nvfp4_reference(w)), "cuda")
-    ref = K.dequantize_packed(pw)  # the torch twin
-    assert torch.equal(K.weight_of(pw, torch.float32), ref)
-    assert torch.equal(K.weight_of(pw, torch.bfloat16), ref.to(torch.bfloat16))
+    pw = _to(_nvfp4_packed(w), "cuda")
+    ref = layout.dequantize_packed(pw)  # the torch twin
+    assert torch.equal(layout.weight_of(pw, torch.float32), ref)
+    assert torch.equal(layout.weight_of(pw, torch.bfloat16), ref.to(torch.bfloat16))
 
 
 @gpu

@@ -8,7 +8,7 @@ The engine holds the HF model's own tensors (dense base weights, LoRA A/B, RMSNo
 embeddings, lm_head), and its Triton kernels read them through address tables, so an optimizer
 step on the LoRA parameters or AQN noise added in place to `input_layernorm.weight` /
 `post_attention_layernorm.weight` is seen by the next replay without a recapture. `FP4Linear`
-bases (NVFP4/MXFP4) convert themselves to the kernels' layout (`kernels.PackedWeight`) and the
+bases (NVFP4/MXFP4) convert themselves to the kernels' layout (`layout.PackedWeight`) and the
 learner decodes from it too: one copy. bitsandbytes NF4 `Linear4bit` bases are re-laid out once,
 at build time, into a second copy (`FastEngine.nbytes` counts it with the KV cache). LoRA is
 applied unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a referenced tensor is
@@ -17,16 +17,17 @@ re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
 
 from __future__ import annotations
 
-import math
-import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp.engine import kernels as K
+from qerl_exp.engine.launch import (LinearPlan, decode_attention, fused_linear, norm_shrink,
+                                    prefill_epilogue, rope_cache)
+from qerl_exp.engine.layout import PackedWeight, relayout_nf4
+from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
+from qerl_exp.engine.triton_kernels import HAS_TRITON
 
 BACKENDS = ("auto", "torch", "triton")
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
@@ -60,14 +61,14 @@ class _Linear:
     """1-3 projections sharing one input (q/k/v; gate/up as GLU; o; down), as one launch."""
 
     fmt: str
-    weights: list  # Tensor (the model's own dense weight) or kernels.PackedWeight
+    weights: list  # Tensor (the model's own dense weight) or layout.PackedWeight
     biases: list
     lora_a: list | None  # the model's own LoRA A [r, K] per projection
     lora_b: list | None  # ... and B [N, r]
     scale: list
     r: int
     glu: bool
-    plan: K.LinearPlan | None = None
+    plan: LinearPlan | None = None
     a_tab: Tensor | None = None
 
 
@@ -130,7 +131,7 @@ def _base_weight(base: nn.Module):
         absmax = qs.absmax
         if qs.nested:
             absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
-        return "nf4", K.relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
+        return "nf4", relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
     if isinstance(base, nn.Linear):
         return "dense", base.weight, base.bias
     raise TypeError(f"FastEngine cannot read a {type(base).__name__} projection")
@@ -156,7 +157,7 @@ def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
         lora_a, lora_b = [], []
         for (fw, w, _), lo in zip((p[0] for p in parts), loras):
             if lo is None:  # a projection without adapter in a group with one: zero LoRA
-                n = w.n if isinstance(w, K.PackedWeight) else w.shape[0]
+                n = w.n if isinstance(w, PackedWeight) else w.shape[0]
                 lo = (torch.zeros_like(ref), torch.zeros(n, r, dtype=ref.dtype, device=ref.device), 0.0)
             lora_a.append(lo[0])
             lora_b.append(lo[1])
@@ -265,12 +266,12 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
     """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection.
 
     As peft, the LoRA term and its addition run in the adapters' dtype (fp32 under a bf16 base),
-    here as one `addmm` into the base output. `scratch`: see `kernels.weight_of`.
+    here as one `addmm` into the base output. `scratch`: see `layout.weight_of`.
     """
     outs = []
     xa = x.to(lin.lora_a[0].dtype) if lin.lora_a is not None else None  # once for all segments
     for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
-        y = K.linear_ref(x, w, b, scratch)
+        y = linear_ref(x, w, b, scratch)
         if lin.lora_a is not None:
             a = lin.lora_a[s]
             t = F.linear(xa, a)
@@ -285,30 +286,30 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
 def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None) -> Tensor:
     """`_linear_torch(lin, x)` (+ residual) for the prefill, rounded at the same points: on the GPU
     each segment's cuBLAS output gets its LoRA term (GLU, residual) in one Triton pass over it
-    (`kernels.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
+    (`launch.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
     concatenation (H200, 7B bf16, 8 x 128 tokens: prefill 52.6 -> 37.9 ms). The fp32 LoRA sums
     may differ from addmm's in their last bits (another summation order)."""
-    if not (x.is_cuda and K.HAS_TRITON):
+    if not (x.is_cuda and HAS_TRITON):
         y = _linear_torch(lin, x, scratch)
         return y if residual is None else residual + y
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     res = residual.reshape(x.shape[0], -1) if residual is not None else None
-    ys = [K.linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
+    ys = [linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
     ts = bs = [None] * len(ys)
     if lin.lora_a is not None:  # one shrink for all segments
         t = F.linear(x.to(lin.lora_a[0].dtype), torch.cat(lin.lora_a) if len(lin.lora_a) > 1 else lin.lora_a[0])
         ts, bs = t.split(lin.r, dim=1), lin.lora_b
     if lin.glu:
         out = torch.empty_like(ys[0])
-        K.prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
-                           scale2=lin.scale[1], residual=res)
+        prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
+                         scale2=lin.scale[1], residual=res)
         return out.view(*lead, -1)
     out = torch.empty(x.shape[0], sum(y.shape[1] for y in ys), dtype=x.dtype, device=x.device)
     col = 0
     for y, t, b, sc in zip(ys, ts, bs, lin.scale):  # q, k, v: each into its columns, no concatenation
         cols = slice(col, col + y.shape[1])
-        K.prefill_epilogue(y, out[:, cols], t=t, b=b, scale=sc, residual=res[:, cols] if res is not None else None)
+        prefill_epilogue(y, out[:, cols], t=t, b=b, scale=sc, residual=res[:, cols] if res is not None else None)
         col = cols.stop
     return out.view(*lead, -1)
 
@@ -340,20 +341,20 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     x = F.embedding(ids, m.embed)
     g = m.hq // m.hkv
     for li, ly in enumerate(m.layers):
-        h = K.rms_norm_ref(x, ly.ln1, m.eps)
+        h = rms_norm_ref(x, ly.ln1, m.eps)
         qkv = _prefill_linear(ly.qkv, h, scratch)
         q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = K.rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
-        k = K.rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
+        q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
+        k = rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
         v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
         cache.k[li, :b, :, :p] = k
         cache.v[li, :b, :, :p] = v
         att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                              attn_mask=bias, scale=m.scaling)
         x = _prefill_linear(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d), scratch, residual=x)
-        x = _prefill_linear(ly.down, _prefill_linear(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch,
+        x = _prefill_linear(ly.down, _prefill_linear(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch,
                             residual=x)
-    return F.linear(K.rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
+    return F.linear(rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
 
 
 def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
@@ -365,15 +366,15 @@ def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
     x = F.embedding(st.tok, m.embed)  # [B, H]
     cos, sin = m.cos[st.pos][:, None], m.sin[st.pos][:, None]  # [B, 1, d]
     for li, ly in enumerate(m.layers):
-        qkv = _linear_torch(ly.qkv, K.rms_norm_ref(x, ly.ln1, m.eps))
+        qkv = _linear_torch(ly.qkv, rms_norm_ref(x, ly.ln1, m.eps))
         q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = K.rope_ref(q.view(b, m.hq, m.d), cos, sin)
-        k = K.rope_ref(k.view(b, m.hkv, m.d), cos, sin)
+        q = rope_ref(q.view(b, m.hq, m.d), cos, sin)
+        k = rope_ref(k.view(b, m.hkv, m.d), cos, sin)
         cache.k[li, :b].index_copy_(2, st.slot, k[:, :, None])
         cache.v[li, :b].index_copy_(2, st.slot, v.view(b, m.hkv, 1, m.d))
         x = x + _linear_torch(ly.o, _attend(q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling))
-        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, K.rms_norm_ref(x, ly.ln2, m.eps)))
-    return F.linear(K.rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
+        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps)))
+    return F.linear(rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
 
 
 def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
@@ -389,18 +390,18 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         t = st.t[li]  # [4, B, RT]
         lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        K.fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
-                       shrink=ly.qkv.a_tab, f16=f16)
-        K.rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
-        att = K.decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
-        K.fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
-                       ss_out=st.ss)
+        fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
+                     shrink=ly.qkv.a_tab, f16=f16)
+        rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
+        att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
+        fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
+                     ss_out=st.ss)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
-        K.fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
-                       shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
-                       t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
-        K.fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
-    K.norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
+        fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
+                     shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
+                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
+        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
+    norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 
 
@@ -466,263 +467,3 @@ def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:
         if (i + 1) % check_every == 0 and bool(st.done.all()):
             return i + 1
     return n
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine
-# ---------------------------------------------------------------------------------------------
-
-
-class FastEngine:
-    """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
-    optionally peft LoRA), with the decode step in a CUDA graph on GPUs.
-
-    Args:
-        model: the HF causal LM (or a peft model around it). Its tensors are referenced, not copied.
-        max_batch_size: most sequences per `generate` call (the KV cache is sized for it).
-        max_seq_len: most prompt + new tokens per sequence.
-        backend: "triton" (fused kernels; CUDA, or the Triton interpreter on CPU), "torch"
-            (plain torch ops, cuBLAS for dense and dequantize + matmul for 4-bit weights), or
-            "auto" (triton on CUDA when Triton is installed, torch otherwise).
-        cuda_graph: capture the decode step (CUDA only).
-        f16_dot: NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16). NVFP4
-            always does (exact for its weights).
-        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel) or
-            "cublas" (cuBLAS into a buffer); both finish with the Triton epilogue (bias, LoRA,
-            residual, GLU).
-
-    Example:
-        >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
-        >>> out = engine.generate(ids, mask, 256, temperature=1.0, eos_id=tok.eos_token_id,
-        ...                       pad_id=tok.pad_token_id)
-        >>> out.completion_ids.shape  # [64, T], T <= 256
-    """
-
-    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
-                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "triton"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
-        self.model = model
-        self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
-        self.seq_cap = -(-max_seq_len // 64) * 64  # cache length, aligned for the attention kernels
-        dev = next(model.parameters()).device
-        if backend == "auto":
-            backend = "triton" if dev.type == "cuda" and K.HAS_TRITON else "torch"
-        if backend == "triton" and not K.HAS_TRITON:
-            raise RuntimeError("backend='triton' needs the triton package")
-        self.backend = backend
-        self.use_graph = cuda_graph and dev.type == "cuda"
-        self.f16_dot = f16_dot
-        if dense_gemm not in ("cublas", "triton"):
-            raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: cublas, triton")
-        self.dense_gemm = dense_gemm
-        self.cache: _Cache | None = None
-        self.build_s = 0.0
-        self.capture_s = 0.0
-        self._build()
-
-    def _build(self) -> None:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            self.m = build_model(self.model, self.seq_cap)
-            dev = self.m.embed.device
-            if self.backend == "triton":
-                widest = max(sum(w.n if isinstance(w, K.PackedWeight) else w.shape[0] for w in lin.weights)
-                             for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-                ws = torch.zeros(K.SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
-                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
-                for ly in self.m.layers:
-                    for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
-                        bufs = None
-                        if lin.fmt == "dense" and self.dense_gemm == "cublas":
-                            bufs = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
-                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
-                                for s, w in enumerate(lin.weights)]
-                        lin.plan = K.make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                               lin.r, lin.glu, dev, raw=bufs, workspace=ws)
-                        if lin.lora_a is not None:
-                            lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
-            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
-            packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
-                      if isinstance(w, K.PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
-            self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
-                if packed else None
-        self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
-        self._states: dict[int, _State] = {}
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._prefills: dict[tuple, tuple] = {}  # (B, P) -> (graph, its ids, mask and logits buffers)
-        self._prefill_seen: set = set()
-        self._pool = None
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        self.build_s = time.perf_counter() - t0
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes the engine holds beyond the model's own tensors: the KV cache, per-batch
-        buffers, workspaces, and the NF4 weights it laid out again."""
-        tensors = ([self.cache.k, self.cache.v] if self.cache is not None else []) + \
-            ([self.scratch] if self.scratch is not None else [])
-        for ly in self.m.layers:
-            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
-                tensors += [w for w in lin.weights if isinstance(w, K.PackedWeight) and w.fmt == "nf4"]
-                if lin.plan is not None and lin.plan.workspace is not None:
-                    tensors.append(lin.plan.workspace)
-        for st in self._states.values():
-            tensors += [v for v in vars(st).values() if isinstance(v, Tensor)]
-        seen, total = set(), 0
-        for t in tensors:
-            key = (t.codes.data_ptr(), t.scales.data_ptr()) if isinstance(t, K.PackedWeight) else t.data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.nbytes if isinstance(t, K.PackedWeight) else t.numel() * t.element_size()
-        return total
-
-    def _rt(self) -> int:
-        rt = 16
-        for ly in self.m.layers:
-            for lin, nseg in ((ly.qkv, 3), (ly.o, 1), (ly.gate_up, 2), (ly.down, 1)):
-                rt = max(rt, K._pow2(nseg * K._pow2(lin.r)))
-        return rt
-
-    def _state(self, b: int) -> _State:
-        if b not in self._states:
-            self._states[b] = _State(self.m, b, self.seq_cap, self._rt())
-        return self._states[b]
-
-    def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
-        return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
-
-    def _capture(self, fn, reset, warmups: int):
-        """(CUDA graph of `fn()` in the engine's memory pool, what the captured call returned), after
-        `warmups` runs on a side stream (Triton compilation, cuBLAS workspaces); `reset()` runs before
-        each of them and before the capture, outside the graph."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmups):
-                reset()
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        reset()
-        with torch.cuda.graph(g, pool=self._pool):
-            out = fn()
-        torch.cuda.synchronize()
-        self.capture_s += time.perf_counter() - t0
-        return g, out
-
-    def _graph(self, st: _State, greedy: bool, use_top_p: bool):
-        key = (st.b, greedy, use_top_p)
-        if key not in self._graphs:
-            def reset():
-                st.slot.zero_()
-                st.step.zero_()
-
-            self._graphs[key], _ = self._capture(self._step_fn(st, greedy, use_top_p), reset, warmups=2)
-        return self._graphs[key]
-
-    def _prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
-        """`prefill()`, replayed from a CUDA graph when a (batch, prompt length) comes back: run eagerly
-        it is bound by launching ~90 small ops a layer. A shape is captured on its second call (one
-        seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run eagerly."""
-        key = tuple(ids.shape)
-        if not self.use_graph:
-            return prefill(self.m, self.cache, ids, mask, self.scratch)
-        if key not in self._prefills:
-            if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
-                self._prefill_seen.add(key)
-                return prefill(self.m, self.cache, ids, mask, self.scratch)
-            bufs = ids.clone(), mask.clone()
-            g, logits = self._capture(lambda: prefill(self.m, self.cache, *bufs, self.scratch), lambda: None, warmups=1)
-            self._prefills[key] = (g, *bufs, logits)
-        g, ids_buf, mask_buf, logits = self._prefills[key]
-        ids_buf.copy_(ids)
-        mask_buf.copy_(mask)
-        g.replay()
-        return logits
-
-    def release(self) -> None:
-        """Free the KV cache, the per-batch buffers and the captured graphs (their memory goes back
-        to torch's allocator, e.g. for the learner); the next `generate` makes them again."""
-        self.cache = None
-        self._states.clear()
-        self._graphs.clear()
-        self._prefills.clear()
-        self._prefill_seen.clear()
-        self._pool = None
-
-    def _check_refs(self) -> None:
-        if any(t.data_ptr() != p for t, p in self._refs):
-            warnings.warn("FastEngine: a model tensor was re-allocated (not updated in place); rebuilding "
-                          "the engine and its CUDA graphs", stacklevel=3)
-            self._build()
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> GenerateOutput:
-        """Sample completions for left-padded prompts.
-
-        Args:
-            prompt_ids: long [B, P], left-padded. prompt_mask: [B, P], 1 on real tokens.
-            max_new_tokens: most tokens sampled per sequence.
-            temperature: softmax temperature; 0 means greedy.
-            top_p: nucleus filter (HF semantics); 1 disables it.
-            eos_id: a sequence stops after emitting it (EOS kept in the completion).
-            pad_id: fills completions after their EOS.
-            generator: makes sampling reproducible (on CUDA it seeds the graph's RNG for the call
-                and restores the global CUDA RNG state afterwards).
-
-        Returns:
-            `GenerateOutput` with T = the longest completion (at most max_new_tokens).
-        """
-        b, p = prompt_ids.shape
-        if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
-            # Grow to what this call needs (KV cache, buffers and graphs are made anew).
-            self.max_batch_size = max(b, self.max_batch_size)
-            self.max_seq_len = max(p + max_new_tokens, self.max_seq_len)
-            self.seq_cap = -(-self.max_seq_len // 64) * 64
-            self.cache = None
-            self._build()
-        self._check_refs()
-        if self.cache is None:  # after release()
-            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
-        dev = self.m.embed.device
-        ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
-        greedy = temperature <= 0
-        use_top_p = (not greedy) and top_p < 1.0
-        st = self._state(b)
-        graph = self._graph(st, greedy, use_top_p) if self.use_graph else None
-        rng = None
-        if generator is not None and dev.type == "cuda":
-            rng = torch.cuda.get_rng_state(dev)
-            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
-        st.generator = generator if dev.type != "cuda" else None
-        try:
-            st.temperature.fill_(temperature if not greedy else 1.0)
-            st.top_p.fill_(top_p)
-            st.eos.fill_(eos_id)
-            st.pad_id.fill_(pad_id)
-            st.done.zero_()
-            st.step.zero_()
-            logits = self._prefill(ids, mask)
-            st.pad.copy_(p - mask.long().sum(1))
-            st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
-            st.pos.copy_(p - 1 - st.pad)
-            _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
-            step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
-            n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
-        finally:
-            if rng is not None:
-                torch.cuda.set_rng_state(rng, dev)
-        t = max(1, int(st.out_mask[:, :n].sum(1).max()))
-        return GenerateOutput(
-            completion_ids=st.out_tok[:, :t].clone(),
-            completion_mask=st.out_mask[:, :t].clone(),
-            logprobs=st.out_lp[:, :t].clone(),
-            entropy=st.out_ent[:, :t].clone(),
-        )

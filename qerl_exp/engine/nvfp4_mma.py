@@ -1,10 +1,11 @@
 """The NVFP4 split-K kernel for decode shapes on the GPU: mma.sync with the weights loaded straight
 into its A fragments (Gluon, Triton with explicit layouts; sm_89 and later, for the e4m3 conversion).
 
-`kernels._splitk_kernel` computes the same K slices for every format and under the interpreter;
-on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (H200, docs/engine.md):
+`triton_kernels._splitk_kernel` computes the same K slices for every format and under the
+interpreter; on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (H200,
+docs/engine.md):
 - no shared memory for the weights: the codes are stored in the fragment order of
-  `mma.sync.m16n8k16` (`kernels.relayout_nvfp4`), so each thread reads the 16 bytes it multiplies
+  `mma.sync.m16n8k16` (`layout.relayout_nvfp4`), so each thread reads the 16 bytes it multiplies
   with one 16-byte load, two chunks ahead, and decodes them in registers into its A fragment
   (a layout relabelling, checked trivial at compile time);
 - each warp streams its 16 rows' K slice from one contiguous run of codes and scales, and the
@@ -26,14 +27,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from qerl_exp.engine import kernels as K
+from qerl_exp.engine.ptx import e2m1x4_asm
+from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
 
-MAX_M = 8  # rows up to which `kernels.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
+MAX_M = 8  # rows up to which `launch.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
 BLOCK_N = 64  # weight rows a program: 4 warps x 16
 MAX_REGS = 56  # registers a thread (ptxas' maxnreg): 9 programs of 128 threads fit an SM's 65536
 RESIDENT = 65536 // (MAX_REGS * 128)  # programs an SM holds at once
 MIN_CPS = 4  # chunks of 64 inputs a K slice takes at least
-_ASM = gl.constexpr(K.e2m1x4_asm(4, 8, scale_word=True))  # code word broadcast over $4..$7, scales $8..$11
+_ASM = gl.constexpr(e2m1x4_asm(4, 8, scale_word=True))  # code word broadcast over $4..$7, scales $8..$11
 
 
 @gluon.jit
@@ -136,7 +138,7 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     c0 = pid_k * CPS
     n_chunks = gl.minimum(CPS, K // 64 - c0)  # the last slice may be shorter
     seg, start = _segment(n0, N1, N2, NSEG)
-    # 16-byte aligned (`kernels.make_plan` checks): without the hint the code and scale loads
+    # 16-byte aligned (`launch.make_plan` checks): without the hint the code and scale loads
     # split into 4-byte ones
     c_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32)), 16)
     s_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32)), 16)
@@ -235,7 +237,7 @@ def tiles(plan) -> int:
 
 
 def norm_on_load(plan, sms: int) -> bool:
-    """Whether the tiles normalise x and shrink it on load (else `kernels.norm_shrink` first): every
+    """Whether the tiles normalise x and shrink it on load (else `launch.norm_shrink` first): every
     tile normalises its K slice again, which a launch of many tiles pays many times. H200, 7B, 8
     rows, kernel time a linear: gate/up (592 tiles) 38.2 us on load against 28.9 + 4.8 after a
     norm_shrink launch; q/k/v (72 tiles) 11.2 against 6.3 + 6.0; o (56, shrink only) 7.2 against
@@ -259,22 +261,22 @@ def split_of(plan, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple
 def launch(plan, x, t, norm, shrink, sms: int):
     """K slices of x' @ W^T into the workspace (and the LoRA shrink into t with `shrink`).
 
-    Returns (slices, ws): the slices as `kernels._linear_kernel` sums them, a [slices, m, n] view of
-    plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
+    Returns (slices, ws): the slices as `triton_kernels._linear_kernel` sums them, a [slices, m, n]
+    view of plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
     nt = tiles(plan)
-    R = K._pow2(plan.r)
+    R = pow2(plan.r)
     nsh = plan.nseg * R // 16 if shrink is not None else 0
     n_shrink = nsh * (plan.k // 64)  # one program a (16 columns of t, chunk)
     flat = plan.workspace.view(-1)
     split, cps = split_of(plan, sms, flat.numel() // (m * nt * BLOCK_N), n_shrink)
     ws = flat[: split * m * nt * BLOCK_N].view(split, m, nt * BLOCK_N)
-    ns_args, t_pad = K.norm_shrink_args(x, norm, shrink, t)
+    ns_args, t_pad = norm_shrink_args(x, norm, shrink, t)
     grid = (n_shrink + nt * split,)
     nvfp4_splitk_kernel[grid](
         x, x.stride(0), plan.tab, ws, ws.stride(1), ws.stride(0), *ns_args,
         m, plan.k, plan.n1, plan.n2, cps, nt, nsh, max(plan.r, 1),
-        NSEG=plan.nseg, NORM=norm is not None, R=R, LDT=K._tl_dtype(plan.lora_dtype or x.dtype),
+        NSEG=plan.nseg, NORM=norm is not None, R=R, LDT=tl_dtype(plan.lora_dtype or x.dtype),
         T_PAD=t_pad, BLOCK_M=MAX_M, num_warps=4, maxnreg=MAX_REGS,
     )
     return split, ws

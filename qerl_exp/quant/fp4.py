@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_exp.engine.kernels import PackedWeight, relayout_nvfp4, weight_of
+from qerl_exp.engine.layout import PackedWeight, relayout_nvfp4, weight_of
 
 FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
@@ -318,7 +318,7 @@ class FP4Linear(nn.Linear):
         return FP4Tensor(self.format, self.codes, self.block_scales, self.tensor_scale)
 
     def kernel_weight(self) -> PackedWeight:
-        """The weight in the engine kernels' layout (`qerl_exp.engine.kernels.PackedWeight`).
+        """The weight in the engine kernels' layout (`qerl_exp.engine.layout.PackedWeight`).
 
         On CUDA the layer converts itself (once; its storage-layout buffers are freed), so that the
         engine and the learner read one copy. On the CPU a converted copy is returned and the layer

@@ -1,0 +1,275 @@
+"""`FastEngine`: owns the static KV cache, the per-batch buffers and the captured CUDA graphs of the
+decode step (`qerl_exp.engine.decode` holds the free functions it runs), and `generate`.
+
+Sized by its constructor and grown by a larger call; `release()` gives the cache and graph memory
+back between rollouts (the learner reuses it) and the next `generate` makes them again.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _advance, _Cache, _State, _tracked,
+                                    build_model, decode_n_tokens, decode_one_token, prefill, sample, setup_caches)
+from qerl_exp.engine.launch import SPLIT_MAX, make_plan
+from qerl_exp.engine.layout import PackedWeight
+from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
+
+
+class FastEngine:
+    """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
+    optionally peft LoRA), with the decode step in a CUDA graph on GPUs.
+
+    Args:
+        model: the HF causal LM (or a peft model around it). Its tensors are referenced, not copied.
+        max_batch_size: most sequences per `generate` call (the KV cache is sized for it).
+        max_seq_len: most prompt + new tokens per sequence.
+        backend: "triton" (fused kernels; CUDA, or the Triton interpreter on CPU), "torch"
+            (plain torch ops, cuBLAS for dense and dequantize + matmul for 4-bit weights), or
+            "auto" (triton on CUDA when Triton is installed, torch otherwise).
+        cuda_graph: capture the decode step (CUDA only).
+        f16_dot: NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16). NVFP4
+            always does (exact for its weights).
+        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel) or
+            "cublas" (cuBLAS into a buffer); both finish with the Triton epilogue (bias, LoRA,
+            residual, GLU).
+
+    Example:
+        >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
+        >>> out = engine.generate(ids, mask, 256, temperature=1.0, eos_id=tok.eos_token_id,
+        ...                       pad_id=tok.pad_token_id)
+        >>> out.completion_ids.shape  # [64, T], T <= 256
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
+                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "triton"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.seq_cap = -(-max_seq_len // 64) * 64  # cache length, aligned for the attention kernels
+        dev = next(model.parameters()).device
+        if backend == "auto":
+            backend = "triton" if dev.type == "cuda" and HAS_TRITON else "torch"
+        if backend == "triton" and not HAS_TRITON:
+            raise RuntimeError("backend='triton' needs the triton package")
+        self.backend = backend
+        self.use_graph = cuda_graph and dev.type == "cuda"
+        self.f16_dot = f16_dot
+        if dense_gemm not in ("cublas", "triton"):
+            raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: cublas, triton")
+        self.dense_gemm = dense_gemm
+        self.cache: _Cache | None = None
+        self.build_s = 0.0
+        self.capture_s = 0.0
+        self._build()
+
+    def _build(self) -> None:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.m = build_model(self.model, self.seq_cap)
+            dev = self.m.embed.device
+            if self.backend == "triton":
+                widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
+                             for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+                ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
+                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
+                for ly in self.m.layers:
+                    for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
+                        bufs = None
+                        if lin.fmt == "dense" and self.dense_gemm == "cublas":
+                            bufs = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
+                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
+                                for s, w in enumerate(lin.weights)]
+                        lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
+                                             lin.r, lin.glu, dev, raw=bufs, workspace=ws)
+                        if lin.lora_a is not None:
+                            lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
+            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
+            packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
+                      if isinstance(w, PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
+            self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
+                if packed else None
+        self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
+        self._states: dict[int, _State] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefills: dict[tuple, tuple] = {}  # (B, P) -> (graph, its ids, mask and logits buffers)
+        self._prefill_seen: set = set()
+        self._pool = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.build_s = time.perf_counter() - t0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the engine holds beyond the model's own tensors: the KV cache, per-batch
+        buffers, workspaces, and the NF4 weights it laid out again."""
+        tensors = ([self.cache.k, self.cache.v] if self.cache is not None else []) + \
+            ([self.scratch] if self.scratch is not None else [])
+        for ly in self.m.layers:
+            for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
+                tensors += [w for w in lin.weights if isinstance(w, PackedWeight) and w.fmt == "nf4"]
+                if lin.plan is not None and lin.plan.workspace is not None:
+                    tensors.append(lin.plan.workspace)
+        for st in self._states.values():
+            tensors += [v for v in vars(st).values() if isinstance(v, Tensor)]
+        seen, total = set(), 0
+        for t in tensors:
+            key = (t.codes.data_ptr(), t.scales.data_ptr()) if isinstance(t, PackedWeight) else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
+        return total
+
+    def _rt(self) -> int:
+        rt = 16
+        for ly in self.m.layers:
+            for lin, nseg in ((ly.qkv, 3), (ly.o, 1), (ly.gate_up, 2), (ly.down, 1)):
+                rt = max(rt, pow2(nseg * pow2(lin.r)))
+        return rt
+
+    def _state(self, b: int) -> _State:
+        if b not in self._states:
+            self._states[b] = _State(self.m, b, self.seq_cap, self._rt())
+        return self._states[b]
+
+    def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
+        return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
+
+    def _capture(self, fn, reset, warmups: int):
+        """(CUDA graph of `fn()` in the engine's memory pool, what the captured call returned), after
+        `warmups` runs on a side stream (Triton compilation, cuBLAS workspaces); `reset()` runs before
+        each of them and before the capture, outside the graph."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                reset()
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        reset()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = fn()
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        return g, out
+
+    def _graph(self, st: _State, greedy: bool, use_top_p: bool):
+        key = (st.b, greedy, use_top_p)
+        if key not in self._graphs:
+            def reset():
+                st.slot.zero_()
+                st.step.zero_()
+
+            self._graphs[key], _ = self._capture(self._step_fn(st, greedy, use_top_p), reset, warmups=2)
+        return self._graphs[key]
+
+    def _prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """`prefill()`, replayed from a CUDA graph when a (batch, prompt length) comes back: run eagerly
+        it is bound by launching ~90 small ops a layer. A shape is captured on its second call (one
+        seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run eagerly."""
+        key = tuple(ids.shape)
+        if not self.use_graph:
+            return prefill(self.m, self.cache, ids, mask, self.scratch)
+        if key not in self._prefills:
+            if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
+                self._prefill_seen.add(key)
+                return prefill(self.m, self.cache, ids, mask, self.scratch)
+            bufs = ids.clone(), mask.clone()
+            g, logits = self._capture(lambda: prefill(self.m, self.cache, *bufs, self.scratch), lambda: None, warmups=1)
+            self._prefills[key] = (g, *bufs, logits)
+        g, ids_buf, mask_buf, logits = self._prefills[key]
+        ids_buf.copy_(ids)
+        mask_buf.copy_(mask)
+        g.replay()
+        return logits
+
+    def release(self) -> None:
+        """Free the KV cache, the per-batch buffers and the captured graphs (their memory goes back
+        to torch's allocator, e.g. for the learner); the next `generate` makes them again."""
+        self.cache = None
+        self._states.clear()
+        self._graphs.clear()
+        self._prefills.clear()
+        self._prefill_seen.clear()
+        self._pool = None
+
+    def _check_refs(self) -> None:
+        if any(t.data_ptr() != p for t, p in self._refs):
+            warnings.warn("FastEngine: a model tensor was re-allocated (not updated in place); rebuilding "
+                          "the engine and its CUDA graphs", stacklevel=3)
+            self._build()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> GenerateOutput:
+        """Sample completions for left-padded prompts.
+
+        Args:
+            prompt_ids: long [B, P], left-padded. prompt_mask: [B, P], 1 on real tokens.
+            max_new_tokens: most tokens sampled per sequence.
+            temperature: softmax temperature; 0 means greedy.
+            top_p: nucleus filter (HF semantics); 1 disables it.
+            eos_id: a sequence stops after emitting it (EOS kept in the completion).
+            pad_id: fills completions after their EOS.
+            generator: makes sampling reproducible (on CUDA it seeds the graph's RNG for the call
+                and restores the global CUDA RNG state afterwards).
+
+        Returns:
+            `GenerateOutput` with T = the longest completion (at most max_new_tokens).
+        """
+        b, p = prompt_ids.shape
+        if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
+            # Grow to what this call needs (KV cache, buffers and graphs are made anew).
+            self.max_batch_size = max(b, self.max_batch_size)
+            self.max_seq_len = max(p + max_new_tokens, self.max_seq_len)
+            self.seq_cap = -(-self.max_seq_len // 64) * 64
+            self.cache = None
+            self._build()
+        self._check_refs()
+        if self.cache is None:  # after release()
+            self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
+        dev = self.m.embed.device
+        ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        greedy = temperature <= 0
+        use_top_p = (not greedy) and top_p < 1.0
+        st = self._state(b)
+        graph = self._graph(st, greedy, use_top_p) if self.use_graph else None
+        rng = None
+        if generator is not None and dev.type == "cuda":
+            rng = torch.cuda.get_rng_state(dev)
+            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        st.generator = generator if dev.type != "cuda" else None
+        try:
+            st.temperature.fill_(temperature if not greedy else 1.0)
+            st.top_p.fill_(top_p)
+            st.eos.fill_(eos_id)
+            st.pad_id.fill_(pad_id)
+            st.done.zero_()
+            st.step.zero_()
+            logits = self._prefill(ids, mask)
+            st.pad.copy_(p - mask.long().sum(1))
+            st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
+            st.pos.copy_(p - 1 - st.pad)
+            _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
+            step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
+            n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
+        finally:
+            if rng is not None:
+                torch.cuda.set_rng_state(rng, dev)
+        t = max(1, int(st.out_mask[:, :n].sum(1).max()))
+        return GenerateOutput(
+            completion_ids=st.out_tok[:, :t].clone(),
+            completion_mask=st.out_mask[:, :t].clone(),
+            logprobs=st.out_lp[:, :t].clone(),
+            entropy=st.out_ent[:, :t].clone(),
+        )
