@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> float:
             print(f"error: job {hc.job.num} failed: {message}", file=sys.stderr)
             raise
         fail(message, code=1)
-    print(f"run dir: {run_dir}  final reward: {summary['reward/final']:.3f}")
+    print(f"run dir: {run_dir}  final reward: {summary['reward/final']:.3f} (mean of the last quarter of steps)")
     return summary["reward/final"]
 
 

@@ -114,6 +114,13 @@ def preflight(cfg: Config) -> None:
         if not torch.cuda.is_available():
             key = "train.device=cuda" if cfg.train.device == "cuda" else "rollout.engine=fast"
             raise ConfigError(f"{key} needs a CUDA device and none is visible; use {key.split('=')[0]}={'cpu' if key.startswith('train') else 'hf'}")
+    if cfg.noise.resample == "forward" and cfg.noise.schedule != "none":
+        import torch
+
+        auto_fast = cfg.rollout.engine == "auto" and cfg.train.device != "cpu" and torch.cuda.is_available()
+        if cfg.rollout.engine == "fast" or auto_fast:
+            raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
+                              "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
 
 
 def quiet_third_party_logs() -> None:

@@ -171,13 +171,15 @@ class NoiseConfig:
         sigma: the constant sigma of `fixed`, and the initial sigma of `adaptive`.
         sigma_start: sigma of stage 1 of the decaying schedules.
         sigma_end: sigma the decaying schedules decay toward.
-        num_stages: K, the number of equal stages the training steps are split into; stage 0 is
-            noise-free.
+        num_stages: K, the number of equal stages the training steps are split into; stage 0 of
+            the decaying schedules (`exp`, `linear`, `cosine`, `log`) is noise-free, as in the
+            paper; `fixed` and `adaptive` inject from the first step (`noise/stage` is still logged).
         denominator: `paper` interpolates with (k-1)/(K-1), `code` with (k-1)/(K-2) as in the
             released code, so that its last stage reaches sigma_end exactly.
         include_final_norm: also perturb the final `model.norm` (the paper does not).
         resample: `step` draws one noise vector per rollout step (paper), `forward` draws anew
-            for every forward pass of the sampler.
+            for every forward pass of the sampler (HF engine only: the fast engine's captured decode
+            step cannot, and such a run is refused before it starts).
         apply_to: `sampler` (paper) or `both` (the learner's forward is noisy too, same draw).
         target: adaptive only: the measured quantity to steer, `entropy` (sampler entropy) or
             `entropy_gain`.
@@ -265,8 +267,12 @@ class AlgoConfig:
         loss_agg: `token` averages the loss over all completion tokens of the batch (DAPO);
             `sequence` averages within each completion, then over completions (GRPO).
         scale_rewards: divide advantages by the group's reward std (both GRPO and DAPO do).
-        beta: coefficient of the k3 KL penalty to the reference policy; 0 in QeRL. The KL is
+        beta: coefficient of the KL penalty to the reference policy; 0 in QeRL. The KL is
             logged either way.
+        kl_estimator: the per-token penalty when beta > 0. `k3`: exp(r) - r - 1, r = logp_ref -
+            logp; its value estimates KL(policy || ref) but its gradient is that of KL(ref ||
+            policy). `k3_ratio`: k3 times the ratio pi / pi_old (gradient through the ratio), as
+            TRL's `use_bias_correction_kl`; its gradient is that of KL(policy || ref).
         entropy_coef: entropy bonus coefficient; 0 in QeRL, offered as an extension.
         filter_zero_std: drop groups whose rewards are all equal from the loss (DAPO's dynamic
             sampling, without refilling).
@@ -290,6 +296,7 @@ class AlgoConfig:
     loss_agg: str = "sequence"
     scale_rewards: bool = True
     beta: float = 0.0
+    kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     filter_zero_std: bool = False
     temperature: float = 1.0
@@ -305,6 +312,7 @@ class AlgoConfig:
         _check(self.tis_cap >= 0, f"algo.tis_cap must be >= 0, got {self.tis_cap}")
         _choice("algo.name", self.name, ("grpo", "dapo"))
         _choice("algo.loss_agg", self.loss_agg, ("token", "sequence"))
+        _choice("algo.kl_estimator", self.kl_estimator, ("k3", "k3_ratio"))
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
         _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")

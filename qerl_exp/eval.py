@@ -31,45 +31,18 @@ Metrics (all over the held-out problems):
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from qerl_exp.checkpoint import load_adapter
+from qerl_exp import metrics as M
 from qerl_exp.config import Config, EvalConfig, as_dict, to_config
 from qerl_exp.rollout import encode_prompts
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased estimate of pass@k from `n` samples of which `c` are correct.
-
-    The probability that at least one of `k` samples drawn without replacement from the `n` is
-    correct: `1 - C(n - c, k) / C(n, k)` (Chen et al. 2021, "Evaluating Large Language Models
-    Trained on Code").
-
-    Args:
-        n: samples drawn for the problem.
-        c: correct samples among them.
-        k: the k of pass@k; at most `n`.
-
-    Returns:
-        The estimate in [0, 1].
-
-    Example:
-        >>> pass_at_k(n=4, c=1, k=2)
-        0.5
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def _device(policy) -> torch.device:
@@ -166,21 +139,10 @@ def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n
     rewards = [sum(fn(t, p) for fn in task.rewards.values()) for t, p in zip(greedy, problems)]
     rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": ok, "solution_logp": float(lp)}
             for p, t, ok, lp in zip(problems, greedy, is_correct, logp)]
-    metrics = {
-        "eval/pass@1": float(np.mean(is_correct)),
-        "eval/format": float(np.mean(in_format)) if in_format else float("nan"),
-        "eval/reward": float(np.mean(rewards)),
-        "eval/clipped_ratio": float(1 - np.mean(terminated)),
-        "eval/solution_logp": float(logp.mean()),
-        "eval/problems": float(len(problems)),
-    }
-    if k:
-        counts = [sum(correct(t, p) > 0 for t in sampled[i * n:(i + 1) * n]) for i, p in enumerate(problems)]
-        metrics[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
-        metrics[f"eval/mean@{n}"] = float(np.sum(counts) / (n * len(problems)))
-        for row, c in zip(rows, counts):
-            row["samples_correct"] = f"{c}/{n}"
-    metrics["eval/seconds"] = time.perf_counter() - start
+    counts = [sum(correct(t, p) > 0 for t in sampled[i * n:(i + 1) * n]) for i, p in enumerate(problems)] if k else []
+    for row, c in zip(rows, counts):
+        row["samples_correct"] = f"{c}/{n}"
+    metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - start)
     return metrics, rows
 
 

@@ -130,7 +130,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (+ beta * k3 KL - entropy_coef * entropy), before aggregation.
+    """Per-token clipped surrogate (+ beta * KL estimate - entropy_coef * entropy), before aggregation.
 
     Args:
         logp: `[B, T]` learner log-probs of the sampled tokens (with grad).
@@ -154,7 +154,8 @@ def policy_loss(
     if algo.tis_cap > 0:
         per_token = per_token * torch.exp(old_logp - sampler_logp).clamp(max=algo.tis_cap)
     if algo.beta > 0:
-        per_token = per_token + algo.beta * kl_k3(logp, ref_logp)
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + algo.beta * (kl * ratio if algo.kl_estimator == "k3_ratio" else kl)
     if algo.entropy_coef > 0:
         per_token = per_token - algo.entropy_coef * entropy
     return per_token, ratio.detach()

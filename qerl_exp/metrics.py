@@ -33,14 +33,27 @@ these functions; it never builds metric names itself. Token means are over compl
 | mem/rollout_peak_bytes, mem/learner_peak_bytes | CUDA: the step's peak in the rollout, and in the reference, monitor and learner passes |
 | loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
+| noise/target_error | `noise=adaptive` only: the controller's set point minus the measured entropy (or entropy gain) |
+| eval/pass@1, eval/pass@k, eval/mean@n, eval/format, eval/reward, eval/clipped_ratio, eval/solution_logp, eval/problems, eval/seconds | held-out evaluation (`eval.every`, `python -m qerl_exp.eval`): greedy exact-answer accuracy, unbiased pass@k over n samples, their mean accuracy, greedy format rate, reward, truncation rate, mean log-prob of the reference solutions, problem count, wall time |
+
+Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
+steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
+`reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
+`mem/*`, `warmup/greedy_accuracy`, `steps`.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 
+import numpy as np
 import torch
+
+# A run's final score is the mean of a metric over the last quarter of its steps: in summary.json
+# (`reward/final`), on the console line, and as the sweep's default objective.
+FINAL_FRACTION = 0.25
 
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -165,3 +178,85 @@ def phase_peak_bytes(device: torch.device) -> int:
         return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def final_window(steps: int, fraction: float = FINAL_FRACTION) -> int:
+    """How many trailing steps a final score averages for a run of `steps` steps."""
+    return max(1, min(steps, math.ceil(fraction * steps - 1e-9)))
+
+
+def noise_controller_metrics(target_error: float) -> dict[str, float]:
+    """The adaptive noise controller's set point minus its measurement (nan when not measured)."""
+    return {"noise/target_error": target_error}
+
+
+def eval_metrics(is_correct: list[bool], in_format: list[bool], rewards: list[float], terminated: list[bool],
+                 solution_logp: torch.Tensor, counts: list[int], n: int, k: int, seconds: float) -> dict[str, float]:
+    """Held-out evaluation: greedy pass@1 (`is_correct`, `in_format`, `rewards`, `terminated` per problem,
+    from the greedy completion), the reference solutions' mean log-prob, and, when `k`, the unbiased
+    pass@k and mean@n from `counts` (correct samples of `n` per problem)."""
+    out = {
+        "eval/pass@1": float(np.mean(is_correct)),
+        "eval/format": float(np.mean(in_format)) if in_format else float("nan"),
+        "eval/reward": float(np.mean(rewards)),
+        "eval/clipped_ratio": float(1 - np.mean(terminated)),
+        "eval/solution_logp": float(solution_logp.mean()),
+        "eval/problems": float(len(is_correct)),
+    }
+    if k:
+        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
+        out[f"eval/mean@{n}"] = float(np.sum(counts) / (n * len(counts)))
+    out["eval/seconds"] = seconds
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from `n` samples of which `c` are correct.
+
+    The probability that at least one of `k` samples drawn without replacement from the `n` is
+    correct: `1 - C(n - c, k) / C(n, k)` (Chen et al. 2021, "Evaluating Large Language Models
+    Trained on Code").
+
+    Args:
+        n: samples drawn for the problem.
+        c: correct samples among them.
+        k: the k of pass@k; at most `n`.
+
+    Returns:
+        The estimate in [0, 1].
+
+    Example:
+        >>> pass_at_k(n=4, c=1, k=2)
+        0.5
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def run_summary(history: list[dict[str, float]], warmup_accuracy: float) -> dict[str, float]:
+    """`summary.json` from the per-step metrics: the final reward (mean over the last
+    `FINAL_FRACTION` of the steps) and the best, the means of entropy, speed and noise metrics, the
+    last evaluation, the largest memory figures, and the embedded model's warm-up accuracy."""
+    def series(name):
+        return [h[name] for h in history if isinstance(h.get(name), (int, float)) and math.isfinite(h[name])]
+
+    rewards = series("reward")
+    out = {"steps": len(history), "reward/final": float(np.mean(rewards[-final_window(len(rewards)):])),
+           "reward/best": float(np.max(rewards))}
+    for name in ("entropy", "sampler/entropy", "entropy_gain", "quant/kl", "perf/rollout_tok_s", "perf/step_s"):
+        values = series(name)
+        if values:
+            out[f"{name}/mean"] = float(np.mean(values))
+    for name in sorted({k for h in history for k in h if k.startswith("eval/")}):
+        values = series(name)
+        if values:
+            out[name] = values[-1]
+    for name in sorted({k for h in history for k in h if k.startswith("mem/")}):
+        values = series(name)
+        if values:
+            out[name] = float(max(values))
+    out["warmup/greedy_accuracy"] = warmup_accuracy
+    return out

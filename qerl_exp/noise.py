@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qerl_exp.config import NoiseConfig
+from qerl_exp.metrics import noise_controller_metrics
 
 
 def stage_of(step: int, total_steps: int, num_stages: int) -> int:
@@ -81,11 +82,11 @@ class Schedule:
             return {}
         measured = metrics.get("sampler/entropy" if self.cfg.target == "entropy" else "entropy_gain")
         if measured is None or not math.isfinite(measured):
-            return {"noise/target_error": float("nan")}
+            return noise_controller_metrics(float("nan"))
         error = self.cfg.target_value - measured
         step = self.cfg.gain * error / max(abs(self.cfg.target_value), 1e-3)
         self.sigma = min(max(self.sigma * math.exp(step), self.cfg.sigma_min), self.cfg.sigma_max)
-        return {"noise/target_error": error}
+        return noise_controller_metrics(error)
 
     def state_dict(self) -> dict:
         return {"sigma": self.sigma}

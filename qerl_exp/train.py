@@ -63,29 +63,6 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
     return f
 
 
-def summarize(history: list[dict[str, float]]) -> dict[str, float]:
-    """Run summary from the per-step metrics: final (mean of the last 10%) and best reward, means."""
-    def series(name):
-        return [h[name] for h in history if isinstance(h.get(name), (int, float)) and math.isfinite(h[name])]
-
-    rewards = series("reward")
-    tail = rewards[-max(1, len(rewards) // 10):]
-    out = {"steps": len(history), "reward/final": float(np.mean(tail)), "reward/best": float(np.max(rewards))}
-    for name in ("entropy", "sampler/entropy", "entropy_gain", "quant/kl", "perf/rollout_tok_s", "perf/step_s"):
-        values = series(name)
-        if values:
-            out[f"{name}/mean"] = float(np.mean(values))
-    for name in sorted({k for h in history for k in h if k.startswith("eval/")}):
-        values = series(name)
-        if values:
-            out[name] = values[-1]
-    for name in ("mem/weights_bytes", "mem/quantized_linear_bytes", "mem/peak_bytes"):
-        values = series(name)
-        if values:
-            out[name] = float(max(values))
-    return out
-
-
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
@@ -284,7 +261,7 @@ def run(
                 on_step(step, step_metrics)
 
         checkpoint.save(run_dir / "final", policy, state(cfg.train.steps))
-        summary = {**summarize(history), "warmup/greedy_accuracy": models.base_info.get("greedy_accuracy", float("nan"))}
+        summary = M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan")))
         tracker.finish(summary)
         return summary
     except BaseException:

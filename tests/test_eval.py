@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT
 from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
-from qerl_exp.eval import EvalArgs, evaluate, evaluate_run, load_run, pass_at_k, solution_logprobs
+from qerl_exp.eval import EvalArgs, evaluate, evaluate_run, load_run, solution_logprobs
+from qerl_exp.metrics import pass_at_k
 
 # A run small enough to train in seconds: the suite's cached embedded model (conftest's
 # `tiny_policy` warms up the same one), 2 RL steps of 2 prompts x 4 completions, no reference

@@ -84,3 +84,22 @@ def test_completion_mask_keeps_tokens_through_the_first_eos():
     mask, terminated = completion_mask(ids, eos_id=2)
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert terminated.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("estimator, direction", [("k3", "ref||policy"), ("k3_ratio", "policy||ref")])
+def test_kl_estimators_have_the_gradient_their_docs_name(estimator, direction):
+    """Exact expectation over every token of a categorical policy (weights pi, detached): the
+    penalty's gradient equals the analytic gradient of the KL in the named direction."""
+    torch.manual_seed(0)
+    theta = torch.randn(7, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(7), -1)
+    logp_all = torch.log_softmax(theta, -1)
+    weight = logp_all.exp().detach()  # E_pi[f] = sum_y pi(y) f(y), the sampling distribution fixed
+    algo = AlgoConfig(beta=1.0, kl_estimator=estimator, loss_agg="token")
+    per_token, _ = policy_loss(logp_all.view(1, 7), logp_all.detach().view(1, 7), torch.zeros(1), algo,
+                               ref_logp=ref.view(1, 7))
+    (grad,) = torch.autograd.grad((weight * per_token.view(7)).sum(), theta)
+    p, logp = torch.softmax(theta, -1), torch.log_softmax(theta, -1)
+    exact = (p * (logp - ref)).sum() if direction == "policy||ref" else (ref.exp() * (ref - logp)).sum()
+    (want,) = torch.autograd.grad(exact, theta)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)

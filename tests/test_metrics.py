@@ -96,3 +96,22 @@ def test_monitor_metrics_against_direct_computation():
     kl = (p * (torch.log_softmax(ref_logits, -1) - torch.log_softmax(sampler_logits, -1))).sum(-1)
     assert got["quant/kl"] == pytest.approx(kl[keep].mean().item(), rel=1e-5)
     assert got["quant/kl"] >= 0
+
+
+def test_one_final_score_for_the_summary_the_console_and_the_sweep():
+    from qerl_exp.sweep.spec import Objective
+
+    rewards = [float(i) for i in range(10)]
+    summary = M.run_summary([{"step": i, "reward": r} for i, r in enumerate(rewards)], float("nan"))
+    assert summary["reward/final"] == pytest.approx((7 + 8 + 9) / 3)  # the last quarter: ceil(2.5) steps
+    assert Objective("reward").value(rewards, steps=10) == summary["reward/final"]
+
+
+def test_eval_metrics_against_direct_counts():
+    got = M.eval_metrics([True, False, True, True], [True, True, False, True], [2.2, 0.2, 2.0, 2.2],
+                         [True, True, False, True], torch.tensor([-1.0, -3.0]), counts=[2, 0, 4, 1], n=4, k=2,
+                         seconds=1.5)
+    assert got["eval/pass@1"] == 0.75 and got["eval/format"] == 0.75 and got["eval/clipped_ratio"] == 0.25
+    assert got["eval/solution_logp"] == -2.0 and got["eval/problems"] == 4 and got["eval/mean@4"] == 7 / 16
+    want = sum(M.pass_at_k(4, c, 2) for c in (2, 0, 4, 1)) / 4
+    assert got["eval/pass@2"] == pytest.approx(want)

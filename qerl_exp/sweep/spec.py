@@ -25,6 +25,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from qerl_exp.cli import CONF_DIR, UsageError, compose_config, expand_sweep, group_options, validate
+from qerl_exp.metrics import FINAL_FRACTION, final_window
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",
@@ -49,20 +50,23 @@ class Objective:
         direction: `maximize` or `minimize`.
         reduce: `mean` averages the last `last` steps; `auc` is the area under the whole curve
             divided by its length (trapezoids), so it rewards learning early.
-        last: `mean` only: the fraction in (0, 1] of the run's steps, counted from its end.
+        last: `mean` only: the fraction in (0, 1] of the run's steps, counted from its end; the
+            default is the window of a run's `reward/final` (`metrics.FINAL_FRACTION`).
         last_steps: `mean` only: a number of steps instead (takes precedence over `last`).
     """
 
     metric: str
     direction: str = "maximize"
     reduce: str = "mean"
-    last: float = 0.25
+    last: float = FINAL_FRACTION
     last_steps: int | None = None
 
     def window(self, steps: int) -> int:
-        """How many trailing steps `mean` averages for a run of `steps` steps."""
-        n = self.last_steps if self.last_steps is not None else math.ceil(self.last * steps - 1e-9)
-        return max(1, min(steps, n))
+        """How many trailing steps `mean` averages for a run of `steps` steps (by default the window
+        of a run's `reward/final`, `metrics.final_window`)."""
+        if self.last_steps is not None:
+            return max(1, min(steps, self.last_steps))
+        return final_window(steps, self.last)
 
     def value(self, series: list[float], steps: int) -> float:
         """The objective of one run (or of its first steps so far) from the metric's per-step values."""
@@ -338,7 +342,7 @@ def _objectives(spec: dict, where: str) -> list[Objective]:
             raise UsageError(f"{at}: unknown field '{sorted(extra)[0]}'; valid: metric, direction, reduce, last, last_steps")
         last_steps = None if o.get("last_steps") is None else _int(o["last_steps"], f"{at}: last_steps", 1)
         obj = Objective(o["metric"], str(o.get("direction", "maximize")), str(o.get("reduce", "mean")),
-                        _num(o.get("last", 0.25), at), last_steps)
+                        _num(o.get("last", FINAL_FRACTION), at), last_steps)
         if obj.direction not in ("maximize", "minimize"):
             raise UsageError(f"{at}: direction={obj.direction!r}; choose maximize or minimize")
         if obj.reduce not in REDUCES:
