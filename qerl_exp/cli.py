@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from qerl_exp.config import Config, ConfigError, register_configs, to_config
+from qerl_exp.logs import quiet
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -97,7 +98,8 @@ def preflight(cfg: Config) -> None:
     for key, fmt in (("quant.format", cfg.quant.format), ("rollout.quant", cfg.rollout.quant)):
         if fmt == "nf4":
             try:
-                import bitsandbytes  # noqa: F401
+                with quiet(cfg.verbose):
+                    import bitsandbytes  # noqa: F401
             except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
                 raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
                                   "pip install bitsandbytes, or choose quant=nvfp4") from None
@@ -114,16 +116,6 @@ def preflight(cfg: Config) -> None:
         if not torch.cuda.is_available():
             key = "train.device=cuda" if cfg.train.device == "cuda" else "rollout.engine=fast"
             raise ConfigError(f"{key} needs a CUDA device and none is visible; use {key.split('=')[0]}={'cpu' if key.startswith('train') else 'hf'}")
-
-
-def quiet_third_party_logs() -> None:
-    """Hide import-time chatter of optional backends (torchao, bitsandbytes' CPU kernels hub)."""
-    import logging
-    import warnings
-
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "transformers.modeling_utils"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.cli import UsageError, fail, quiet_third_party_logs
+from qerl_exp.cli import UsageError, fail
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
 from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, worker_main
 
@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
     quiet_optuna()
-    quiet_third_party_logs()  # validation may import bitsandbytes (nf4 preflight)
     spec_path, rest = argv[0], argv[1:]
     try:
         plan = load_plan(Path(spec_path), rest)

@@ -506,10 +506,8 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
 
 def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
     """Entry of a worker process started by the sweep command."""
-    from qerl_exp.cli import quiet_third_party_logs
     from qerl_exp.sweep.spec import load_plan
 
-    quiet_third_party_logs()
     try:
         plan = load_plan(Path(spec_path), argv, check_config=False)
     except UsageError as e:
