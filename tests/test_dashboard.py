@@ -75,6 +75,7 @@ def test_dashboard_serves_the_study_page_and_api_then_stops(tmp_path):
         assert [t["values"] for t in detail["trials"]] == [[v] for v in values]
         assert {p["name"] for p in detail["trials"][0]["params"]} == {"noise.sigma_start", "noise.num_stages"}
         assert detail["best_trials"][0]["values"] == [max(values)]
+        assert detail["objective_names"] == ["reward"]  # objectives are labelled by metric
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         try:

@@ -180,6 +180,8 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
                          f"the spec {plan.directions}; use another study_name=")
     identity = _identity(plan)
     with claim_lock(plan):
+        if study.metric_names is None:  # dashboards then label the objectives by metric, not "Objective 0"
+            study.set_metric_names([o.metric for o in plan.objectives])
         recorded = study.user_attrs.get(ATTR)
         if recorded is None:
             study.set_user_attr(ATTR, {"identity": identity, "spec": json.loads(json.dumps(plan.spec, default=str)),
