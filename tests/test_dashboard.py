@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
+from test_sweep_postgres import postgres, require_server  # noqa: F401 - the server fixture
 
 SPEC = """\
 base: [train.steps=4]
@@ -26,15 +28,16 @@ n_trials: 3
 """
 
 
-def _study(tmp_path: Path) -> tuple[Path, str, list[float]]:
-    """A real study in SQLite, made the way the sweep makes it, with three told trials."""
+def _study(tmp_path: Path, storage: str = "", name: str = "tiny_sweep") -> tuple[Path, str, list[float]]:
+    """A real study (SQLite unless `storage` is given), made the way the sweep makes it, with three
+    told trials."""
     from qerl_exp.sweep.spec import load_plan, suggest
     from qerl_exp.sweep.study import open_storage, open_study
 
     spec = tmp_path / "tiny_sweep.yaml"
     spec.write_text(SPEC)
-    storage = f"sqlite:///{tmp_path / 'db' / 'study.db'}"
-    plan = load_plan(spec, [f"storage={storage}", f"sweep_dir={tmp_path / 'out'}"], check_config=False)
+    storage = storage or f"sqlite:///{tmp_path / 'db' / 'study.db'}"
+    plan = load_plan(spec, [f"storage={storage}", f"study_name={name}", f"sweep_dir={tmp_path / 'out'}"], check_config=False)
     study = open_study(plan, open_storage(plan), create=True)
     values = [0.25, 0.5, 0.125]
     for v in values:
@@ -54,14 +57,17 @@ def _get(url: str) -> tuple[int, str, str]:
         return r.status, r.headers.get("Content-Type", ""), r.read().decode()
 
 
-def test_dashboard_serves_the_study_page_and_api_then_stops(tmp_path):
-    spec, storage, values = _study(tmp_path)
-    proc = _dashboard(str(spec), f"storage={storage}", "port=0")
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_dashboard_serves_the_study_page_and_api_then_stops(tmp_path, backend, request):
+    name = "tiny_sweep" if backend == "sqlite" else f"dash_{uuid.uuid4().hex[:8]}"
+    storage = require_server(request.getfixturevalue("postgres")) if backend == "postgresql" else ""
+    spec, storage, values = _study(tmp_path, storage, name)
+    proc = _dashboard(str(spec), f"storage={storage}", f"study_name={name}", "port=0")
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "the dashboard printed no address within 120 s"
         line = proc.stdout.readline()
-        m = re.fullmatch(r"optuna-dashboard: study 'tiny_sweep' \(3 trials, sqlite:///\S+\) at "
+        m = re.fullmatch(rf"optuna-dashboard: study '{name}' \(3 trials, {backend}://\S+\) at "
                          r"(http://127\.0\.0\.1:(\d+))/dashboard/studies/(\d+)  \(Ctrl-C stops it\)\n", line)
         assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
         base, study_id = m.group(1), int(m.group(3))
@@ -70,7 +76,7 @@ def test_dashboard_serves_the_study_page_and_api_then_stops(tmp_path):
         assert status == 200 and kind.startswith("text/html") and "<title>Optuna Dashboard</title>" in page, page[:500]
         status, kind, body = _get(f"{base}/api/studies")
         studies = json.loads(body)["study_summaries"]
-        assert [(s["study_id"], s["study_name"]) for s in studies] == [(study_id, "tiny_sweep")]
+        assert (study_id, name) in [(s["study_id"], s["study_name"]) for s in studies]
         detail = json.loads(_get(f"{base}/api/studies/{study_id}")[2])
         assert [t["values"] for t in detail["trials"]] == [[v] for v in values]
         assert {p["name"] for p in detail["trials"][0]["params"]} == {"noise.sigma_start", "noise.num_stages"}
