@@ -13,7 +13,6 @@ trusted, or reach it through an SSH tunnel (`ssh -L 8080:127.0.0.1:8080 HOST`).
 from __future__ import annotations
 
 import socketserver
-import sys
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
