@@ -11,6 +11,7 @@ Example:
     python -m analysis 'runs/**/run-*.wandb' --out /tmp/report
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
     python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
+    python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def _runs_report(loaded, notes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["wandb-report"]:  # python -m analysis wandb-report --help
+        try:
+            from analysis import wandb_report  # an optional extra
+        except ImportError as e:
+            print(f"error: wandb-report needs wandb-workspaces ({e}); pip install 'qerl-exp[dashboards]'", file=sys.stderr)
+            return 2
+        return wandb_report.main(argv[1:])
     args = _parser().parse_args(argv)
     if not args.paths and not args.wandb_project:
         _parser().error("give at least one PATH or --wandb-project")

@@ -12,13 +12,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from qerl_exp.cli import CONF_DIR, UsageError, fail, quiet_third_party_logs, validate
+from qerl_exp.cli import CONF_DIR, UsageError, fail, validate
 from qerl_exp.config import GROUPS, from_dict, register_configs, to_config
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
-    quiet_third_party_logs()
     from qerl_exp.train import run
 
     hc = HydraConfig.get()

@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from qerl_exp.config import Config, ConfigError, register_configs, to_config
+from qerl_exp.logs import quiet
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -97,7 +98,8 @@ def preflight(cfg: Config) -> None:
     for key, fmt in (("quant.format", cfg.quant.format), ("rollout.quant", cfg.rollout.quant)):
         if fmt == "nf4":
             try:
-                import bitsandbytes  # noqa: F401
+                with quiet(cfg.verbose):
+                    import bitsandbytes  # noqa: F401
             except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
                 raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
                                   "pip install bitsandbytes, or choose quant=nvfp4") from None
@@ -121,16 +123,6 @@ def preflight(cfg: Config) -> None:
         if cfg.rollout.engine == "fast" or auto_fast:
             raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
-
-
-def quiet_third_party_logs() -> None:
-    """Hide import-time chatter of optional backends (torchao, bitsandbytes' CPU kernels hub)."""
-    import logging
-    import warnings
-
-    for name in ("torchao", "bitsandbytes", "torch.utils._pytree", "transformers.modeling_utils"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -1,9 +1,10 @@
 """Config schemas: the single source of truth for every field a run accepts.
 
 Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
-registered with Hydra's ConfigStore as the schema of its group; the YAML files in `conf/` are
-presets that only set values. `__post_init__` validates, so a bad value fails when the config is
-turned into objects (`to_config`), with a one-line message that names the field.
+and a field of the root `Config`, which Hydra's ConfigStore holds as the schema of
+`conf/config.yaml`; the YAML files in `conf/` are presets that only set values. `__post_init__`
+validates, so a bad value fails when the config is turned into objects (`to_config`), with a
+one-line message that names the field.
 """
 
 from __future__ import annotations
@@ -482,6 +483,8 @@ class Config:
         run_dir: where the run writes; empty means Hydra's output directory. A run_dir that holds
             an unfinished run (checkpoints, no summary.json) is resumed from its last checkpoint.
         resume: a run directory to continue with its saved config (other overrides are ignored).
+        verbose: show the third-party notices hidden by default (library warnings and load bars
+            that ask nothing of the user; the list is in `qerl_exp.logs`).
         model: the base model (`ModelConfig`).
         quant: the storage of the frozen base (`QuantConfig`).
         lora: the trainable adapters (`LoraConfig`).
@@ -499,6 +502,7 @@ class Config:
     seed: int = 0
     run_dir: str = ""
     resume: str = ""
+    verbose: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -531,11 +535,12 @@ GROUPS = {
 
 
 def register_configs() -> None:
-    """Register the schemas with Hydra: `config_schema` for the root, `<group>/schema` per group."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, schema in GROUPS.items():
-        cs.store(group=group, name="schema", node=schema)
+    """Register the schema with Hydra as `config_schema`, the root of `conf/config.yaml`.
+
+    Its fields type every group's presets, so the groups need no schema entries of their own
+    (which would show up in `--help` and be accepted as a preset, e.g. `quant=schema`).
+    """
+    ConfigStore.instance().store(name="config_schema", node=Config)
 
 
 def _unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from qerl_exp import logs, progress
 from qerl_exp.checkpoint import load_adapter
 from qerl_exp import metrics as M
 from qerl_exp.config import Config, EvalConfig, as_dict, to_config
@@ -50,8 +51,9 @@ def _device(policy) -> torch.device:
 
 
 def complete(policy, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
-             max_new_tokens: int, batch_size: int) -> tuple[list[str], list[bool]]:
-    """`samples` completions per prompt (greedy when temperature is 0), rows of a prompt adjacent."""
+             max_new_tokens: int, batch_size: int, on_batch=None) -> tuple[list[str], list[bool]]:
+    """`samples` completions per prompt (greedy when temperature is 0), rows of a prompt adjacent;
+    `on_batch(rows)` is called after each generated batch."""
     rows = [p for p in prompts for _ in range(samples)]
     how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
     texts, terminated = [], []
@@ -63,6 +65,8 @@ def complete(policy, tokenizer, prompts: list[str], *, samples: int, temperature
             done = tokenizer.eos_id in row
             texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
             terminated.append(done)
+        if on_batch is not None:
+            on_batch(len(out))
     return texts, terminated
 
 
@@ -109,7 +113,8 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
 
 
 def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
-           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str) -> tuple[dict[str, float], list[dict]]:
+           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
+           on_batch=None) -> tuple[dict[str, float], list[dict]]:
     if k == 1 or k < 0:
         raise ValueError(f"k={k}: use k >= 2 for sampled pass@k (greedy pass@1 is always reported) or k=0 to skip sampling")
     n = n or k
@@ -126,9 +131,9 @@ def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             greedy, terminated = complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                                          max_new_tokens=max_new_tokens, batch_size=batch_size)
+                                          max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)
             sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size)[0] if k else []
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)[0] if k else []
             logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
     finally:
         policy.train(was_training)
@@ -243,6 +248,7 @@ class EvalArgs:
             `online`, `disabled`.
         out: output file name inside run_dir; empty means `eval.json`, or `eval_base.json` when
             adapter=false.
+        verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
     """
 
     # The settings shared with in-training evaluation take its defaults. Their checks below stay
@@ -260,6 +266,7 @@ class EvalArgs:
     seed: int = 0
     tracker: str = "run"
     out: str = ""
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         from qerl_exp.cli import UsageError
@@ -322,11 +329,12 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     algo = cfg.algo
     problems = task.eval_problems()[: args.limit or None]
+    bar = progress.Progress(len(problems) * (1 + ((args.n or args.k) if args.k else 0)), "eval", unit="seq", fields=())
     metrics, rows = _score(
         models.policy, models.tokenizer, task, problems=problems, k=args.k, n=args.n,
         temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
         max_new_tokens=args.max_new_tokens or algo.max_new_tokens, batch_size=args.batch_size,
-        seed=args.seed, system_prompt=SYSTEM_PROMPT,
+        seed=args.seed, system_prompt=SYSTEM_PROMPT, on_batch=bar.advance,
     )
     out = run_dir / (args.out or ("eval.json" if args.adapter else "eval_base.json"))
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         fail(str(e))
     try:
-        metrics = evaluate_run(args)
+        with logs.quiet(args.verbose):
+            metrics = evaluate_run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
     shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))

@@ -55,6 +55,11 @@ import torch
 # (`reward/final`), on the console line, and as the sweep's default objective.
 FINAL_FRACTION = 0.25
 
+# Prefixes of the metrics that measure the machine rather than the run (wall times, process and
+# device peaks): two runs with the same seed agree on everything else.
+MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", "mem/rollout_peak_bytes", "mem/learner_peak_bytes",
+                   "mem/load_peak_bytes")
+
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""

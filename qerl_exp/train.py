@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import checkpoint
+from qerl_exp import checkpoint, logs, progress
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.eval import evaluate
@@ -57,8 +57,8 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * progress))
+        done = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * done))
 
     return f
 
@@ -124,7 +124,8 @@ def run(
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
     task = build_task(cfg.task)
-    models = build_models(cfg, task, device)
+    with logs.quiet(cfg.verbose):
+        models = build_models(cfg, task, device)
     policy, tok, reference = models.policy, models.tokenizer, models.reference
     separate_sampler = models.sampler is not policy
     sampler_quant = QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets)
@@ -172,6 +173,7 @@ def run(
     tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id)
+    bar = progress.Progress(cfg.train.steps, "train", initial=start)
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
@@ -246,6 +248,7 @@ def run(
             step_metrics.update(M.perf_metrics(int(mask.sum()), time.perf_counter() - t_step, phases))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
+            bar.update(step + 1, step_metrics)
             history.append({"step": step, **step_metrics})
             if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
                 tracker.log_completions(step, [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, batch, G)])
@@ -265,6 +268,7 @@ def run(
         tracker.finish(summary)
         return summary
     except BaseException:
+        bar.close()
         tracker.abort()
         raise
 

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from qerl_exp.metrics import MACHINE_METRICS
+
 from conftest import ROOT, TINY_RUN, qerl
 
 pytestmark = pytest.mark.slow
 
 RUN = [*TINY_RUN, "train.steps=6", "checkpoint.every=1", "noise=exp", "noise.num_stages=3", "monitor.every=2"]
-VOLATILE = ("perf/", "mem/peak_bytes")
+VOLATILE = MACHINE_METRICS
 
 
 def _rows(run_dir: Path) -> list[dict]:

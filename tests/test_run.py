@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from qerl_exp.metrics import MACHINE_METRICS
+
 from conftest import TINY_RUN, qerl
 
 pytestmark = pytest.mark.slow
@@ -67,7 +69,7 @@ def test_same_seed_reproduces_metrics(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         assert qerl(*TINY_RUN, "train.steps=2", "monitor.every=0", f"run_dir={d}").returncode == 0
-    drop = ("perf/", "mem/peak")
+    drop = MACHINE_METRICS
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]  # noqa: E731
     assert strip(_rows(a)) == strip(_rows(b))
 

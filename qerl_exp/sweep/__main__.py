@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.cli import UsageError, fail, quiet_third_party_logs
+from qerl_exp.cli import UsageError, fail
+from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
 from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, worker_main
 
 USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
+       python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [port=8080] [host=127.0.0.1]
 
 Runs (or resumes) the Optuna study that SPEC.yaml defines. Each key=value is a sweep setting if the
 key is one of {', '.join(SETTINGS)}; anything else is a Hydra override given to every trial
@@ -30,7 +32,7 @@ key is one of {', '.join(SETTINGS)}; anything else is a Hydra override given to 
 
 Results go to sweeps/runs/STUDY_NAME/ (sweep_dir=...): trials/, trials.csv, plots/,
 best_overrides.yaml and best_overrides.txt (rerun: python -m qerl_exp $(cat .../best_overrides.txt)).
-See docs/sweeps.md."""
+`dashboard` serves optuna-dashboard on the study, live while it runs. See docs/sweeps.md."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_interrupt)
     quiet_optuna()
-    quiet_third_party_logs()  # validation may import bitsandbytes (nf4 preflight)
+    if argv[0] == "dashboard":
+        return dashboard.main(argv[1:])
     spec_path, rest = argv[0], argv[1:]
     try:
         plan = load_plan(Path(spec_path), rest)

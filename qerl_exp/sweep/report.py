@@ -7,17 +7,25 @@
   front instead: `pareto_front.yaml` and one `pareto/trialNNNN.txt` per optimal trial.
 - `trials.csv`: one row per trial (state, values, parameters, pruning step, retries, run dirs).
 - `plots/*.png`: optimization history, parameter importances, parallel coordinates, slice and
-  intermediate values (single objective), or the Pareto front and importances per objective.
+  intermediate values (single objective), or the Pareto front and importances per objective. The
+  slice plot is a grid, three parameters a row; log axes label only their decades, and the
+  parallel coordinates widen with the parameter count, so many parameters stay readable.
+
+When every complete trial scored the same, the study learned nothing about its parameters at this
+budget: `summary_lines` says so in one line, and the importance plot's title says its equal bars
+mean nothing.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import re
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import optuna
 import yaml
@@ -119,6 +127,16 @@ def _csv(plan: Plan, trials: list[FrozenTrial]) -> str:
     return buf.getvalue()
 
 
+def tied(study: optuna.Study) -> FrozenTrial | None:
+    """A complete trial whose values every other complete trial shares (two or more), else None."""
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if len(complete) < 2:
+        return None
+    first = complete[0].values
+    same = all(all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(t.values, first)) for t in complete)
+    return complete[0] if same else None
+
+
 def _plots(plan: Plan, study: optuna.Study) -> list[Path]:
     import matplotlib
 
@@ -130,12 +148,13 @@ def _plots(plan: Plan, study: optuna.Study) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     names = [o.metric for o in plan.objectives]
-    jobs: list[tuple[str, callable]] = []
+    tie = " (all trials tie: equal bars, nothing learned)" if tied(study) else ""
+    jobs: list[tuple[str, Callable]] = []
     if len(names) == 1:
         jobs += [("optimization_history", lambda: vis.plot_optimization_history(study, target_name=names[0])),
                  ("intermediate_values", lambda: vis.plot_intermediate_values(study)),
                  ("parallel_coordinate", lambda: vis.plot_parallel_coordinate(study, target_name=names[0])),
-                 ("slice", lambda: vis.plot_slice(study, target_name=names[0]))]
+                 ("slice", lambda: slice_grid(complete, lambda t: t.value, names[0]))]
         if len(complete) >= 2:
             jobs.append(("param_importances", lambda: vis.plot_param_importances(study, target_name=names[0])))
     else:
@@ -146,8 +165,7 @@ def _plots(plan: Plan, study: optuna.Study) -> list[Path]:
             if len(complete) >= 2:
                 jobs.append((f"param_importances_{slug}", (lambda target, name: lambda: vis.plot_param_importances(
                     study, target=target, target_name=name))(target, name)))
-            jobs.append((f"slice_{slug}", (lambda target, name: lambda: vis.plot_slice(
-                study, target=target, target_name=name))(target, name)))
+            jobs.append((f"slice_{slug}", (lambda target, name: lambda: slice_grid(complete, target, name))(target, name)))
     written = []
     for name, make in jobs:
         try:
@@ -159,6 +177,10 @@ def _plots(plan: Plan, study: optuna.Study) -> list[Path]:
             continue
         first = ax.flat[0] if hasattr(ax, "flat") else ax
         fig = first.figure
+        if name.startswith("param_importances") and tie:
+            first.set_title(first.get_title() + tie)
+        if name == "parallel_coordinate":
+            _declutter(fig, len({p for t in complete for p in t.params}))
         path = out_dir / f"{name}.png"
         tmp = path.with_name(f".{name}.{os.getpid()}.png")
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
@@ -166,6 +188,63 @@ def _plots(plan: Plan, study: optuna.Study) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def slice_grid(trials: list[FrozenTrial], target: Callable[[FrozenTrial], float], name: str):
+    """Objective against each parameter, one panel per parameter, three to a row.
+
+    Args:
+        trials: the complete trials to draw.
+        target: the value of a trial to put on the y axis.
+        name: the y axis label.
+
+    Returns:
+        The figure's axes (a 2-D array; panels past the last parameter are hidden).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+    from optuna.distributions import CategoricalDistribution
+
+    params = sorted({p for t in trials for p in t.params})
+    if not params:
+        raise ValueError("no complete trial with parameters")
+    cols = min(3, len(params))
+    rows = -(-len(params) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True, layout="constrained")
+    for ax, p in zip(axes.flat, params):
+        have = [t for t in trials if p in t.params]
+        dist = have[0].distributions[p]
+        if isinstance(dist, CategoricalDistribution):
+            labels = [str(c) for c in dist.choices]
+            xs = [labels.index(str(t.params[p])) for t in have]
+            ax.set_xticks(range(len(labels)), labels, rotation=30 if sum(map(len, labels)) > 24 else 0, ha="right")
+            ax.set_xlim(-0.5, len(labels) - 0.5)
+        else:
+            xs = [t.params[p] for t in have]
+            if getattr(dist, "log", False):
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels collide
+        points = ax.scatter(xs, [target(t) for t in have], c=[t.number for t in have], cmap="Blues",
+                            vmin=0, vmax=max(t.number for t in trials), edgecolors="grey", s=30)
+        ax.set_title(p, fontsize=10)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(params):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel(name)
+    fig.colorbar(points, ax=axes, label="trial", fraction=0.03)
+    fig.suptitle(f"Slice plot: {name} by parameter ({len(trials)} complete trials)")
+    return axes
+
+
+def _declutter(fig, n_params: int) -> None:
+    """Optuna's parallel coordinates at any parameter count: width per axis, no minor labels."""
+    from matplotlib.ticker import NullFormatter
+
+    fig.set_size_inches(max(6.4, 1.5 * (n_params + 1)), 5.0)
+    for ax in fig.axes:
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def summary_lines(plan: Plan, study: optuna.Study) -> list[str]:
@@ -183,6 +262,11 @@ def summary_lines(plan: Plan, study: optuna.Study) -> list[str]:
     elif n[TrialState.COMPLETE]:
         lines.append(f"Pareto front: trials {', '.join(str(t.number) for t in sorted(study.best_trials, key=lambda t: t.number))} "
                      f"(see {_rel(plan.sweep_dir / 'pareto_front.yaml')})")
+    tie = tied(study)
+    if tie is not None:
+        values = ", ".join(f"{o.metric} = {v:.4g}" for o, v in zip(plan.objectives, tie.values))
+        lines.append(f"warning: all {n[TrialState.COMPLETE]} complete trials tie ({values}): nothing to learn at this "
+                     "budget; raise train.steps or the task's difficulty, or widen the space")
     lines.append(f"sweep dir: {_rel(plan.sweep_dir)}  (trials/, trials.csv, plots/, logs/)")
     return lines
 

@@ -180,6 +180,8 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
                          f"the spec {plan.directions}; use another study_name=")
     identity = _identity(plan)
     with claim_lock(plan):
+        if study.metric_names is None:  # dashboards then label the objectives by metric, not "Objective 0"
+            study.set_metric_names([o.metric for o in plan.objectives])
         recorded = study.user_attrs.get(ATTR)
         if recorded is None:
             study.set_user_attr(ATTR, {"identity": identity, "spec": json.loads(json.dumps(plan.spec, default=str)),
@@ -506,10 +508,8 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
 
 def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
     """Entry of a worker process started by the sweep command."""
-    from qerl_exp.cli import quiet_third_party_logs
     from qerl_exp.sweep.spec import load_plan
 
-    quiet_third_party_logs()
     try:
         plan = load_plan(Path(spec_path), argv, check_config=False)
     except UsageError as e:
