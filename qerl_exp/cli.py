@@ -38,6 +38,9 @@ def _explain(exc: BaseException) -> str:
         group, _, choice = missing.group(1).rpartition("/")  # e.g. quant/bogus
         if group and (CONF_DIR / group).is_dir():
             return f"{group}={choice} is not a preset; choose one of: {', '.join(group_options(group))}"
+        if group == "hydra/launcher":
+            return (f"hydra/launcher={choice} is not installed; choose one of: {', '.join(getattr(exc, 'options', None) or [])} "
+                    "(joblib and submitit_local/submitit_slurm come with pip install 'qerl-exp[cluster]')")
     cause = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__
@@ -58,6 +61,15 @@ def compose_config(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=[o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+
+
+def check_hydra_overrides(overrides: list[str]) -> None:
+    """Compose Hydra's own config with the `hydra...` overrides (launcher choice and settings); raises as Hydra does."""
+    own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    if own:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=own, return_hydra_config=True)
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -82,6 +94,7 @@ def validate(overrides: list[str], multirun: bool) -> None:
         raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
     for job in jobs:
         try:
+            check_hydra_overrides(job)
             preflight(to_config(compose_config(job)))
         except ConfigError as e:
             raise UsageError(str(e)) from None
