@@ -67,6 +67,7 @@ def check_hydra_overrides(overrides: list[str]) -> None:
     """Compose Hydra's own config with the `hydra...` overrides (launcher choice and settings); raises as Hydra does."""
     own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     if own:
+        register_configs()
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             compose(config_name="config", overrides=own, return_hydra_config=True)

@@ -91,9 +91,10 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
     logs = plan.sweep_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     tag = f"{host()}-{os.getpid()}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    gpus = visible_gpus(os.environ)
     workers = []
     for i in range(plan.n_jobs):
+        env = worker_env(os.environ, i, gpus)
         log = logs / f"{tag}-w{i}.log"
         with open(log, "ab") as f:  # the child keeps its own handle
             # A session of their own: a terminal's Ctrl-C reaches the command, which stops each
@@ -153,6 +154,33 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
     reasons = [f"worker {i}: {_why(p, log)}" for i, p, log in workers if p.returncode != 0] or ["workers exited early"]
     fail(f"study incomplete ({finished(c)} of {plan.n_trials} trials): {reasons[0]}", code=1)
     return 1
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+    """The GPUs this command may use: the entries of `CUDA_VISIBLE_DEVICES` when set, else every CUDA device."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    import torch  # only here: the command itself never needs torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_env(environ: dict[str, str], index: int, gpus: list[str]) -> dict[str, str]:
+    """The environment worker `index` starts with: pinned to one GPU, round-robin, when several are visible.
+
+    Args:
+        environ: the command's environment.
+        index: the worker's index among the command's `n_jobs`.
+        gpus: the visible GPUs (`visible_gpus`).
+
+    Returns:
+        A copy of `environ` with unbuffered output and, with two or more GPUs, `CUDA_VISIBLE_DEVICES`
+        set to `gpus[index % len(gpus)]`; with none or one it is left as it was.
+    """
+    env = {**environ, "PYTHONUNBUFFERED": "1"}
+    if len(gpus) > 1:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    return env
 
 
 def _best_text(plan, study, c) -> str:

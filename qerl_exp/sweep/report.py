@@ -31,7 +31,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from qerl_exp.sweep.spec import Plan
+from qerl_exp.sweep.spec import Plan, override_key
 from qerl_exp.sweep.study import shown
 
 
@@ -70,7 +70,7 @@ def _write(path: Path, text: str) -> Path:
 
 def _rerun_overrides(plan: Plan, trial: FrozenTrial) -> list[str]:
     overrides = list(trial.user_attrs.get("overrides", []))
-    if len(plan.seeds) == 1:
+    if len(plan.seeds) == 1 and not any(override_key(o) == "seed" for o in overrides):  # a grid's seed parameter
         overrides.append(f"seed={plan.seeds[0]}")
     return overrides
 

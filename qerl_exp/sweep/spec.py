@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import math
 import re
 import socket
@@ -30,14 +31,16 @@ from qerl_exp.metrics import FINAL_FRACTION, final_window
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",
             "max_retry", "max_failures")
-SPEC_KEYS = ("study_name", "base", "params", "space", "objective", "objectives", "seeds", "sampler", "pruner",
+SPEC_KEYS = ("study_name", "base", "configs", "params", "space", "objective", "objectives", "seeds", "sampler", "pruner",
              "enqueue", *SETTINGS)
-SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "cmaes": "CmaEsSampler",
+SAMPLERS = {"grid": "GridSampler", "tpe": "TPESampler", "random": "RandomSampler", "gp": "GPSampler", "cmaes": "CmaEsSampler",
             "nsgaii": "NSGAIISampler", "nsgaiii": "NSGAIIISampler", "qmc": "QMCSampler"}
 PRUNERS = {"median": "MedianPruner", "percentile": "PercentilePruner", "hyperband": "HyperbandPruner",
            "successive_halving": "SuccessiveHalvingPruner", "threshold": "ThresholdPruner",
            "wilcoxon": "WilcoxonPruner", "none": "NopPruner"}
 REDUCES = ("mean", "auc")
+# The parameter that picks one of the spec's `configs` (named lists of overrides).
+CONFIG = "config"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -121,6 +124,7 @@ class Plan:
         sampler: `{name: ..., **kwargs}` of an Optuna sampler.
         pruner: `{name: ..., **kwargs}` of an Optuna pruner; `none` for multi-objective studies.
         enqueue: parameter dicts tried first (e.g. the paper's schedule).
+        configs: named override lists; the parameter `config` picks one per trial (a grid's rows).
         n_trials: finished (complete or pruned) trials the whole study should reach.
         n_jobs: worker processes this command starts.
         storage: SQLAlchemy URL of the study's storage.
@@ -151,16 +155,21 @@ class Plan:
     grace_period: int = 30
     max_retry: int = 2
     max_failures: int = 3
+    configs: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def directions(self) -> list[str]:
         return [o.direction for o in self.objectives]
 
+    @property
+    def grid(self) -> bool:
+        return self.sampler["name"] == "grid"
+
     def identity(self) -> dict:
         """What must not change when a study is resumed: the search, the objective, the base config."""
         return {"overrides": self.overrides, "params": self.spec.get("params"), "space": self.space,
                 "space_sha": _space_sha(self), "objectives": [dataclasses.asdict(o) for o in self.objectives],
-                "seeds": self.seeds}
+                "seeds": self.seeds, **({"configs": self.configs} if self.configs else {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +215,14 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     base = spec.get("base", [])
     if not isinstance(base, list) or not all(isinstance(o, str) and "=" in o for o in base):
         raise UsageError(f"{where}: base must be a list of Hydra overrides like 'quant=nf4' or 'train.steps=30'")
+    configs = _configs(spec.get("configs"), where)
     params = _params(spec.get("params") or {}, where)
+    if configs:
+        if CONFIG in [p.name for p in params]:
+            raise UsageError(f"{where}: params.{CONFIG} is the parameter that picks one of configs; rename it")
+        params.insert(0, Param(CONFIG, optuna.distributions.CategoricalDistribution(list(configs))))
+    if "seed" in [p.name for p in params] and "seeds" in spec:
+        raise UsageError(f"{where}: give seeds (every trial runs each) or a seed parameter (one per trial), not both")
     space = spec.get("space")
     if space is not None and (not isinstance(space, str) or ":" not in space):
         raise UsageError(f"{where}: space must name a function as 'file.py:function' (relative to the spec)")
@@ -217,7 +233,7 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise UsageError(f"{where}: seeds must be a non-empty list of integers")
     sampler = _named(spec.get("sampler", {"name": "tpe"}), "sampler", SAMPLERS, where)
-    default_pruner = {"name": "median"} if len(objectives) == 1 else {"name": "none"}
+    default_pruner = {"name": "median"} if len(objectives) == 1 and sampler["name"] != "grid" else {"name": "none"}
     pruner = _named(spec.get("pruner", default_pruner), "pruner", PRUNERS, where)
     if len(objectives) > 1 and pruner["name"] != "none":
         raise UsageError(f"{where}: Optuna prunes single-objective studies only; set 'pruner: {{name: none}}'")
@@ -226,6 +242,11 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
         raise UsageError(f"{where}: enqueue must be a list of parameter mappings")
 
     n_trials = merged.get("n_trials")
+    if sampler["name"] == "grid":
+        size = _check_grid(params, space, enqueue, where)
+        n_trials = size if n_trials is None else n_trials
+        if _int(n_trials, "n_trials", 1) > size:
+            raise UsageError(f"n_trials={n_trials} exceeds the grid's {size} points; leave n_trials out to run each once")
     if n_trials is None:
         raise UsageError(f"{where}: set n_trials in the spec or on the command line (n_trials=20)")
     sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).resolve()
@@ -236,7 +257,7 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
         storage=str(merged.get("storage") or f"sqlite:///{sweep_dir / 'study.db'}"), sweep_dir=sweep_dir,
         heartbeat_interval=_int(merged.get("heartbeat_interval", 10), "heartbeat_interval", 1),
         max_retry=_int(merged.get("max_retry", 2), "max_retry", 0),
-        max_failures=_int(merged.get("max_failures", 3), "max_failures", 1),
+        max_failures=_int(merged.get("max_failures", 3), "max_failures", 1), configs=configs,
     )
     plan.grace_period = _int(merged.get("grace_period", 3 * plan.heartbeat_interval), "grace_period", 1)
     if plan.grace_period <= plan.heartbeat_interval:
@@ -326,6 +347,46 @@ def _params(raw: Any, where: str) -> list[Param]:
     return out
 
 
+def _configs(raw: Any, where: str) -> dict[str, list[str]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise UsageError(f"{where}: configs must map names to override lists, e.g. 'nvfp4_lora: [strategy=nvfp4_lora]'")
+    for name, overrides in raw.items():
+        if not _NAME.match(str(name)):
+            raise UsageError(f"{where}: configs.{name}: a name may hold only letters, digits, '_', '.' and '-'")
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+            raise UsageError(f"{where}: configs.{name} must be a list of Hydra overrides like 'strategy=nvfp4_lora'")
+    return {str(k): list(v) for k, v in raw.items()}
+
+
+def _check_grid(params: list[Param], space: str | None, enqueue: list, where: str) -> int:
+    """A grid's parameters are categorical or int, unconditional, with nothing else to sample; returns its size."""
+    if space is not None or enqueue:
+        raise UsageError(f"{where}: sampler grid runs every point of its params once; drop space and enqueue")
+    if not params:
+        raise UsageError(f"{where}: sampler grid needs params (categorical or int) or configs")
+    for p in params:
+        if p.when or isinstance(p.distribution, optuna.distributions.FloatDistribution):
+            raise UsageError(f"{where}: params.{p.name}: a grid takes categorical or int params without when")
+    size = len(grid_points(params))
+    if size < 2:
+        raise UsageError(f"{where}: the grid has one point, which is one run: python -m qerl_exp with its overrides")
+    return size
+
+
+def grid_axes(params: list[Param]) -> dict[str, list]:
+    """A grid's values per parameter: categorical choices, int ranges (Optuna's GridSampler search space)."""
+    return {p.name: list(p.distribution.choices) if isinstance(p.distribution, optuna.distributions.CategoricalDistribution)
+            else list(range(p.distribution.low, p.distribution.high + 1, p.distribution.step)) for p in params}
+
+
+def grid_points(params: list[Param]) -> list[dict[str, Any]]:
+    """Every point of a grid over `params`, the last parameter varying fastest."""
+    axes = grid_axes(params)
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
 def _objectives(spec: dict, where: str) -> list[Objective]:
     if ("objective" in spec) == ("objectives" in spec):
         raise UsageError(f"{where}: give exactly one of objective (a mapping) or objectives (a list, multi-objective)")
@@ -370,6 +431,8 @@ def make_sampler(plan: Plan, seed_offset: int = 0) -> optuna.samplers.BaseSample
     kwargs = {k: v for k, v in plan.sampler.items() if k != "name"}
     if kwargs.get("seed") is not None:
         kwargs["seed"] = (int(kwargs["seed"]) + seed_offset) % 2**32
+    if plan.grid:
+        kwargs["search_space"] = grid_axes(plan.params)
     return _build(optuna.samplers, SAMPLERS[plan.sampler["name"]], kwargs, "sampler")
 
 
@@ -447,9 +510,19 @@ def merge_overrides(*lists: list[str]) -> list[str]:
     return list(merged.values())
 
 
+def value_overrides(plan: Plan, key: str, value: Any) -> list[str]:
+    """The overrides one parameter value stands for: a config's list, or `key=value`."""
+    return list(plan.configs[value]) if key == CONFIG and plan.configs else [override(key, value)]
+
+
 def trial_overrides(plan: Plan, values: dict[str, Any]) -> list[str]:
     """The overrides that reproduce a trial: the plan's base and command line, then its values."""
-    return merge_overrides(plan.overrides, [override(k, v) for k, v in values.items()])
+    return merge_overrides(plan.overrides, *[value_overrides(plan, k, v) for k, v in values.items()])
+
+
+def trial_seeds(plan: Plan, values: dict[str, Any]) -> list[int]:
+    """The seeds a trial runs: its `seed` parameter when the spec searches one, else the spec's seeds."""
+    return [values["seed"]] if "seed" in values else plan.seeds
 
 
 _SPACES: dict[str, Callable] = {}
@@ -496,15 +569,16 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
         raise UsageError(f"overrides: {e}") from None
     cfg = compose_config(plan.overrides)
     for p in plan.params:
-        _check_key(p.name, p.distribution, cfg, plan.spec_path)
+        if not (p.name == CONFIG and plan.configs):
+            _check_key(p.name, p.distribution, cfg, plan.spec_path)
     # Every declared value at its range's ends (or every choice), with its conditions met.
     for p in plan.params:
         d = p.distribution
         corners = d.choices if isinstance(d, optuna.distributions.CategoricalDistribution) else (d.low, d.high)
-        deps = [override(dep, allowed[0]) for dep, allowed in p.when.items()]
+        deps = [o for dep, allowed in p.when.items() for o in value_overrides(plan, dep, allowed[0])]
         for value in corners:
             try:
-                validate(merge_overrides(plan.overrides, deps, [override(p.name, value)]), multirun=False)
+                validate(merge_overrides(plan.overrides, deps, value_overrides(plan, p.name, value)), multirun=False)
             except UsageError as e:
                 raise UsageError(f"{plan.spec_path}: params.{p.name}={value}: {e}") from None
     # Dry runs: the sampler's own view of the space, through every `when` and the space function.

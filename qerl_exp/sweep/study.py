@@ -33,7 +33,8 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from qerl_exp.cli import UsageError
-from qerl_exp.sweep.spec import Plan, host, make_pruner, make_sampler, override_key, suggest, trial_overrides
+from qerl_exp.sweep.spec import (Plan, grid_points, host, make_pruner, make_sampler, override_key, suggest,
+                                  trial_overrides, trial_seeds)
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -375,12 +376,13 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("worker", f"{host()}:{os.getpid()}")
             trial.set_user_attr("worker_pid", os.getpid())
-            trial.set_user_attr("run_dirs", [str(plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{s}") for s in plan.seeds])
+            seeds = trial_seeds(plan, values)
+            trial.set_user_attr("run_dirs", [str(plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{s}") for s in seeds])
         shown_values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         log(f"trial {trial.number} started: {shown_values}")
         per_seed: list[list[float]] = []
         with signals.interruptible():
-            for i, seed in enumerate(plan.seeds):
+            for i, seed in enumerate(seeds):
                 run_dir = plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{seed}"
                 run_dirs.append(str(run_dir))
                 cfg, choices = compose_trial(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
@@ -450,6 +452,26 @@ def _ignore_signals() -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
+def _enqueue_grid_point(plan: Plan, study: optuna.Study) -> None:
+    """Queue the first grid point that no trial has finished, is running or waits for.
+
+    Optuna's GridSampler alone cannot drive this loop: it counts a failed point as visited (never
+    rerun), and on the last point it calls `Study.stop()`, which raises outside `Study.optimize`.
+    So every grid trial is enqueued with its point (GridSampler then only records the space) and a
+    failed point comes back here; retries of interrupted trials keep their point.
+    """
+    taken = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.WAITING:
+            return  # ask() takes it
+        if t.state != TrialState.FAIL:  # a running trial has no params until it suggests them
+            taken.append(t.system_attrs.get("fixed_params") or t.params)
+    for point in grid_points(plan.params):
+        if point not in taken:
+            study.enqueue_trial(point)
+            return
+
+
 def work(plan: Plan, index: int = 0, log=print) -> int:
     """The worker loop: claim trials and run them until the study has `n_trials` finished ones.
 
@@ -487,6 +509,8 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
                 return 0
             trial = None
             if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
+                if plan.grid:
+                    _enqueue_grid_point(plan, study)
                 trial = study.ask()
                 storage.record_heartbeat(_trial_id(trial))
         if trial is None:  # the rest are running elsewhere; wait in case one of them dies
@@ -515,4 +539,8 @@ def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return work(plan, index, log=lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True))
+    def log(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+    log(f"worker {index} started: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
+    return work(plan, index, log=log)
