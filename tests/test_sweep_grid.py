@@ -67,6 +67,12 @@ def test_grid_spec(tmp_path):
             load_plan(grid_spec(tmp_path, **fields), argv, check_config=False)
 
 
+def test_bad_config_is_named(tmp_path):
+    spec = grid_spec(tmp_path, configs={"ok": ["strategy=bf16_aqn"], "typo": ["strategy=bf16_aqm"]})
+    with pytest.raises(UsageError, match=r"grid.yaml: configs.typo: strategy=bf16_aqm is not a preset; choose one of"):
+        load_plan(spec, [])
+
+
 def test_failed_grid_point_comes_back(tmp_path):
     plan = load_plan(grid_spec(tmp_path, params={"seed": {"type": "categorical", "choices": [0, 1]}}), [],
                      check_config=False)

@@ -580,7 +580,8 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
             try:
                 validate(merge_overrides(plan.overrides, deps, value_overrides(plan, p.name, value)), multirun=False)
             except UsageError as e:
-                raise UsageError(f"{plan.spec_path}: params.{p.name}={value}: {e}") from None
+                at = f"configs.{value}" if p.name == CONFIG and plan.configs else f"params.{p.name}={value}"
+                raise UsageError(f"{plan.spec_path}: {at}: {e}") from None
     # Dry runs: the sampler's own view of the space, through every `when` and the space function.
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), directions=plan.directions)
     samples = [dict(e) for e in plan.enqueue]
