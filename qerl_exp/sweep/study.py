@@ -453,23 +453,26 @@ def _ignore_signals() -> None:
 
 
 def _enqueue_grid_point(plan: Plan, study: optuna.Study) -> None:
-    """Queue the first grid point that no trial has finished, is running or waits for.
+    """Queue the next grid point: the first that no trial has tried, else the first whose trials all failed.
 
     Optuna's GridSampler alone cannot drive this loop: it counts a failed point as visited (never
     rerun), and on the last point it calls `Study.stop()`, which raises outside `Study.optimize`.
     So every grid trial is enqueued with its point (GridSampler then only records the space) and a
-    failed point comes back here; retries of interrupted trials keep their point.
+    failed point comes back here, after the untried ones so that it cannot hold up the rest;
+    retries of interrupted trials keep their point.
     """
-    taken = []
+    tried, taken = [], []
     for t in study.get_trials(deepcopy=False):
         if t.state == TrialState.WAITING:
             return  # ask() takes it
-        if t.state != TrialState.FAIL:  # a running trial has no params until it suggests them
-            taken.append(t.system_attrs.get("fixed_params") or t.params)
-    for point in grid_points(plan.params):
-        if point not in taken:
-            study.enqueue_trial(point)
-            return
+        point = t.system_attrs.get("fixed_params") or t.params  # a running trial has no params until it suggests them
+        tried.append(point)
+        if t.state != TrialState.FAIL:
+            taken.append(point)
+    points = grid_points(plan.params)
+    for point in [p for p in points if p not in tried] + [p for p in points if p not in taken]:
+        study.enqueue_trial(point)
+        return
 
 
 def work(plan: Plan, index: int = 0, log=print) -> int:
