@@ -160,7 +160,7 @@ def visible_gpus(environ: dict[str, str]) -> list[str]:
     """The GPUs this command may use: the entries of `CUDA_VISIBLE_DEVICES` when set, else every CUDA device."""
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    import torch  # only here: the command itself never needs torch
+    import torch  # slow to import, and needed only when CUDA_VISIBLE_DEVICES is unset
 
     return [str(i) for i in range(torch.cuda.device_count())]
 
