@@ -10,7 +10,10 @@ one-line message that names the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
+import textwrap
 import typing
 from dataclasses import dataclass, field
 
@@ -33,7 +36,28 @@ def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
     _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
 
 
-@dataclass
+def schema(cls):
+    """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
+    verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
+    cls = dataclass(cls)
+    validate = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self) -> None:
+        if validate is not None:
+            validate(self)
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name, value) -> None:
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.{name} is read-only; make a new config with dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+    cls.__post_init__, cls.__setattr__ = __post_init__, __setattr__
+    return cls
+
+
+@schema
 class WarmupConfig:
     """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
 
@@ -59,7 +83,7 @@ class WarmupConfig:
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
 
 
-@dataclass
+@schema
 class ModelConfig:
     """The policy's base model.
 
@@ -114,7 +138,7 @@ class ModelConfig:
 QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
 
 
-@dataclass
+@schema
 class QuantConfig:
     """How the frozen base weights of the decoder linears are stored.
 
@@ -136,7 +160,7 @@ class QuantConfig:
             _choice("quant.targets entry", t, DECODER_LINEARS)
 
 
-@dataclass
+@schema
 class LoraConfig:
     """Trainable low-rank adapters on the (frozen, possibly quantized) base.
 
@@ -161,7 +185,7 @@ class LoraConfig:
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
 
 
-@dataclass
+@schema
 class NoiseConfig:
     """Adaptive Quantization Noise (AQN): Gaussian noise on the RMSNorm scales of the sampler.
 
@@ -222,7 +246,7 @@ class NoiseConfig:
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
 
 
-@dataclass
+@schema
 class TaskConfig:
     """The problems the policy learns to solve and how they are scored.
 
@@ -256,7 +280,7 @@ class TaskConfig:
         _check(self.eval_size >= 1, "task.eval_size must be >= 1")
 
 
-@dataclass
+@schema
 class AlgoConfig:
     """The policy-gradient objective (GRPO or DAPO).
 
@@ -322,7 +346,7 @@ class AlgoConfig:
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-@dataclass
+@schema
 class TrainConfig:
     """The outer loop and the optimizer of the LoRA parameters.
 
@@ -369,7 +393,7 @@ class TrainConfig:
         _check(self.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
 
 
-@dataclass
+@schema
 class EvalConfig:
     """Held-out evaluation of the policy (`qerl_exp.eval`).
 
@@ -396,7 +420,7 @@ class EvalConfig:
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
 
 
-@dataclass
+@schema
 class CheckpointConfig:
     """Periodic, atomic checkpoints of everything needed to continue a run.
 
@@ -414,7 +438,7 @@ class CheckpointConfig:
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
-@dataclass
+@schema
 class RolloutConfig:
     """How completions are sampled.
 
@@ -438,7 +462,7 @@ class RolloutConfig:
         _choice("rollout.quant", self.quant, QUANT_FORMATS)
 
 
-@dataclass
+@schema
 class MonitorConfig:
     """The noise monitor: compares the sampler with the full-precision reference.
 
@@ -453,7 +477,7 @@ class MonitorConfig:
         _check(self.every >= 0, f"monitor.every must be >= 0, got {self.every}")
 
 
-@dataclass
+@schema
 class TrackerConfig:
     """Experiment tracking. A `metrics.jsonl` is always written beside the run.
 
@@ -474,7 +498,7 @@ class TrackerConfig:
         _check(self.completions_every >= 0, "tracker.completions_every must be >= 0")
 
 
-@dataclass
+@schema
 class Config:
     """A whole run. Hydra composes it from `conf/config.yaml` and the group presets.
 
@@ -579,3 +603,46 @@ def from_dict(data: dict) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in data.items() if k in fields})
     return to_config(merged)
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """Each field's description from the `Args:` block of a schema's docstring, on one line."""
+    docs, name = {}, None
+    lines = (schema.__doc__ or "").split("Args:", 1)[-1].splitlines()
+    for line in lines:
+        entry = re.match(r"^ {8}(\w+): (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            docs[name] = entry.group(2).strip()
+        elif name and line.startswith(" " * 12):
+            docs[name] += " " + line.strip()
+    return docs
+
+
+def _yaml_scalar(value) -> str:
+    """JSON is YAML, but YAML 1.1 readers (PyYAML) read `1e-05` as a string: write `1.0e-05`."""
+    text = json.dumps(value)
+    if isinstance(value, float) and "e" in text and "." not in text.split("e")[0]:
+        text = text.replace("e", ".0e")
+    return text
+
+
+def flat_yaml(schema: type = Config, indent: str = "") -> str:
+    """Every field of the run config with its default and its description (`conf/flat.yaml`, which
+    a test compares with the schemas, so that a renamed field or a changed default shows in a diff)."""
+    out = [] if indent else ["# Generated from the schemas in qerl_exp/config.py by `python -m qerl_exp.config > conf/flat.yaml`;",
+                             "# do not edit. Every field of a run, its default, and its description.", ""]
+    docs, defaults = field_docs(schema), schema()
+    for f in dataclasses.fields(schema):
+        out += [f"{indent}# {line}" for line in textwrap.wrap(docs.get(f.name, "(undocumented)"), 100 - len(indent) - 2)]
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            out += [f"{indent}{f.name}:", flat_yaml(type(value), indent + "  ").rstrip("\n")]
+        else:
+            out.append(f"{indent}{f.name}: {_yaml_scalar(value)}")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    print(flat_yaml(), end="")

@@ -234,18 +234,16 @@ def run(
                     policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
                     batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=SYSTEM_PROMPT))
-            step_metrics.update(M.reward_metrics(rewards, G))
-            step_metrics.update(M.completion_metrics(mask, rollout.terminated))
-            step_metrics.update(update.clip)
-            step_metrics.update(M.kl_metric(update.logp, ref_logp, mask))
-            step_metrics.update(M.entropy_metrics(update.entropy, rollout.sampler_entropy, mask))
-            step_metrics.update(M.logp_gap_metric(rollout.sampler_logp, update.logp, mask))
-            step_metrics.update(M.noise_metrics(sigma, stage))
-            step_metrics.update(M.optim_metrics(update.loss, update.grad_norm, lr, skipped=not finite))
-            step_metrics.update(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks))
-            phases = {"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
-                      "optimizer": update.optimizer_s}
-            step_metrics.update(M.perf_metrics(int(mask.sum()), time.perf_counter() - t_step, phases))
+            step_metrics.update(M.step_metrics(
+                rewards=rewards, group_size=G, mask=mask, terminated=rollout.terminated,
+                sampler_logp=rollout.sampler_logp, sampler_entropy=rollout.sampler_entropy,
+                learner_logp=update.logp, learner_entropy=update.entropy, ref_logp=ref_logp, clip=update.clip,
+                loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
+                memory=M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks),
+                step_s=time.perf_counter() - t_step,
+                phases={"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
+                        "optimizer": update.optimizer_s},
+            ))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
             bar.update(step + 1, step_metrics)
