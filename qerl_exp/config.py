@@ -472,6 +472,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self) -> None:
+        # numpy's global seed takes 0 .. 2**32 - 1
+        _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
+
 
 GROUPS = {
     "model": ModelConfig,
