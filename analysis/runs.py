@@ -350,10 +350,10 @@ def problems(run: Run) -> list[str]:
     A complete run finished, logged each step 0..train.steps-1 exactly once, and every step holds
     a finite value of each REQUIRED metric (and of each MONITORED metric on monitor steps).
     """
+    if run.error and not run.finished:  # what it did log is partial by construction
+        return [f"failed: {run.error}"]
     out = []
-    if run.error and not run.finished:
-        out.append(f"failed: {run.error}")
-    elif not run.finished:
+    if not run.finished:
         out.append("unfinished (no summary.json / W&B exit code 0)")
     if run.bad_lines:
         out.append(f"metrics.jsonl line(s) {run.bad_lines[:5]} are not JSON objects with a step (corrupt or half-written)")

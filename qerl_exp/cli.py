@@ -100,6 +100,9 @@ def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
     Args:
         overrides: the command line's overrides.
         composed: the flattened config they composed (`rundir.flatten(as_dict(cfg))`).
+
+    Returns:
+        Dotted keys, e.g. `{"lora.r", "train.steps"}` for `lora.r=32 train.steps=9`.
     """
     base = flatten(as_dict(to_config(compose_config([]))))
     named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
@@ -113,6 +116,14 @@ def hydra_overrides(cfg: Config, overrides: list[str], multirun: bool) -> list[s
     writes `.hydra/` itself once it owns its directory (a refused run writes nothing), Hydra's log
     file appears only when something is logged, and a `run_dir=` or `resume=` run is Hydra's
     output dir (no empty `runs/<date>/<time>_...` dir beside it).
+
+    Args:
+        cfg: the (first) job's validated config.
+        overrides: the command line's overrides.
+        multirun: a `-m` command (each job's dir is Hydra's sweep subdir).
+
+    Returns:
+        Overrides to append to the command line.
     """
     extra = ["hydra.output_subdir=null"]
     if not any(o.startswith("hydra/job_logging") for o in overrides):

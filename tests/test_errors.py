@@ -142,7 +142,7 @@ def test_analysis_names_failed_runs_and_corrupt_lines(tmp_path):
                   error="qerl_exp.train.NonFiniteError: 2 consecutive steps with non-finite logits")
     corrupt = _run(tmp_path / "runs" / "corrupt", 2, ['{"step": 0, "rew', '{"step": 1}'])
     skipped = dict(load([str(tmp_path / "runs")], presets={}).skipped)
-    assert skipped[str(failed)].startswith("failed: qerl_exp.train.NonFiniteError: 2 consecutive steps")
+    assert skipped[str(failed)] == "failed: qerl_exp.train.NonFiniteError: 2 consecutive steps with non-finite logits"
     assert "metrics.jsonl line(s) [1] are not JSON objects with a step" in skipped[str(corrupt)]
     assert "more than once" not in skipped[str(corrupt)]
 
