@@ -541,6 +541,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        # numpy's global seed takes 0 .. 2**32 - 1
+        _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         batch = self.train.prompts_per_step * self.algo.group_size
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import checkpoint, logs, progress
+from qerl_exp import checkpoint, logs, progress, rundir
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.eval import evaluate
@@ -31,15 +30,11 @@ from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
-from qerl_exp.rollout import make_sampler, sample
+from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, sample
 from qerl_exp.tasks import SYSTEM_PROMPT, build_task
 from qerl_exp.tracking import Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-class RunExistsError(RuntimeError):
-    """The run directory holds a finished run, which is never overwritten."""
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -67,27 +62,22 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-def _open_run_dir(run_dir: Path, config: dict) -> tuple[Path, dict] | None:
-    """Create the run directory, or find the checkpoint to resume an unfinished run from."""
-    if (run_dir / "summary.json").exists():
-        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    found = checkpoint.latest(run_dir)
-    if found is None:
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return found
-
-
 def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
-    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them."""
+    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them.
+
+    A line that does not parse (half-written when the disk filled up) is dropped with its step.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] < next_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] < next_step]
+    rundir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -115,12 +105,23 @@ def run(
 
     Returns:
         The summary also written to `summary.json`.
+
+    Raises:
+        rundir.RunDirError: `run_dir` is finished, owned by another process, or holds a run with
+            another config (see `rundir.claim`); nothing was written.
+        rundir.Interrupted: SIGINT or SIGTERM stopped the run (after checkpointing its last step,
+            when it had time to finish that step).
     """
     run_dir = Path(run_dir)
     choices = choices or {}
     config = {**as_dict(cfg), "choices": choices}
-    resume_from = _open_run_dir(run_dir, config)
+    with rundir.claim(run_dir, config):
+        return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step)
 
+
+def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
+           group: str, on_step: StepCallback | None) -> dict[str, float]:
+    """The body of `run`, in a run directory this process owns."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
     task = build_task(cfg.task)
@@ -174,6 +175,7 @@ def run(
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id)
     bar = progress.Progress(cfg.train.steps, "train", initial=start)
+    stop = rundir.StopSignals()
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
@@ -185,8 +187,16 @@ def run(
             aqn.draw(sigma)
             models.sampler.eval()
             t_roll = time.perf_counter()
-            with _phase("rollout"), aqn.applied(models.sampler):
-                rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
+            try:
+                with _phase("rollout"), aqn.applied(models.sampler):
+                    rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
+            except NonFiniteLogitsError:  # blown-up weights or noise: the step is skipped, as for a NaN loss
+                nonfinite += 1
+                lr_sched.step()
+                tracker.log(step, M.optim_metrics(math.nan, math.nan, lr_sched.get_last_lr()[0], skipped=True))
+                history.append({"step": step, "train/skipped": 1})
+                _check_nonfinite(nonfinite, cfg, step, run_dir)
+                continue
             rollout_s = time.perf_counter() - t_roll  # sample() returns decoded texts: synchronised
             rollout_bytes = getattr(sampler, "nbytes", 0)
             if hasattr(sampler, "release"):
@@ -250,16 +260,15 @@ def run(
             history.append({"step": step, **step_metrics})
             if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
                 tracker.log_completions(step, [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, batch, G)])
-            if nonfinite >= cfg.train.max_nonfinite:
-                raise NonFiniteError(
-                    f"{nonfinite} consecutive steps with a non-finite loss or gradient (last at step {step}); "
-                    f"lower train.lr or check the data; the last good checkpoint is kept in {run_dir / 'checkpoints'}"
-                )
+            _check_nonfinite(nonfinite, cfg, step, run_dir)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
                 checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
                 checkpoint.prune(run_dir, cfg.checkpoint.keep)
             if on_step is not None:
                 on_step(step, step_metrics)
+            if stop.signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
+                checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
+                raise rundir.Interrupted(stop.signum, step + 1)
 
         checkpoint.save(run_dir / "final", policy, state(cfg.train.steps))
         summary = M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan")))
@@ -269,6 +278,16 @@ def run(
         bar.close()
         tracker.abort()
         raise
+    finally:
+        stop.restore()
+
+
+def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:
+    if nonfinite >= cfg.train.max_nonfinite:
+        raise NonFiniteError(
+            f"{nonfinite} consecutive steps with non-finite logits, loss or gradient (last at step {step}); "
+            f"lower train.lr (now {cfg.train.lr:g}) or the noise sigma, or check the data; "
+            f"the last good checkpoint is kept in {run_dir / 'checkpoints'}")
 
 
 @torch.no_grad()

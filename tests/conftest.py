@@ -14,14 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A run small enough for CI: 2 prompts x 4 completions per step, tracker off.
 TINY_RUN = ["tracker.mode=disabled", "train.prompts_per_step=2", "algo.group_size=4"]
+# Every subprocess a test starts runs with these settings. One thread: OpenMP threads of concurrent
+# runs spin against each other on 2 cores, and float sums over 1 and 2 threads differ in the last
+# bits on some CPUs, so runs compared bit for bit must use the same count.
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def qerl(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m qerl_exp ARGS` from the repository root and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "qerl_exp", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        # One thread per run: OpenMP threads of concurrent runs spin against each other on 2 cores.
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={**SUBPROCESS_ENV, **(env or {})},
     )
 
 

@@ -97,7 +97,8 @@ def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
 
     logp = [m["eval/solution_logp"] for m in (trained, base, perturbed)]
     assert len(set(logp)) == 3, logp
-    written = json.loads((run_dir / "eval.json").read_text())
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"] == trained  # kept, not replaced
+    written = json.loads((run_dir / "eval-2.json").read_text())
     assert written["metrics"] == perturbed and written["adapter"] == str(run_dir / "final" / "adapter")
     base_rows = json.loads((run_dir / "eval_base.json").read_text())["problems"]
     assert [r["greedy"] for r in written["problems"]] != [r["greedy"] for r in base_rows]
