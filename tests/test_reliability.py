@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RUN, qerl
+from conftest import TINY_RUN, kill_after, qerl
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +34,10 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return _stable(_rows(run_dir))
 
 
-def _kill_after(run_dir: Path, logged_steps: int) -> None:
-    """Start the run, SIGKILL it once `logged_steps` steps are in metrics.jsonl."""
-    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", *RUN, f"run_dir={run_dir}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
-    deadline = time.time() + 300
-    metrics = run_dir / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= logged_steps:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
-
-
 @pytest.mark.parametrize("kill_at", [1, 3, 5])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill_at):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, kill_at)
+    kill_after(RUN, run_dir, kill_at)
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
     rows = _rows(run_dir)
@@ -66,7 +47,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill_
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 4)
+    kill_after(RUN, run_dir, 4)
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     (newest / "state.pt").write_bytes(b"not a checkpoint")
     out = qerl(*RUN, f"run_dir={run_dir}")
@@ -77,7 +58,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterr
 
 def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 2)
+    kill_after(RUN, run_dir, 2)
     out = qerl(f"resume={run_dir}", "tracker.mode=disabled")
     assert out.returncode == 0, out.stderr[-2000:]
     assert _stable(_rows(run_dir)) == uninterrupted
