@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -42,6 +43,20 @@ def qerl(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.
         # One thread per run: OpenMP threads of concurrent runs spin against each other on 2 cores.
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
+
+
+# Metrics that differ between two processes running the same steps: wall times and memory peaks.
+VOLATILE = ("perf/", "timing_s/", "mem/peak_bytes", "mem/rollout_peak_bytes", "mem/learner_peak_bytes", "mem/load_peak_bytes")
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The run's `metrics.jsonl`, one dict a step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    """The rows without the `VOLATILE` metrics: what an interrupted and resumed run must reproduce."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 def kill_after(args: list[str], run_dir: Path, logged_steps: int) -> None:

@@ -10,14 +10,14 @@ the embedded model's warm-up is cached after its first build.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN, kill_after, qerl
+
+from conftest import TINY_RUN, kill_after, metrics_rows, qerl, stable
 from qerl_exp import train
 from qerl_exp.cli import compose_config
 from qerl_exp.config import AlgoConfig, QuantConfig, to_config
@@ -38,10 +38,6 @@ SAMPLER_NVFP4 = ["rollout.quant=nvfp4", "algo.tis_cap=2", "train.steps=3"]
 GAP_ZERO = 1e-5  # sampler and learner one clean policy: KV-cached decode vs full forward, fp32 rounding
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _series(rows: list[dict], name: str) -> list[float]:
     return [r[name] for r in rows]
 
@@ -58,7 +54,7 @@ def _run(run_dir: Path, *overrides: str, on_step=None, keep: dict | None = None)
             real = train.build_models
             mp.setattr(train, "build_models", build_and_keep)
         train.run(cfg, run_dir, on_step=on_step)
-    return _rows(run_dir)
+    return metrics_rows(run_dir)
 
 
 def _lora(model) -> dict[str, torch.Tensor]:
@@ -255,11 +251,6 @@ def test_lr_warms_up_then_follows_a_cosine(clean):
 
 
 RESUME = [*TINY_RUN, "train.steps=5", "checkpoint.every=1", "monitor.every=2"]
-VOLATILE = ("perf/", "timing_s/", "mem/peak_bytes", "mem/rollout_peak_bytes", "mem/learner_peak_bytes", "mem/load_peak_bytes")
-
-
-def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 @pytest.mark.slow
@@ -277,6 +268,6 @@ def test_killed_run_resumes_to_the_uninterrupted_metrics(tmp_path, overrides):
     out = qerl(*args, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "resuming" in out.stderr
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(5)), "duplicate or missing steps after resume"
-    assert _stable(rows) == _stable(_rows(tmp_path / "whole"))
+    assert stable(rows) == stable(metrics_rows(tmp_path / "whole"))

@@ -3,27 +3,16 @@ skipped, a failing tracker degrades to offline, and finished work is never lost.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_RUN, kill_after, qerl
+from conftest import TINY_RUN, kill_after, metrics_rows, qerl, stable
 
 pytestmark = pytest.mark.slow
 
 RUN = [*TINY_RUN, "train.steps=6", "checkpoint.every=1", "noise=exp", "noise.num_stages=3", "monitor.every=2"]
-VOLATILE = ("perf/", "mem/peak_bytes")
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +20,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    return _stable(_rows(run_dir))
+    return stable(metrics_rows(run_dir))
 
 
 @pytest.mark.parametrize("kill_at", [1, 3, 5])
@@ -40,9 +29,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill_
     kill_after(RUN, run_dir, kill_at)
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(6)), "duplicate or missing steps after resume"
-    assert _stable(rows) == uninterrupted
+    assert stable(rows) == uninterrupted
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
@@ -53,7 +42,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterr
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"checkpoint {newest} is unreadable" in out.stderr
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
@@ -61,7 +50,7 @@ def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
     kill_after(RUN, run_dir, 2)
     out = qerl(f"resume={run_dir}", "tracker.mode=disabled")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def _in_process_cfg(tmp_path, *overrides):
@@ -88,7 +77,7 @@ def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_
     run_dir = tmp_path / "run"
     with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):
         train.run(cfg, run_dir)
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows] == [0, 0, 1, 1, 1]
     # the skipped steps left the adapter as it was after step 1
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
