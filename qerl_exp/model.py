@@ -172,7 +172,10 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         if isinstance(src, LoraLayer):
             for adapter in src.active_adapters:
                 weight = weight + src.get_delta_weight(adapter).float()
-        merged = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device, dtype=dtype)
+        # skip_init: nn.Linear's random init would draw from torch's RNG, which a resumed run has
+        # just restored (its rollouts would then differ from the uninterrupted run's)
+        merged = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=base.bias is not None,
+                                          device=weight.device, dtype=dtype)
         merged.weight.copy_(weight)
         if base.bias is not None:
             merged.bias.copy_(base.bias)

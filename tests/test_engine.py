@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
+from conftest import import_or_skip
 from qerl_exp.engine import launch, layout, reference
 from qerl_exp.engine.decode import sample
 from qerl_exp.engine.fast_engine import FastEngine
@@ -160,8 +161,8 @@ def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
 
 def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     # nvfp4_mma multiplies whole 64-row tiles of up to 8 rows; anything else stays on _splitk_kernel
-    pytest.importorskip("triton")
-    mma = pytest.importorskip("qerl_exp.engine.nvfp4_mma")
+    import_or_skip("triton")
+    mma = import_or_skip("qerl_exp.engine.nvfp4_mma")
     def plan(sizes, fmt="nvfp4", k=128):
         ws = [_nvfp4_packed(torch.randn(n, k)) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
         return launch.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False,
@@ -520,7 +521,7 @@ def _interp_main() -> None:
 
 
 def test_triton_kernels_and_engine_in_the_interpreter():
-    pytest.importorskip("triton")
+    import_or_skip("triton")
     if CUDA:
         pytest.skip("the GPU tests run the kernels natively")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -532,7 +533,7 @@ def test_triton_kernels_and_engine_in_the_interpreter():
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
     # Set at import, TRITON_INTERPRET leaked into every subprocess; unset, Triton kernels cannot take
     # CPU tensors, and fused_linear says so in one line instead of failing inside Triton
-    pytest.importorskip("triton")
+    import_or_skip("triton")
     code = ("import os, torch\n"
             "from qerl_exp.engine import FastEngine, launch\n"
             "assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET set by an import'\n"

@@ -15,22 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_exp.metrics import MACHINE_METRICS
-
-from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, qerl
+from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, kill_after, metrics_rows, qerl, stable
 
 pytestmark = pytest.mark.slow
 
 RUN = [*TINY_RUN, "train.steps=6", "checkpoint.every=1", "noise=exp", "noise.num_stages=3", "monitor.every=2"]
-VOLATILE = MACHINE_METRICS
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +27,7 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    return _stable(_rows(run_dir))
+    return stable(metrics_rows(run_dir))
 
 
 def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
@@ -57,43 +46,34 @@ def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, logged_steps: int) ->
     raise AssertionError(f"the run ended or stalled before step {logged_steps}: {proc.communicate()[1][-2000:]}")
 
 
-def _kill_after(run_dir: Path, logged_steps: int) -> None:
-    """Start the run, SIGKILL it once `logged_steps` steps are in metrics.jsonl."""
-    proc = _start(*RUN, f"run_dir={run_dir}")
-    _wait_for_steps(proc, run_dir, logged_steps)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
-
-
 @pytest.mark.parametrize("kill_at", [1, 3, 5])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill_at):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, kill_at)
+    kill_after(RUN, run_dir, kill_at)
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(6)), "duplicate or missing steps after resume"
-    assert _stable(rows) == uninterrupted
+    assert stable(rows) == uninterrupted
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 4)
+    kill_after(RUN, run_dir, 4)
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     (newest / "state.pt").write_bytes(b"not a checkpoint")
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"checkpoint {newest} is unreadable" in out.stderr
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 2)
+    kill_after(RUN, run_dir, 2)
     out = qerl(f"resume={run_dir}", "tracker.mode=disabled")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def _in_process_cfg(tmp_path, *overrides):
@@ -120,7 +100,7 @@ def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_
     run_dir = tmp_path / "run"
     with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):
         train.run(cfg, run_dir)
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows] == [0, 0, 1, 1, 1]
     # the skipped steps left the adapter as it was after step 1
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
@@ -187,18 +167,18 @@ def test_signal_checkpoints_the_step_and_prints_the_resume_command(tmp_path, uni
     resume = last.split("resume with: python -m qerl_exp ")[1].split()
     assert resume == [f"resume={run_dir}"]
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))
-    done = len(_rows(run_dir))
+    done = len(metrics_rows(run_dir))
     assert len(ckpt) == 1 and int(ckpt[0].name[5:]) == done
     if threads == "1":  # the same thread count as the uninterrupted run: the same metrics
         out = qerl(*resume)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert _stable(_rows(run_dir)) == uninterrupted
+        assert stable(metrics_rows(run_dir)) == uninterrupted
         assert "thread" not in out.stderr
     else:  # another thread count is named, since the last bits may differ from here on
         out = qerl(*resume, f"train.steps={done + 1}", env={"OMP_NUM_THREADS": threads})
         assert out.returncode == 0, out.stderr[-2000:]
         assert "written by a run with 1 CPU thread(s), resumed with 2" in out.stderr
-        assert [r["step"] for r in _rows(run_dir)] == list(range(done + 1))
+        assert [r["step"] for r in metrics_rows(run_dir)] == list(range(done + 1))
 
 
 def _tree(path: Path) -> dict[str, str]:
@@ -257,7 +237,7 @@ def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, 
     out = qerl(f"resume={run_dir}", "train.steps=3")
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 3
-    assert [r["step"] for r in _rows(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in metrics_rows(run_dir)] == [0, 1, 2]
 
 
 def test_each_eval_writes_its_own_file(finished, tmp_path):
@@ -319,7 +299,7 @@ def test_full_disk_and_read_only_paths_end_in_one_line_and_leave_a_resumable_run
     assert not list(copy.rglob(".step_*")) and not list(copy.rglob(".*-*"))
     out = qerl(*TINY_RUN, "train.steps=3", "checkpoint.every=1", f"run_dir={copy}")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert [r["step"] for r in _rows(copy)] == [0, 1, 2]
+    assert [r["step"] for r in metrics_rows(copy)] == [0, 1, 2]
 
 
 def test_blown_up_weights_reach_the_nonfinite_guard(tmp_path):
@@ -329,5 +309,5 @@ def test_blown_up_weights_reach_the_nonfinite_guard(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(train.NonFiniteError, match=r"2 consecutive steps .* lower train.lr \(now 1e\+30\) or the noise sigma"):
         train.run(cfg, run_dir)
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows][-2:] == [1, 1]
