@@ -631,9 +631,11 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_gpu_engine_greedy_equals_hf_generate(quant):
-    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+def test_gpu_engine_greedy_equals_hf_generate(quant, family):
+    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512,
+                       family=family)
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     ref = hf_greedy(model, ids, mask, 16)
     eng = FastEngine(model, 8, 64)

@@ -93,9 +93,10 @@ def test_the_base_model_answers_some_word_problems(smollm2):
     from qerl_exp.eval import evaluate
 
     cfg, task, models = smollm2
-    metrics = evaluate(models.policy, models.tokenizer, task, k=0, max_new_tokens=96, batch_size=16,
-                       system_prompt=cfg.task.system_prompt, problems=task.eval_problems()[:16])
-    assert 0 < metrics["eval/pass@1"] < 1  # headroom for RL either way
+    metrics = evaluate(models.policy, models.tokenizer, task, k=0, max_new_tokens=cfg.algo.max_new_tokens,
+                       batch_size=32, system_prompt=cfg.task.system_prompt, problems=task.eval_problems()[:32])
+    # 5 of these 32 here (28 of all 200: docs/results.md): reward to learn from, and headroom
+    assert 2 / 32 <= metrics["eval/pass@1"] <= 30 / 32
     assert metrics["eval/clipped_ratio"] < 1  # replies end with the tokenizer's EOS
 
 
