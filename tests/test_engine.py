@@ -32,22 +32,32 @@ LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora: bool = True, seed: int = 0,
-               layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256):
+               layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256,
+               family: str = "qwen2"):
     """A random Qwen2 with peaked logits (greedy margins well above rounding), optional 4-bit base
-    and LoRA r=8 on all seven projections with a non-zero B."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    and LoRA r=8 on all seven projections with a non-zero B. `family="llama"`: SmolLM2-135M's
+    architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
+    head of 64), at width 192."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=192, intermediate_size=256, num_hidden_layers=layers,
+                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                          tie_word_embeddings=True, rope_theta=1e5)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+                          tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(cfg)
+    head = "embed" if family == "llama" else "lm_head"  # tied: the embedding is the head
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0, 0.5 if "lm_head" in name else 0.08)
+                p.normal_(0, 0.5 if head in name else 0.15 if family == "llama" else 0.08)
     model = model.to(device=device, dtype=dtype).eval()
     if quant is not None:
         _quantize(model, quant, dtype)
@@ -253,9 +263,10 @@ def test_sample_greedy_and_full_distribution():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_engine_greedy_equals_hf_generate(quant):
-    model = tiny_model(quant=quant)
+def test_engine_greedy_equals_hf_generate(quant, family):
+    model = tiny_model(quant=quant, family=family)
     ids, mask = prompts()
     ref = hf_greedy(model, ids, mask, 10)
     eng = FastEngine(model, max_batch_size=4, max_seq_len=32, backend="torch")
@@ -512,11 +523,11 @@ def _interp_main() -> None:
 
     ti._patch_lang_tensor = patched
     _check_kernels("cpu", torch.float32, 2e-3)
-    for quant in (None, "nvfp4", "nf4"):
-        model = tiny_model(quant=quant)
+    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
+        model = tiny_model(quant=quant, family=family)
         ids, mask = prompts()
         a = FastEngine(model, 4, 32, backend="triton").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
-        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), quant
+        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), (quant, family)
     print("INTERPRETER CHECKS OK")
 
 
@@ -631,9 +642,11 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_gpu_engine_greedy_equals_hf_generate(quant):
-    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+def test_gpu_engine_greedy_equals_hf_generate(quant, family):
+    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512,
+                       family=family)
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     ref = hf_greedy(model, ids, mask, 16)
     eng = FastEngine(model, 8, 64)

@@ -242,7 +242,7 @@ class FileTask:
     def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str):
         self.name, self.cfg = name, cfg
         self.train, self.held_out, self.fingerprint = train, held_out, fingerprint
-        self.rewards = default_rewards(cfg.format_reward, cfg.correct_reward)
+        self.rewards = default_rewards(cfg)
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         # Without replacement when the batch fits, so one step never repeats a question.
