@@ -90,8 +90,7 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
             return model, tokenizer, {"warmup": "none (random weights)", "blockwise": on_block is not None}
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
-    model, tokenizer, info = load_pretrained(cfg.model, dtype)
-    return model.to(device), tokenizer, info
+    return load_pretrained(cfg.model, dtype, device, on_block)
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -33,10 +33,13 @@ import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from qerl_exp.config import ModelConfig
+from qerl_exp.shards import load_blockwise
 from qerl_exp.tokenizer import HFTokenizer
 
 HUB_TIMEOUT_S = 3.0
@@ -180,20 +183,27 @@ def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
     return True
 
 
-def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool):
+def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool, device: torch.device | str = "cpu",
+                 on_block: Callable[[nn.Module], None] | None = None):
     from transformers import AutoModelForCausalLM
 
     tokenizer = HFTokenizer(source, local_files_only=local_only)
+    if on_block is not None and Path(source).is_dir():  # a local checkpoint: shard by shard, block by block
+        return load_blockwise(source, dtype, device, on_block), tokenizer
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
-    return model, tokenizer
+    return model.to(device), tokenizer
 
 
-def load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
+def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    on_block: Callable[[nn.Module], None] | None = None):
     """The real checkpoint a model config names, with its tokenizer.
 
     Args:
         cfg: `gguf_file` (and `package`) or `name` (a local folder or a hub id), and `cache_dir`.
         dtype: the compute dtype of the weights.
+        device: where the model is made.
+        on_block: when given, a local checkpoint is read shard by shard and each decoder block is
+            passed to it (e.g. quantized) as soon as it is complete (`qerl_exp.shards`).
 
     Returns:
         `(model, tokenizer, info)`; `info` says where the weights came from.
@@ -210,15 +220,15 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
             if not path.is_file():
                 raise ValueError(f"model.gguf_file={cfg.gguf_file} is not a file; give the path of a .gguf checkpoint")
             folder = convert_gguf(path, cfg.cache_dir, dtype)
-        model, tokenizer = _load_folder(folder, dtype, local_only=True)
+        model, tokenizer = _load_folder(folder, dtype, local_only=True, device=device, on_block=on_block)
         return model, tokenizer, {"source": cfg.package or str(path), "gguf_file": path.name}
     local = Path(cfg.name).expanduser()
     if local.is_dir():
-        model, tokenizer = _load_folder(local, dtype, local_only=True)
+        model, tokenizer = _load_folder(local, dtype, local_only=True, device=device, on_block=on_block)
         return model, tokenizer, {"source": str(local)}
     online = hub_reachable()
     try:
-        model, tokenizer = _load_folder(cfg.name, dtype, local_only=not online)
+        model, tokenizer = _load_folder(cfg.name, dtype, local_only=not online, device=device)
     except OSError as e:
         where = "the hub is reachable" if online else "the hub is unreachable and it is not in the local hub cache"
         raise ValueError(
