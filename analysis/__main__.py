@@ -1,12 +1,16 @@
-"""`python -m analysis PATH... --out DIR`: the strategy table and the paper's figures from runs.
+"""`python -m analysis PATH... [--out DIR]`: the strategy table and the paper's figures from runs.
 
 PATH: run directories, parents of run directories (searched recursively), globs, or offline W&B
-run files (`run-*.wandb`). Writes into DIR:
+run files (`run-*.wandb`). DIR defaults to `report/` in the folder holding the runs (the
+deepest folder common to the PATHs that is not itself a run), `runs/report` for a W&B project
+alone. Writes into DIR:
   strategy_table.md, .csv, .tex    the strategy table (analysis/table.py)
   figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
-  strategy_runs.md                 every run used, skipped (with the reason) or left out
+  strategy_runs.md                 every run used, skipped (with the reason: failed runs with
+                                   their error.txt line) or left out
 
 Example:
+    python -m analysis runs/strategies                 # writes runs/strategies/report/
     python -m analysis multirun/strategies --out docs
     python -m analysis 'runs/**/run-*.wandb' --out /tmp/report
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
@@ -17,6 +21,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
     p.add_argument("paths", nargs="*", help="run directories, their parents, globs, or run-*.wandb files")
-    p.add_argument("--out", required=True, type=Path, help="output directory (created if needed)")
+    p.add_argument("--out", type=Path, help="output directory (created if needed); default: report/ beside the runs")
     p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
     p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
     p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
@@ -37,11 +43,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_out(paths: list[str]) -> Path:
+    """`report/` in the deepest folder common to `paths` (their parts before any glob) that is not a run."""
+    if not paths:
+        return Path("runs") / "report"
+    roots = []
+    for arg in paths:
+        parts = Path(arg).parts
+        fixed = parts[:next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))]
+        root = Path(*fixed) if fixed else Path(".")
+        roots.append(str((root if root.is_dir() else root.parent).resolve()))
+    base = Path(os.path.commonpath(roots))
+    while (base / "config.json").exists() and base != base.parent:  # a run directory: report beside it
+        base = base.parent
+    return base / "report"
+
+
 def _runs_report(loaded, notes: list[str]) -> str:
     lines = ["# Runs", "", "## Used", "", "| run | strategy | seed | steps | source |", "|---|---|---|---|---|"]
     for r in sorted(loaded.runs, key=lambda r: (r.strategy or "~", str(r.seed), r.source)):
         lines.append(f"| {r.name} | {r.strategy or '-'} | {r.seed} | {len(r.history)} | `{r.source}` |")
-    lines += ["", "## Skipped (missing or partial metrics, unreadable, unfinished)", ""]
+    lines += ["", "## Skipped (failed, unfinished, missing or partial metrics, unreadable)", ""]
     lines += [f"- `{src}`: {why}" for src, why in loaded.skipped] or ["- none"]
     lines += ["", "## Notes", ""]
     lines += [f"- {n}" for n in (*loaded.notes, *notes)] or ["- none"]
@@ -60,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not args.paths and not args.wandb_project:
         _parser().error("give at least one PATH or --wandb-project")
+    args.out = args.out or default_out(args.paths)
     loaded = load(args.paths, wandb_project=args.wandb_project)
     for src, why in loaded.skipped:
         print(f"skipped {src}: {why}", file=sys.stderr)

@@ -8,8 +8,8 @@ Sources, all turned into the same `Run`:
   - a W&B project, through the public API (online).
 
 `load` checks every run (`problems`) and returns the complete ones and, separately, the skipped
-ones with the reason: a run with missing steps, missing or non-finite metrics, or no end is never
-averaged with the others.
+ones with the reason: a run that failed (its `error.txt` line), was cut short, or has missing
+steps, corrupt lines, or missing or non-finite metrics is never averaged with the others.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+from qerl_exp.rundir import flatten
 
 # Metrics every step of a complete run carries.
 REQUIRED = (
@@ -55,6 +57,8 @@ class Run:
         summary: the run's summary (empty when it has none).
         duplicate_steps: steps logged more than once (a restarted run appending to its log).
         strategy: the strategy preset the run is an instance of, or None (set by `label`).
+        bad_lines: numbers of `metrics.jsonl` lines that are not JSON objects with a step.
+        error: the last line of the run's `error.txt` (it failed), or empty.
     """
 
     name: str
@@ -65,6 +69,8 @@ class Run:
     summary: dict = field(default_factory=dict)
     duplicate_steps: list[int] = field(default_factory=list)
     strategy: str | None = None
+    bad_lines: list[int] = field(default_factory=list)
+    error: str = ""
 
     @property
     def choices(self) -> dict:
@@ -97,18 +103,6 @@ class Loaded:
     notes: list[str] = field(default_factory=list)
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """Nested dicts to one level with dotted keys; lists stay values."""
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def _covered(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -128,44 +122,53 @@ def differences(a: dict, b: dict) -> list[str]:
 # --------------------------------------------------------------------------- reading
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(f"no readable {path.name} ({type(e).__name__})") from None
+
+
 def read_run_dir(path: Path) -> Run:
-    """Read a run directory (`config.json`, `metrics.jsonl`, optional `summary.json`).
+    """Read a run directory (`config.json`, `metrics.jsonl`, optional `summary.json` and `error.txt`).
 
     Raises:
-        RunError: `config.json` is missing or unreadable.
+        RunError: `config.json` or `summary.json` is missing or unreadable.
     """
     path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise RunError(f"no readable config.json ({type(e).__name__})") from None
-    rows = []
+    config = _read_json(path / "config.json")
+    summary_file = path / "summary.json"
+    summary = _read_json(summary_file) if summary_file.exists() else {}
+    rows, bad = [], []
     metrics = path / "metrics.jsonl"
     if metrics.exists():
-        for line in metrics.read_text().splitlines():
+        for i, line in enumerate(metrics.read_text(errors="replace").splitlines(), start=1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except ValueError:
-                    rows.append({"_bad_line": line[:40]})
-    summary_file = path / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    return _make_run(path.name, str(path), config, rows, summary_file.exists(), summary)
+                    bad.append(i)
+    run = _make_run(path.name, str(path), config, rows, summary_file.exists(), summary)
+    run.bad_lines = bad + run.bad_lines
+    if (path / "error.txt").is_file():
+        lines = [line for line in (path / "error.txt").read_text(errors="replace").splitlines() if line.strip()]
+        run.error = lines[-1].strip() if lines else "error.txt is empty"
+    return run
 
 
 def _make_run(name, source, config, rows, finished, summary) -> Run:
     by_step: dict[int, dict] = {}
-    duplicates = []
-    for row in rows:
-        step = row.get("step")
+    duplicates, bad = [], []
+    for i, row in enumerate(rows, start=1):
+        step = row.get("step") if isinstance(row, dict) else None
         if not isinstance(step, int):
-            duplicates.append(-1)
+            bad.append(i)
             continue
         if step in by_step:
             duplicates.append(step)
         by_step[step] = row
     history = [by_step[s] for s in sorted(by_step)]
-    return Run(name, source, config, history, finished, summary, duplicates)
+    return Run(name, source, config, history, finished, summary, duplicates, bad_lines=bad)
 
 
 def _wandb_records(path: Path) -> Iterable[bytes]:
@@ -347,11 +350,15 @@ def problems(run: Run) -> list[str]:
     A complete run finished, logged each step 0..train.steps-1 exactly once, and every step holds
     a finite value of each REQUIRED metric (and of each MONITORED metric on monitor steps).
     """
+    if run.error and not run.finished:  # what it did log is partial by construction
+        return [f"failed: {run.error}"]
     out = []
     if not run.finished:
         out.append("unfinished (no summary.json / W&B exit code 0)")
+    if run.bad_lines:
+        out.append(f"metrics.jsonl line(s) {run.bad_lines[:5]} are not JSON objects with a step (corrupt or half-written)")
     if run.duplicate_steps:
-        out.append(f"steps logged more than once or without a step number: {sorted(set(run.duplicate_steps))[:5]}")
+        out.append(f"steps logged more than once: {sorted(set(run.duplicate_steps))[:5]}")
     expected = run.get("train.steps")
     steps = [h["step"] for h in run.history]
     if not isinstance(expected, int):

@@ -47,7 +47,9 @@ class Claim:
     Args:
         memory_reduction: the fraction of full-precision memory saved (0.75 = "75% less").
         speedup: rollout tokens/s over full precision.
-        exploration: "slight" or "significant" increase of exploration (sampler entropy).
+        exploration: the claimed exploration (entropy gain): "slight" or "significant" increase, or
+            "similar" to that of the strategy `similar_to`.
+        similar_to: the strategy whose entropy gain a "similar" claim is compared with.
         paper_weights_ratio: weights over bf16 measured in the paper at 7B (DESIGN.md 2.4).
         paper_speedup: rollout tokens/s over bf16 LoRA measured in the paper at 7B, batch 8.
     """
@@ -55,30 +57,32 @@ class Claim:
     memory_reduction: float | None = None
     speedup: float | None = None
     exploration: str | None = None
+    similar_to: str | None = None
     paper_weights_ratio: float | None = None
     paper_speedup: float | None = None
 
 
-# Issue 6 lists "75% / 85% / 80% memory reduction, 1.5x / 1.3x speed, 'slight' / 'significant'
-# exploration increase" without naming each figure's strategy; they are assigned here in the
-# issue's order of strategies (nvfp4_rollout, nvfp4_lora, nf4_dq). The paper's 7B measurements
-# come from DESIGN.md 2.4: weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s
-# 1641 BF16 LoRA, 2092 QeRL, 1362 QLoRA.
+# The design's comparison table (issue 25). The paper's 7B measurements come from DESIGN.md 2.4:
+# weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s 1641 BF16 LoRA, 2092 QeRL,
+# 1362 QLoRA. "Similar to NVFP4" is read against NVFP4 + LoRA, the other LoRA-on-4-bit strategy.
 CLAIMS = {
     "nvfp4_rollout": Claim(memory_reduction=0.75, speedup=1.5, exploration="slight"),
-    "nvfp4_lora": Claim(memory_reduction=0.85, speedup=1.3, exploration="significant",
+    "nvfp4_lora": Claim(memory_reduction=0.85, speedup=1.5, exploration="significant",
                         paper_weights_ratio=5.9 / 15.2, paper_speedup=2092 / 1641),
-    "nf4_dq": Claim(memory_reduction=0.80, paper_weights_ratio=5.7 / 15.2, paper_speedup=1362 / 1641),
+    "nf4_dq": Claim(memory_reduction=0.80, speedup=1.3, exploration="similar", similar_to="nvfp4_lora",
+                    paper_weights_ratio=5.7 / 15.2, paper_speedup=1362 / 1641),
 }
 CLAIMS_SOURCE = (
-    "Claims: issue 6 of this repository lists \"75% / 85% / 80% memory reduction, 1.5x / 1.3x speed, "
-    "'slight' / 'significant' exploration increase\" without naming each figure's strategy; they are "
-    "assigned in the issue's order of strategies (nvfp4_rollout, nvfp4_lora, nf4_dq). Paper 7B: the QeRL "
-    "paper's measurements on one H100 (arXiv 2510.11696, as summarized in DESIGN.md 2.4): weights 15.2 GB "
-    "bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s at batch 8: 1641 BF16 LoRA, 2092 QeRL, 1362 QLoRA. "
-    "A memory claim holds when the measured weight-memory reduction is at most 5 points below it, a speed "
-    "claim when rollout tokens/s over full precision is at most 5% below it; 'slight' holds when the mean "
-    "entropy gain is above 0, 'significant' when its 95% t-interval across seeds lies above 0."
+    "Claims: the design's comparison table (issue 25 of this repository): NVFP4 only (nvfp4_rollout) "
+    "-75% memory, 1.5x faster, slight exploration increase; NVFP4 + LoRA (nvfp4_lora) -85%, 1.5x, "
+    "significant increase; double quant (nf4_dq) -80%, 1.3x, exploration similar to NVFP4 (read as "
+    "nvfp4_lora). Paper 7B: the QeRL paper's measurements on one H100 (arXiv 2510.11696, as summarized in "
+    "DESIGN.md 2.4): weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s at batch 8: 1641 "
+    "BF16 LoRA, 2092 QeRL, 1362 QLoRA. A memory claim holds when the measured weight-memory reduction is "
+    "at most 5 points below it, a speed claim when rollout tokens/s over full precision is at most 5% "
+    "below it; 'slight' holds when the mean entropy gain is above 0, 'significant' when its 95% "
+    "t-interval across seeds lies above 0, 'similar to X' when the mean entropy gain lies within X's "
+    "95% t-interval."
 )
 
 
@@ -100,6 +104,8 @@ class Row:
     tok_s_ratio: float = math.nan
     step_s_ratio: float = math.nan
     claim: Claim = field(default_factory=Claim)
+    # the entropy gain of the strategy a "similar" claim names (`build` fills it in when present)
+    peer_gain: Interval | None = None
 
     @property
     def memory_holds(self) -> bool | None:
@@ -119,6 +125,11 @@ class Row:
             return None
         if self.claim.exploration == "slight":
             return self.entropy_gain.mean > 0
+        if self.claim.exploration == "similar":
+            peer = self.peer_gain
+            if peer is None or math.isnan(peer.low):  # no interval to be within (absent, or one seed)
+                return None
+            return peer.low <= self.entropy_gain.mean <= peer.high
         return not math.isnan(self.entropy_gain.low) and self.entropy_gain.low > 0
 
 
@@ -213,6 +224,10 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
             r.peak_ratio = r.peak_bytes / base.peak_bytes
             r.tok_s_ratio = r.rollout_tok_s / base.rollout_tok_s
             r.step_s_ratio = r.step_s / base.step_s
+    by_name = {r.strategy: r for r in rows}
+    for r in rows:
+        if r.claim.similar_to in by_name:
+            r.peer_gain = by_name[r.claim.similar_to].entropy_gain
     return rows, notes
 
 
@@ -245,10 +260,14 @@ def _record(r: Row) -> dict:
         "sampler_entropy_ci_high": r.sampler_entropy.high,
         "entropy_gain": r.entropy_gain.mean, "entropy_gain_ci_low": r.entropy_gain.low,
         "entropy_gain_ci_high": r.entropy_gain.high,
-        "exploration_claim": c.exploration, "exploration_holds": r.exploration_holds,
+        "exploration_claim": _exploration(c), "exploration_holds": r.exploration_holds,
         "final_reward": r.final_reward.mean, "final_reward_ci_low": r.final_reward.low,
         "final_reward_ci_high": r.final_reward.high,
     }
+
+
+def _exploration(c: Claim) -> str | None:
+    return f"similar to {c.similar_to}" if c.exploration == "similar" else c.exploration
 
 
 def to_csv(rows: list[Row]) -> str:
@@ -300,7 +319,7 @@ def _cells(r: Row) -> list[str]:
     c = r.claim
     memory = "" if c.memory_reduction is None else f"{_MINUS}{c.memory_reduction:.0%}{_verdict(r.memory_holds)}"
     speed = "" if c.speedup is None else f"{c.speedup:g}{_TIMES}{_verdict(r.speed_holds)}"
-    explore = "" if c.exploration is None else f"{c.exploration}{_verdict(r.exploration_holds)}"
+    explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}"
     paper = "; ".join(x for x in (
         "" if c.paper_weights_ratio is None else f"weights {c.paper_weights_ratio:.2f}{_TIMES}",
         "" if c.paper_speedup is None else f"tok/s {c.paper_speedup:.2f}{_TIMES}") if x)

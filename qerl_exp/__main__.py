@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+import shlex
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -10,10 +11,38 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp.cli import CONF_DIR, UsageError, fail, validate
-from qerl_exp.config import GROUPS, from_dict, register_configs, to_config
+from qerl_exp import rundir
+from qerl_exp.cli import CONF_DIR, UsageError, fail, hydra_overrides, set_keys, validate
+from qerl_exp.config import GROUPS, as_dict, from_dict, register_configs, to_config
+
+
+def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra's record of how the run was started (`.hydra/`), written once, into the run dir itself."""
+    out = run_dir / ".hydra"
+    if (out / "config.yaml").exists():  # a continued run keeps the record of its start
+        return
+    out.mkdir(exist_ok=True)
+    hydra_cfg = HydraConfig.instance().cfg
+    rundir.write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg))
+    rundir.write_atomic(out / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    rundir.write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def _error_line(e: Exception, run_dir: Path) -> str:
+    """One line for a failed run; the traceback goes to `run_dir/error.txt` when it can be written."""
+    line = rundir.os_error_line(e) if isinstance(e, OSError) else None
+    if line is None:
+        text = str(e).strip()
+        line = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    try:
+        if run_dir.is_dir():
+            rundir.write_atomic(run_dir / "error.txt", traceback.format_exc())
+            line += f" (traceback in {run_dir}/error.txt)"
+    except OSError:
+        pass
+    return line
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -27,13 +56,29 @@ def main(cfg: DictConfig) -> float:
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
         conf = to_config(cfg)
-        if cfg.resume:  # continue with the config the run was started with
-            saved = json.loads((run_dir / "config.json").read_text())
-            conf, choices = from_dict(saved), saved.get("choices", {})
-        summary = run(conf, run_dir, choices=choices, group=group)
+        if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
+            saved = rundir.read_config(run_dir)
+            keys = set_keys(list(hc.overrides.task), rundir.flatten(as_dict(conf)))
+            conf, choices = from_dict(rundir.resumed(run_dir, saved, as_dict(conf), keys)), saved.get("choices", {})
+        with rundir.claim(run_dir, {**as_dict(conf), "choices": choices}):
+            _write_hydra_files(run_dir, cfg)
+            summary = run(conf, run_dir, choices=choices, group=group)
+    except KeyboardInterrupt as e:  # SIGINT/SIGTERM (`rundir.Interrupted`), or SIGINT before the first step
+        signum, step = getattr(e, "signum", signal.SIGINT), getattr(e, "step", None)
+        if not (run_dir / "config.json").exists():
+            print(f"interrupted by {signal.Signals(signum).name} before the run started; nothing was written", file=sys.stderr)
+        else:
+            kept = f"step {step} checkpointed" if step is not None else "it continues from its last checkpoint"
+            print(f"interrupted by {signal.Signals(signum).name} ({kept}); resume with: "
+                  f"python -m qerl_exp resume={shlex.quote(str(run_dir))}", file=sys.stderr)
+        sys.exit(128 + signum)
+    except rundir.RunDirError as e:  # refused: nothing was written
+        if multirun:
+            print(f"error: job {hc.job.num} refused: {e}", file=sys.stderr)
+            raise
+        fail(str(e), code=1)
     except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
-        (run_dir / "error.txt").write_text(traceback.format_exc())
-        message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} (traceback in {run_dir}/error.txt)"
+        message = _error_line(e, run_dir)
         if multirun:  # let Hydra record the failure and go on with the sibling jobs
             print(f"error: job {hc.job.num} failed: {message}", file=sys.stderr)
             raise
@@ -49,9 +94,10 @@ def cli() -> None:
     overrides = [a for a in args if not a.startswith("-")]
     if not any(a in args for a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help")):
         try:
-            validate(overrides, multirun)
+            configs = validate(overrides, multirun)
         except UsageError as e:
             fail(str(e))
+        sys.argv += hydra_overrides(configs[0], overrides, multirun)
     main()
 
 

@@ -5,6 +5,10 @@ and `<run_dir>/final/` at the end. Writes are atomic (write into a hidden tempor
 beside the target, then rename), so a killed process leaves whole checkpoints only. `latest`
 returns the newest checkpoint that loads, falling back to an older one (and saying so) when the
 newest is corrupt.
+
+Each checkpoint records the number of CPU threads the run used: on CPU, float sums over another
+thread count differ in the last bits (more so on some CPUs than others), so a run resumed with
+another count no longer equals an uninterrupted one. `latest` says so when they differ.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from qerl_exp.rundir import as_os_error
 
 
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes
@@ -56,8 +62,16 @@ def save(path: Path, policy, state: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    policy.save_pretrained(tmp / "adapter")
-    torch.save(state, tmp / "state.pt")
+    try:
+        policy.save_pretrained(tmp / "adapter")
+        with open(tmp / "state.pt", "wb") as f:  # a Python file: a full disk raises OSError, not a zip-writer error
+            torch.save({**state, "threads": torch.get_num_threads()}, f)
+    except BaseException as e:  # leave no partial checkpoint behind, and name the checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = as_os_error(e)
+        if cause is not None:
+            raise OSError(cause.errno, cause.strerror, str(path)) from e
+        raise
     if path.exists():
         old = path.with_name(f".{path.name}-old")
         shutil.rmtree(old, ignore_errors=True)
@@ -91,6 +105,11 @@ def latest(run_dir: Path) -> tuple[Path, dict] | None:
             state = torch.load(path / "state.pt", weights_only=False)
             if not (path / "adapter" / ADAPTER_FILE).exists():
                 raise FileNotFoundError(f"{ADAPTER_FILE} missing")
+            threads = state.get("threads")
+            if threads is not None and threads != torch.get_num_threads():
+                warnings.warn(f"{path} was written by a run with {threads} CPU thread(s), resumed with "
+                              f"{torch.get_num_threads()}: later steps may differ in the last bits from an "
+                              f"uninterrupted run (set OMP_NUM_THREADS={threads} to match)")
             return path, state
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to an older one
             warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying an older one")
@@ -109,15 +128,20 @@ def load_adapter(policy, adapter_dir: str | Path) -> int:
 
     Raises:
         FileNotFoundError: no adapter file in `adapter_dir`.
-        ValueError: the file lacks some of the policy's LoRA weights, has others, or shapes differ.
+        ValueError: the file is not readable safetensors (e.g. truncated), or it lacks some of the policy's LoRA weights, has others, or shapes differ.
     """
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(adapter_dir) / ADAPTER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: the run saved no trained adapter (did it finish?)")
-    saved = load_file(str(path), device=str(next(policy.parameters()).device))
+    try:
+        saved = load_file(str(path), device=str(next(policy.parameters()).device))
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}): truncated or "
+                         "overwritten; use an intact copy or rerun the training") from None
     expected = get_peft_model_state_dict(policy)
     missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     shapes = [key for key in set(expected) & set(saved) if expected[key].shape != saved[key].shape]

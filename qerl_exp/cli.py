@@ -6,7 +6,9 @@ compose every job's config ourselves and turn any failure into one line that say
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
@@ -15,8 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from qerl_exp.config import Config, ConfigError, register_configs, to_config
+from qerl_exp.config import Config, ConfigError, as_dict, register_configs, to_config
 from qerl_exp.logs import quiet
+from qerl_exp.rundir import RunDirError, flatten, os_error_line, read_config
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -87,20 +90,64 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*axes)]
 
 
-def validate(overrides: list[str], multirun: bool) -> None:
+def validate(overrides: list[str], multirun: bool) -> list[Config]:
     """Compose and validate every job's config; raise `UsageError` with one line on the first bad one."""
     try:
         jobs = expand_sweep(overrides) if multirun else [overrides]
     except Exception as e:  # noqa: BLE001 - the parser's errors are user errors
         raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
+    configs = []
     for job in jobs:
         try:
             check_hydra_overrides(job)
-            preflight(to_config(compose_config(job)))
-        except ConfigError as e:
+            configs.append(to_config(compose_config(job)))
+            preflight(configs[-1])
+        except (ConfigError, RunDirError) as e:
             raise UsageError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
             raise UsageError(_explain(e)) from None
+    return configs
+
+
+def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
+    """The dotted config keys `overrides` set: each `key=value`, and every key a group choice changes.
+
+    Args:
+        overrides: the command line's overrides.
+        composed: the flattened config they composed (`rundir.flatten(as_dict(cfg))`).
+
+    Returns:
+        Dotted keys, e.g. `{"lora.r", "train.steps"}` for `lora.r=32 train.steps=9`.
+    """
+    base = flatten(as_dict(to_config(compose_config([]))))
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    return {k for k in composed if composed[k] != base.get(k) or any(k == n or k.startswith(n + ".") for n in named)}
+
+
+def hydra_overrides(cfg: Config, overrides: list[str], multirun: bool) -> list[str]:
+    """What Hydra is told besides the user's overrides, so that it writes nowhere but the run dir.
+
+    Hydra writes `.hydra/` and a log file into its output dir before the run starts; the run
+    writes `.hydra/` itself once it owns its directory (a refused run writes nothing), Hydra's log
+    file appears only when something is logged, and a `run_dir=` or `resume=` run is Hydra's
+    output dir (no empty `runs/<date>/<time>_...` dir beside it).
+
+    Args:
+        cfg: the (first) job's validated config.
+        overrides: the command line's overrides.
+        multirun: a `-m` command (each job's dir is Hydra's sweep subdir).
+
+    Returns:
+        Overrides to append to the command line.
+    """
+    extra = ["hydra.output_subdir=null"]
+    if not any(o.startswith("hydra/job_logging") for o in overrides):
+        extra.append("++hydra.job_logging.handlers.file.delay=true")
+    target = cfg.resume or cfg.run_dir
+    if target and not multirun and not any(o.startswith("hydra.run.dir=") for o in overrides):
+        escaped = target.replace("\\", "\\\\").replace("'", "\\'")
+        extra.append(f"hydra.run.dir='{escaped}'")
+    return extra
 
 
 def preflight(cfg: Config) -> None:
@@ -122,6 +169,12 @@ def preflight(cfg: Config) -> None:
             raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
+    if cfg.resume:
+        read_config(cfg.resume)  # one line naming the file when it is not JSON
+    for key, path in (("run_dir", cfg.run_dir), ("resume", cfg.resume)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
+    _check_writable(Path(cfg.resume or cfg.run_dir or "runs"))
     if cfg.model.name != "tiny" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
         raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
@@ -137,6 +190,15 @@ def preflight(cfg: Config) -> None:
         if cfg.rollout.engine == "fast" or auto_fast:
             raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a run dir whose nearest existing folder cannot be written (before Hydra creates it)."""
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
+        raise ConfigError(os_error_line(OSError(code, os.strerror(code), str(path))))
+
 
 
 def fail(message: str, code: int = 2) -> None:

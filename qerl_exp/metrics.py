@@ -185,6 +185,64 @@ def phase_peak_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def step_metrics(
+    *,
+    rewards: dict[str, torch.Tensor],
+    group_size: int,
+    mask: torch.Tensor,
+    terminated: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    sampler_entropy: torch.Tensor,
+    learner_logp: torch.Tensor,
+    learner_entropy: torch.Tensor,
+    ref_logp: torch.Tensor,
+    clip: dict[str, float],
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    skipped: bool,
+    sigma: float,
+    stage: int,
+    memory: dict[str, float],
+    step_s: float,
+    phases: dict[str, float],
+) -> dict[str, float]:
+    """Every metric of one RL step but the monitor's and the evaluation's, from the step's tensors.
+
+    Args:
+        rewards: `[B]` per reward function, each group's rows adjacent.
+        group_size: completions per prompt.
+        mask: `[B, T]` completion tokens.
+        terminated: `[B]` completions that ended with EOS.
+        sampler_logp: `[B, T]` log-probs under the policy that sampled (quantized, noisy).
+        sampler_entropy: `[B, T]` its entropies.
+        learner_logp: `[B, T]` the learner's log-probs before the update.
+        learner_entropy: `[B, T]` its entropies.
+        ref_logp: `[B, T]` the reference policy's (the base without LoRA).
+        clip: the update's clip counters (`clip_metrics` over every update).
+        loss: the optimized loss. grad_norm: the grad norm before clipping. lr: the learning rate.
+        skipped: the update was skipped for a non-finite loss or gradient.
+        sigma: this step's AQN sigma. stage: its stage.
+        memory: from `memory_metrics`.
+        step_s: wall time of the step. phases: seconds per phase (`perf_metrics`).
+
+    Returns:
+        The metrics, by name.
+    """
+    return {
+        **reward_metrics(rewards, group_size),
+        **completion_metrics(mask, terminated),
+        **clip,
+        **kl_metric(learner_logp, ref_logp, mask),
+        **entropy_metrics(learner_entropy, sampler_entropy, mask),
+        **logp_gap_metric(sampler_logp, learner_logp, mask),
+        **noise_metrics(sigma, stage),
+        **optim_metrics(loss, grad_norm, lr, skipped),
+        **memory,
+        **perf_metrics(int(mask.sum()), step_s, phases),
+    }
+
+
 def final_window(steps: int, fraction: float = FINAL_FRACTION) -> int:
     """How many trailing steps a final score averages for a run of `steps` steps."""
     return max(1, min(steps, math.ceil(fraction * steps - 1e-9)))

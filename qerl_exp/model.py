@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qerl_exp.config import Config, LoraConfig, ModelConfig, QuantConfig
+from qerl_exp.pretrained import load_pretrained
 from qerl_exp.quant import quantize_model
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
 
@@ -60,7 +61,7 @@ def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str
     """Hash of everything that determines the warmed-up embedded model."""
     spec = {
         "version": TINY_RECIPE_VERSION,
-        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir")},
+        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir", "gguf_file", "package")},
         "task": task_fields,
         "vocab": vocab,
     }
@@ -89,17 +90,7 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
             return model, tokenizer, {"warmup": "none (random weights)", "blockwise": on_block is not None}
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
-    from transformers import AutoModelForCausalLM
-
-    try:
-        tokenizer = HFTokenizer(cfg.model.name)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=dtype)
-    except OSError as e:
-        raise ValueError(
-            f"model.name={cfg.model.name!r} could not be loaded (no local path or cached hub weights): "
-            f"{str(e).splitlines()[0]}"
-        ) from None
-    return model.to(device), tokenizer, {"source": cfg.model.name}
+    return load_pretrained(cfg.model, dtype, device, on_block)
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -172,7 +163,10 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         if isinstance(src, LoraLayer):
             for adapter in src.active_adapters:
                 weight = weight + src.get_delta_weight(adapter).float()
-        merged = nn.Linear(weight.shape[1], weight.shape[0], bias=base.bias is not None, device=weight.device, dtype=dtype)
+        # skip_init: nn.Linear's random init would draw from torch's RNG, which a resumed run has
+        # just restored (its rollouts would then differ from the uninterrupted run's)
+        merged = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=base.bias is not None,
+                                          device=weight.device, dtype=dtype)
         merged.weight.copy_(weight)
         if base.bias is not None:
             merged.bias.copy_(base.bias)

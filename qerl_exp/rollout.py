@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import FastEngine
@@ -29,6 +30,19 @@ class Rollout:
     sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
     terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
     texts: list[str]  # decoded completions
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The sampler's logits hold NaN or no finite value in a row (blown-up weights or noise)."""
+
+
+class _FiniteLogits(LogitsProcessor):
+    """Raise `NonFiniteLogitsError` before sampling from logits no distribution can be made of."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.isnan().any() or not torch.isfinite(scores.amax(dim=-1)).all():
+            raise NonFiniteLogitsError("the sampler's logits are not finite")
+        return scores
 
 
 def encode_prompts(prompts: list[str], tokenizer, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +79,7 @@ class HFSampler:
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=algo.temperature,
             top_p=algo.top_p, top_k=0, max_new_tokens=algo.max_new_tokens,
             eos_token_id=eos_id, pad_token_id=self.tokenizer.pad_id,
-            output_logits=True, return_dict_in_generate=True,
+            output_logits=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList([_FiniteLogits()]),
         )
         completion = out.sequences[:, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
@@ -127,12 +141,18 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
 
     Returns:
         A `Rollout` with `len(prompts) * group_size` rows, each group's rows adjacent.
+
+    Raises:
+        NonFiniteLogitsError: the sampler's logits are NaN or infinite (the run's non-finite
+            guard skips the step).
     """
     repeated = [p for p in prompts for _ in range(algo.group_size)]
     ids, mask = encode_prompts(repeated, tokenizer, device)
     eos_id = -1 if ignore_eos else tokenizer.eos_id  # -1: no token ends a completion
     completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id)
     cmask, terminated = completion_mask(completion, eos_id)
+    if not torch.isfinite(logp[cmask.bool()]).all():  # the fast engine samples on without complaint
+        raise NonFiniteLogitsError("the sampler's log-probabilities are not finite")
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_id))
     texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion.cpu(), cmask.cpu())]
     return Rollout(

@@ -50,14 +50,23 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """Adapter around a `transformers` tokenizer of an instruct checkpoint."""
+    """Adapter around a `transformers` tokenizer: its own EOS, pad = EOS when it has none,
+    completions decoded without special tokens, prompts through its chat template.
 
-    def __init__(self, name_or_path: str):
+    Args:
+        name_or_path: a local folder or a hub id.
+        local_files_only: never reach the hub (it was found unreachable).
+    """
+
+    def __init__(self, name_or_path: str | Path, local_files_only: bool = False):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(name_or_path)
+        self.tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
         self.eos_id = self.tok.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"the tokenizer of {name_or_path} has no EOS token; completions could never end")
         self.bos_id = None  # the chat template adds what the model expects
+        # Some transformers versions leave SmolLM2's tokenizer without a pad token (DESIGN.md 6).
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
 
     def __len__(self) -> int:
@@ -70,7 +79,11 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def render_prompt(self, question: str, system_prompt: str) -> str:
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+        if self.tok.chat_template is None:  # a base model: the plain text
+            return f"{system_prompt}\n\n{question}" if system_prompt else question
+        # No system message when it is empty: the template's own default (if any) applies.
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": question})
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def save(self, path: Path) -> None:

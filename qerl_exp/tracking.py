@@ -3,6 +3,9 @@
 One JSON object per step in `metrics.jsonl` (`{"step": k, name: value, ...}`), a `summary.json`
 at the end, and a W&B run whose files live inside the run directory. W&B gets the resolved config,
 a group/job_type/tags built from the Hydra choices, and `step` as the x-axis of every chart.
+
+`tracker.mode=online` checks first that the W&B host resolves (a few seconds at most): without
+network the run logs offline at once, with one warning, instead of waiting out W&B's init timeout.
 """
 
 from __future__ import annotations
@@ -10,15 +13,38 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import socket
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from urllib.parse import urlparse
 
 from qerl_exp.config import TrackerConfig
+from qerl_exp.rundir import write_atomic
+
+RESOLVE_TIMEOUT_S = 3.0
 
 
 def run_tags(choices: dict[str, str]) -> list[str]:
     """`group:choice` tags, e.g. `noise:adaptive`, `quant:nf4`."""
     return [f"{group}:{choice}" for group, choice in sorted(choices.items())]
+
+
+def _unreachable(base_url: str) -> str | None:
+    """Why the W&B host of `base_url` cannot be reached, or None when its name resolves."""
+    host = urlparse(base_url).hostname or base_url
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:  # getaddrinfo has no timeout of its own; a dead DNS server would block for long
+        pool.submit(socket.getaddrinfo, host, 443).result(timeout=RESOLVE_TIMEOUT_S)
+    except FutureTimeout:
+        return f"resolving {host} took over {RESOLVE_TIMEOUT_S:g} s"
+    except OSError as e:
+        return f"cannot resolve {host}: {e.strerror or e}"
+    finally:
+        pool.shutdown(wait=False)
+    return None
 
 
 def _jsonable(value):
@@ -55,11 +81,22 @@ class Tracker:
         kwargs = dict(dir=str(self.run_dir), project=cfg.project, entity=cfg.entity or None, name=name, group=group,
                       job_type=job_type, tags=tags, config=config, id=run_id, resume="allow" if run_id else None,
                       settings=wandb.Settings(console="off", x_disable_stats=True, init_timeout=60))
+        mode = cfg.mode
+        why = _unreachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")) if mode == "online" else None
+        if why:
+            warnings.warn(f"W&B is unreachable ({why}); logging offline instead (upload later with `wandb sync`)")
+            mode = "offline"
+        before = set((self.run_dir / "wandb").glob("*"))
         try:
-            self.wandb = wandb.init(mode=cfg.mode, **kwargs)
+            self.wandb = wandb.init(mode=mode, **kwargs)
         except Exception as e:  # noqa: BLE001 - a tracker fault must not end the run
-            if cfg.mode != "online":
+            if mode != "online":
                 raise
+            for half_made in set((self.run_dir / "wandb").glob("*")) - before:  # the failed online run's files
+                if half_made.is_dir() and not half_made.is_symlink():
+                    shutil.rmtree(half_made, ignore_errors=True)
+                else:
+                    half_made.unlink(missing_ok=True)
             warnings.warn(f"W&B online init failed ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
                           "logging offline instead (upload later with `wandb sync`)")
             self.wandb = wandb.init(mode="offline", **kwargs)
@@ -69,7 +106,10 @@ class Tracker:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: name the file (a resume drops the half-written line)
+            raise OSError(e.errno, e.strerror, self.jsonl.name) from e
         if self.wandb is not None:
             self.wandb.log({"step": step, **metrics})
 
@@ -83,7 +123,7 @@ class Tracker:
         self.wandb.log({"step": step, "completions": table})
 
     def finish(self, summary: dict) -> None:
-        (self.run_dir / "summary.json").write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2))
+        write_atomic(self.run_dir / "summary.json", json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2))
         if self.wandb is not None:
             self.wandb.summary.update(summary)
             self.wandb.finish()
@@ -95,4 +135,7 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish(exit_code=1)
             self.wandb = None
-        self.jsonl.close()
+        try:
+            self.jsonl.close()
+        except OSError:  # the disk is full: the error being raised already says so
+            pass

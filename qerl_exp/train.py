@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import checkpoint, logs, progress
+from qerl_exp import checkpoint, logs, progress, rundir
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.eval import evaluate
@@ -31,15 +30,11 @@ from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
-from qerl_exp.rollout import make_sampler, sample
-from qerl_exp.tasks import SYSTEM_PROMPT, build_task
+from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, sample
+from qerl_exp.tasks import build_task
 from qerl_exp.tracking import Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-class RunExistsError(RuntimeError):
-    """The run directory holds a finished run, which is never overwritten."""
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -67,27 +62,22 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-def _open_run_dir(run_dir: Path, config: dict) -> tuple[Path, dict] | None:
-    """Create the run directory, or find the checkpoint to resume an unfinished run from."""
-    if (run_dir / "summary.json").exists():
-        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    found = checkpoint.latest(run_dir)
-    if found is None:
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return found
-
-
 def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
-    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them."""
+    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them.
+
+    A line that does not parse (half-written when the disk filled up) is dropped with its step.
+    """
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] < next_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] < next_step]
+    rundir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -115,12 +105,23 @@ def run(
 
     Returns:
         The summary also written to `summary.json`.
+
+    Raises:
+        rundir.RunDirError: `run_dir` is finished, owned by another process, or holds a run with
+            another config (see `rundir.claim`); nothing was written.
+        rundir.Interrupted: SIGINT or SIGTERM stopped the run (after checkpointing its last step,
+            when it had time to finish that step).
     """
     run_dir = Path(run_dir)
     choices = choices or {}
     config = {**as_dict(cfg), "choices": choices}
-    resume_from = _open_run_dir(run_dir, config)
+    with rundir.claim(run_dir, config):
+        return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step)
 
+
+def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
+           group: str, on_step: StepCallback | None) -> dict[str, float]:
+    """The body of `run`, in a run directory this process owns."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
     task = build_task(cfg.task)
@@ -174,19 +175,28 @@ def run(
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id)
     bar = progress.Progress(cfg.train.steps, "train", initial=start)
+    stop = rundir.StopSignals()
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
             problems = task.sample(cfg.train.prompts_per_step, data_rng)
-            prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in problems]
+            prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
 
             # Rollout: the sampler with this step's noise draw in its norm scales.
             sigma, stage = schedule(step)
             aqn.draw(sigma)
             models.sampler.eval()
             t_roll = time.perf_counter()
-            with _phase("rollout"), aqn.applied(models.sampler):
-                rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
+            try:
+                with _phase("rollout"), aqn.applied(models.sampler):
+                    rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
+            except NonFiniteLogitsError:  # blown-up weights or noise: the step is skipped, as for a NaN loss
+                nonfinite += 1
+                lr_sched.step()
+                tracker.log(step, M.optim_metrics(math.nan, math.nan, lr_sched.get_last_lr()[0], skipped=True))
+                history.append({"step": step, "train/skipped": 1})
+                _check_nonfinite(nonfinite, cfg, step, run_dir)
+                continue
             rollout_s = time.perf_counter() - t_roll  # sample() returns decoded texts: synchronised
             rollout_bytes = getattr(sampler, "nbytes", 0)
             if hasattr(sampler, "release"):
@@ -233,35 +243,32 @@ def run(
                 step_metrics.update(evaluate(
                     policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=SYSTEM_PROMPT))
-            step_metrics.update(M.reward_metrics(rewards, G))
-            step_metrics.update(M.completion_metrics(mask, rollout.terminated))
-            step_metrics.update(update.clip)
-            step_metrics.update(M.kl_metric(update.logp, ref_logp, mask))
-            step_metrics.update(M.entropy_metrics(update.entropy, rollout.sampler_entropy, mask))
-            step_metrics.update(M.logp_gap_metric(rollout.sampler_logp, update.logp, mask))
-            step_metrics.update(M.noise_metrics(sigma, stage))
-            step_metrics.update(M.optim_metrics(update.loss, update.grad_norm, lr, skipped=not finite))
-            step_metrics.update(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks))
-            phases = {"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
-                      "optimizer": update.optimizer_s}
-            step_metrics.update(M.perf_metrics(int(mask.sum()), time.perf_counter() - t_step, phases))
+                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
+            step_metrics.update(M.step_metrics(
+                rewards=rewards, group_size=G, mask=mask, terminated=rollout.terminated,
+                sampler_logp=rollout.sampler_logp, sampler_entropy=rollout.sampler_entropy,
+                learner_logp=update.logp, learner_entropy=update.entropy, ref_logp=ref_logp, clip=update.clip,
+                loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
+                memory=M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks),
+                step_s=time.perf_counter() - t_step,
+                phases={"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
+                        "optimizer": update.optimizer_s},
+            ))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
             bar.update(step + 1, step_metrics)
             history.append({"step": step, **step_metrics})
             if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
                 tracker.log_completions(step, [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, batch, G)])
-            if nonfinite >= cfg.train.max_nonfinite:
-                raise NonFiniteError(
-                    f"{nonfinite} consecutive steps with a non-finite loss or gradient (last at step {step}); "
-                    f"lower train.lr or check the data; the last good checkpoint is kept in {run_dir / 'checkpoints'}"
-                )
+            _check_nonfinite(nonfinite, cfg, step, run_dir)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
                 checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
                 checkpoint.prune(run_dir, cfg.checkpoint.keep)
             if on_step is not None:
                 on_step(step, step_metrics)
+            if stop.signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
+                checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
+                raise rundir.Interrupted(stop.signum, step + 1)
 
         checkpoint.save(run_dir / "final", policy, state(cfg.train.steps))
         summary = M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan")))
@@ -271,6 +278,16 @@ def run(
         bar.close()
         tracker.abort()
         raise
+    finally:
+        stop.restore()
+
+
+def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:
+    if nonfinite >= cfg.train.max_nonfinite:
+        raise NonFiniteError(
+            f"{nonfinite} consecutive steps with non-finite logits, loss or gradient (last at step {step}); "
+            f"lower train.lr (now {cfg.train.lr:g}) or the noise sigma, or check the data; "
+            f"the last good checkpoint is kept in {run_dir / 'checkpoints'}")
 
 
 @torch.no_grad()

@@ -2,27 +2,82 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from qerl_exp.metrics import MACHINE_METRICS
 
 os.environ["WANDB_MODE"] = "disabled"
 ROOT = Path(__file__).resolve().parent.parent
 
 # A run small enough for CI: 2 prompts x 4 completions per step, tracker off.
 TINY_RUN = ["tracker.mode=disabled", "train.prompts_per_step=2", "algo.group_size=4"]
+# Every subprocess a test starts runs with these settings. One thread: OpenMP threads of concurrent
+# runs spin against each other on 2 cores, and float sums over 1 and 2 threads differ in the last
+# bits on some CPUs, so runs compared bit for bit must use the same count.
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def on_ci() -> bool:
+    """CI=true: a test whose prerequisite is missing fails there instead of skipping."""
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def import_or_skip(name: str):
+    """`pytest.importorskip(name)`, except under CI, where a missing optional package fails the test
+    (the dev extra promises it)."""
+    if on_ci():
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            pytest.fail(f"{name} cannot be imported under CI=true ({e}); install the dev extra: pip install -e .[dev]")
+    return pytest.importorskip(name)
 
 
 def qerl(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m qerl_exp ARGS` from the repository root and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "qerl_exp", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        # One thread per run: OpenMP threads of concurrent runs spin against each other on 2 cores.
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={**SUBPROCESS_ENV, **(env or {})},
     )
+
+
+# Metrics that differ between two processes running the same steps: wall times and memory peaks.
+VOLATILE = MACHINE_METRICS
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The run's `metrics.jsonl`, one dict a step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    """The rows without the `VOLATILE` metrics: what an interrupted and resumed run must reproduce."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def kill_after(args: list[str], run_dir: Path, logged_steps: int) -> None:
+    """Start `python -m qerl_exp ARGS run_dir=RUN_DIR`, SIGKILL it once `logged_steps` steps are in
+    its metrics.jsonl, and check that it had not finished."""
+    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", *args, f"run_dir={run_dir}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= logged_steps:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
 
 
 @pytest.fixture(scope="session")

@@ -157,7 +157,8 @@ def _expected(good: dict[str, list[Path]]) -> dict[str, dict]:
 def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
     rows = list(csv.DictReader((out / "strategy_table.csv").open()))
     assert [r["strategy"] for r in rows] == [s for s in STRATEGIES if s in expected]
-    claims = {"nvfp4_rollout": (0.75, 1.5, "slight"), "nvfp4_lora": (0.85, 1.3, "significant"), "nf4_dq": (0.80, None, None)}
+    # the design's comparison table (issue 25)
+    claims = {"nvfp4_rollout": (0.75, 1.5, "slight"), "nvfp4_lora": (0.85, 1.5, "significant"), "nf4_dq": (0.80, 1.3, "similar")}
     for row in rows:
         e = expected[row["strategy"]]
         assert int(row["seeds"]) == e["seeds"]
@@ -181,6 +182,9 @@ def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
             want_explore = ""
         elif explore == "slight":
             want_explore = str(e["gain"][0] > 0).lower()
+        elif explore == "similar":  # within nvfp4_lora's 95% interval
+            _, lo, hi = expected["nvfp4_lora"]["gain"]
+            want_explore = str(lo <= e["gain"][0] <= hi).lower()
         else:
             want_explore = str(e["gain"][1] > 0).lower()
         assert (row["memory_holds"], row["speed_holds"], row["exploration_holds"]) == (want_memory, want_speed, want_explore)
@@ -199,7 +203,7 @@ def _check_md_tex(out: Path, expected: dict[str, dict]) -> None:
         assert cells[11] == f"{m} [{lo}, {hi}]"
         tex_line = next(line for line in tex.splitlines() if line.startswith(strategy.replace("_", r"\_") + " &"))
         assert f"{e['weights_ratio']:.2f}$\\times$" in tex_line and f"{m} [{lo}, {hi}]" in tex_line
-    assert r"\begin{tabular}" in tex and r"\bottomrule" in tex and "issue 6" in md
+    assert r"\begin{tabular}" in tex and r"\bottomrule" in tex and "issue 25" in md
 
 
 # --------------------------------------------------------------------------- tests: stats and loading
@@ -295,6 +299,61 @@ def test_table_without_full_precision_leaves_ratios_empty(synthetic):
     assert all(math.isnan(r.weights_ratio) for r in rows)
     assert "no full_precision runs" in notes[-1]
     assert ",," in table.to_csv(rows).splitlines()[1]
+
+
+def _row(strategy: str, weights_ratio=math.nan, tok_s_ratio=math.nan, gain=(math.nan, math.nan, math.nan),
+         peer=None) -> table.Row:
+    """A table row with only the fields the verdicts read; `gain` and `peer` are (mean, low, high)."""
+    iv = stats.Interval(*gain, n=2)
+    row = table.Row(strategy=strategy, seeds=2, weights_bytes=1.0, peak_bytes=1.0, rollout_tok_s=1.0, step_s=1.0,
+                    sampler_entropy=iv, entropy_gain=iv, final_reward=iv, weights_ratio=weights_ratio,
+                    tok_s_ratio=tok_s_ratio, claim=table.CLAIMS[strategy])
+    if peer is not None:
+        row.peer_gain = stats.Interval(*peer, n=2)
+    return row
+
+
+EPS = 1e-9
+
+
+@pytest.mark.parametrize("strategy, reduction, speedup", [("nvfp4_rollout", 0.75, 1.5), ("nvfp4_lora", 0.85, 1.5),
+                                                          ("nf4_dq", 0.80, 1.3)])
+def test_memory_and_speed_verdicts_turn_at_the_claim_minus_the_tolerance(strategy, reduction, speedup):
+    edge = 1 - (reduction - 0.05)  # the largest weights ratio that still holds
+    assert _row(strategy, weights_ratio=edge - EPS).memory_holds is True
+    assert _row(strategy, weights_ratio=edge + EPS).memory_holds is False
+    assert _row(strategy, tok_s_ratio=speedup * 0.95 + EPS).speed_holds is True
+    assert _row(strategy, tok_s_ratio=speedup * 0.95 - EPS).speed_holds is False
+    assert _row(strategy).memory_holds is None and _row(strategy).speed_holds is None  # no full_precision runs
+
+
+def test_slight_and_significant_exploration_verdicts_turn_at_zero():
+    assert _row("nvfp4_rollout", gain=(EPS, -1.0, 1.0)).exploration_holds is True
+    assert _row("nvfp4_rollout", gain=(0.0, -1.0, 1.0)).exploration_holds is False
+    assert _row("nvfp4_lora", gain=(1.0, EPS, 2.0)).exploration_holds is True
+    assert _row("nvfp4_lora", gain=(1.0, 0.0, 2.0)).exploration_holds is False
+    assert _row("nvfp4_lora", gain=(1.0, math.nan, math.nan)).exploration_holds is False  # one seed: no interval
+
+
+def test_similar_exploration_holds_within_the_other_strategys_interval_only():
+    peer = (0.02, 0.01, 0.03)
+    for mean, want in ((0.01, True), (0.03, True), (0.02, True), (0.01 - EPS, False), (0.03 + EPS, False)):
+        assert _row("nf4_dq", gain=(mean, -1.0, 1.0), peer=peer).exploration_holds is want, mean
+    # no verdict without the other strategy's interval: absent, or one seed
+    assert _row("nf4_dq", gain=(0.02, 0.0, 0.04)).exploration_holds is None
+    assert _row("nf4_dq", gain=(0.02, 0.0, 0.04), peer=(0.02, math.nan, math.nan)).exploration_holds is None
+
+
+def test_similar_claim_is_judged_against_nvfp4_lora_in_the_table(synthetic):
+    root, _, _, _ = synthetic
+    with_peer, _ = table.build(R.load([str(root / "nvfp4_lora"), str(root / "nf4_dq")]).runs)
+    dq, lora = with_peer[1], with_peer[0]
+    assert dq.peer_gain == lora.entropy_gain and dq.exploration_holds is not None
+    alone, _ = table.build(R.load([str(root / "nf4_dq")]).runs)
+    assert alone[0].exploration_holds is None
+    md = table.to_markdown(with_peer)
+    assert f"similar to nvfp4_lora: {'holds' if dq.exploration_holds else 'fails'}" in md
+    assert "a guess" not in md and "issue 25" in md
 
 
 # --------------------------------------------------------------------------- tests: figures

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import fields
 
 import pytest
+import yaml
 
 from conftest import ROOT, qerl
 from qerl_exp.cli import UsageError, compose_config, group_options, validate
-from qerl_exp.config import GROUPS, Config, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, field_docs, flat_yaml, to_config
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -39,11 +41,39 @@ def test_yaml_presets_comment_every_field():
                 )
 
 
+def _schemas(schema=Config) -> list[type]:
+    """Every config dataclass reachable from the root, the root included."""
+    found = [schema]
+    for f in fields(schema):
+        default = getattr(schema(), f.name)
+        if dataclasses.is_dataclass(default):
+            found += _schemas(type(default))
+    return found
+
+
 def test_schema_fields_are_documented():
-    """Every dataclass field has an entry in its class docstring's Args block."""
-    for schema in [Config, *GROUPS.values()]:
+    """Every field of every config dataclass has an entry in its class docstring's Args block."""
+    schemas = _schemas()
+    assert len(schemas) == len(set(schemas)) >= 14
+    for schema in schemas:
+        docs = field_docs(schema)
         for f in fields(schema):
-            assert f"{f.name}:" in (schema.__doc__ or ""), f"{schema.__name__}.{f.name} is undocumented"
+            assert docs.get(f.name), f"{schema.__name__}.{f.name} is undocumented"
+
+
+def test_flat_yaml_is_generated_from_the_schemas():
+    committed = (ROOT / "conf" / "flat.yaml").read_text()
+    assert committed == flat_yaml(), "conf/flat.yaml is stale: python -m qerl_exp.config > conf/flat.yaml"
+    assert yaml.safe_load(committed) == as_dict(Config())
+
+
+def test_configs_are_read_only_once_validated():
+    cfg = to_config(compose_config(["train.steps=3"]))
+    with pytest.raises(dataclasses.FrozenInstanceError, match="dataclasses.replace"):
+        cfg.train.steps = 5
+    assert dataclasses.replace(cfg.train, steps=7).steps == 7 and cfg.train.steps == 3
+    with pytest.raises(ConfigError, match="train.steps must be >= 1"):
+        dataclasses.replace(cfg.train, steps=0)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
+from conftest import import_or_skip
 from qerl_exp.engine import launch, layout, reference
 from qerl_exp.engine.decode import sample
 from qerl_exp.engine.fast_engine import FastEngine
@@ -31,22 +32,32 @@ LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora: bool = True, seed: int = 0,
-               layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256):
+               layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256,
+               family: str = "qwen2"):
     """A random Qwen2 with peaked logits (greedy margins well above rounding), optional 4-bit base
-    and LoRA r=8 on all seven projections with a non-zero B."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    and LoRA r=8 on all seven projections with a non-zero B. `family="llama"`: SmolLM2-135M's
+    architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
+    head of 64), at width 192."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=192, intermediate_size=256, num_hidden_layers=layers,
+                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                          tie_word_embeddings=True, rope_theta=1e5)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+                          tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(cfg)
+    head = "embed" if family == "llama" else "lm_head"  # tied: the embedding is the head
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0, 0.5 if "lm_head" in name else 0.08)
+                p.normal_(0, 0.5 if head in name else 0.15 if family == "llama" else 0.08)
     model = model.to(device=device, dtype=dtype).eval()
     if quant is not None:
         _quantize(model, quant, dtype)
@@ -160,8 +171,8 @@ def test_nvfp4_codes_and_scales_are_in_mma_fragment_order():
 
 def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     # nvfp4_mma multiplies whole 64-row tiles of up to 8 rows; anything else stays on _splitk_kernel
-    pytest.importorskip("triton")
-    mma = pytest.importorskip("qerl_exp.engine.nvfp4_mma")
+    import_or_skip("triton")
+    mma = import_or_skip("qerl_exp.engine.nvfp4_mma")
     def plan(sizes, fmt="nvfp4", k=128):
         ws = [_nvfp4_packed(torch.randn(n, k)) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
         return launch.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False,
@@ -252,9 +263,10 @@ def test_sample_greedy_and_full_distribution():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_engine_greedy_equals_hf_generate(quant):
-    model = tiny_model(quant=quant)
+def test_engine_greedy_equals_hf_generate(quant, family):
+    model = tiny_model(quant=quant, family=family)
     ids, mask = prompts()
     ref = hf_greedy(model, ids, mask, 10)
     eng = FastEngine(model, max_batch_size=4, max_seq_len=32, backend="torch")
@@ -511,16 +523,16 @@ def _interp_main() -> None:
 
     ti._patch_lang_tensor = patched
     _check_kernels("cpu", torch.float32, 2e-3)
-    for quant in (None, "nvfp4", "nf4"):
-        model = tiny_model(quant=quant)
+    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
+        model = tiny_model(quant=quant, family=family)
         ids, mask = prompts()
         a = FastEngine(model, 4, 32, backend="triton").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
-        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), quant
+        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), (quant, family)
     print("INTERPRETER CHECKS OK")
 
 
 def test_triton_kernels_and_engine_in_the_interpreter():
-    pytest.importorskip("triton")
+    import_or_skip("triton")
     if CUDA:
         pytest.skip("the GPU tests run the kernels natively")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -532,7 +544,7 @@ def test_triton_kernels_and_engine_in_the_interpreter():
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
     # Set at import, TRITON_INTERPRET leaked into every subprocess; unset, Triton kernels cannot take
     # CPU tensors, and fused_linear says so in one line instead of failing inside Triton
-    pytest.importorskip("triton")
+    import_or_skip("triton")
     code = ("import os, torch\n"
             "from qerl_exp.engine import FastEngine, launch\n"
             "assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET set by an import'\n"
@@ -630,9 +642,11 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_gpu_engine_greedy_equals_hf_generate(quant):
-    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+def test_gpu_engine_greedy_equals_hf_generate(quant, family):
+    model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512,
+                       family=family)
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     ref = hf_greedy(model, ids, mask, 16)
     eng = FastEngine(model, 8, 64)

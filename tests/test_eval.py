@@ -97,7 +97,8 @@ def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
 
     logp = [m["eval/solution_logp"] for m in (trained, base, perturbed)]
     assert len(set(logp)) == 3, logp
-    written = json.loads((run_dir / "eval.json").read_text())
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"] == trained  # kept, not replaced
+    written = json.loads((run_dir / "eval-2.json").read_text())
     assert written["metrics"] == perturbed and written["adapter"] == str(run_dir / "final" / "adapter")
     base_rows = json.loads((run_dir / "eval_base.json").read_text())["problems"]
     assert [r["greedy"] for r in written["problems"]] != [r["greedy"] for r in base_rows]
@@ -118,7 +119,7 @@ def test_evaluate_leaves_mode_and_rng_alone_and_is_seeded(trained_run):
                       "eval/solution_logp", "eval/problems", "eval/seconds"}
     assert 0 <= a["eval/pass@1"] <= 1 and a["eval/mean@2"] <= a["eval/pass@2"] <= 1 and a["eval/problems"] == 4
     with pytest.raises(ValueError, match="k >= 2"):
-        evaluate(policy, models.tokenizer, task, k=1)
+        evaluate(policy, models.tokenizer, task, k=-1)
 
 
 def test_load_adapter_refuses_a_file_that_does_not_fit(trained_run, tmp_path):
@@ -147,7 +148,7 @@ def test_command_line_writes_eval_json(trained_run, tmp_path):
     (["run_dir=RUN", "kk=2"], "error: unknown argument 'kk'; keys: run_dir, k, n,"),
     (["run_dir=RUN", "k=two"], "error: bad value for 'k': 'two' is not a int"),
     (["run_dir=RUN", "adapter=maybe"], "error: bad value for 'adapter': 'maybe' is not a bool"),
-    (["run_dir=RUN", "k=1"], "error: k=1: use k >= 2"),
+    (["run_dir=RUN", "k=-1"], "error: k=-1: use k >= 2"),
     (["run_dir=RUN", "tracker=loud"], "error: tracker='loud' is not valid; choose one of: run, offline"),
     (["k=2"], "error: run_dir=<a run directory> is required"),
     (["run_dir=RUN"], "error: FileNotFoundError: "),

@@ -5,6 +5,8 @@ update, and the base is built one block at a time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -84,8 +86,8 @@ def test_chunked_scores_equal_the_full_logits_in_values_and_gradients(setup):
 
 def _sgd_delta(policy, rollout, cfg, **changes):
     """Parameter change of one update under SGD(lr=1): minus the accumulated gradient."""
-    algo = cfg.algo.__class__(**{**cfg.algo.__dict__, **changes.pop("algo", {})})
-    train = cfg.train.__class__(**{**cfg.train.__dict__, **changes})
+    algo = dataclasses.replace(cfg.algo, **changes.pop("algo", {}))
+    train = dataclasses.replace(cfg.train, **changes)
     params = [p for p in policy.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     advantages = torch.linspace(-1, 1, rollout.completion_ids.shape[0])

@@ -30,7 +30,7 @@ def test_nf4_run_shows_progress_and_no_third_party_notices(tmp_path):
     assert re.match(r"train step 1/6 \| reward \d\.\d{3} \| entropy \d\.\d{3} \| sigma 0 \| tok/s \d+ \| ", lines[0]), lines
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert lines[-1].startswith(f"train step 6/6 | reward {last['reward']:.3f} | entropy {last['entropy']:.3f} |"), lines
-    assert out.stdout.strip().splitlines() == [f"run dir: {run_dir}  final reward: {json.loads((run_dir / 'summary.json').read_text())['reward/final']:.3f}"]
+    assert out.stdout.strip().splitlines() == [f"run dir: {run_dir}  final reward: {json.loads((run_dir / 'summary.json').read_text())['reward/final']:.3f} (mean of the last quarter of steps)"]
 
     # W&B's terminal viewer (`wandb leet RUN_DIR/wandb`, README) reads the offline run it wrote.
     wandb_file = next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))

@@ -1,5 +1,6 @@
-"""Faults: a killed run resumes to the same metrics, corrupt checkpoints fall back, NaN steps are
-skipped, a failing tracker degrades to offline, and finished work is never lost."""
+"""Faults: a killed or interrupted run resumes to the same metrics, corrupt checkpoints fall back,
+NaN steps are skipped, a failing tracker degrades to offline, a run directory has one owner and
+one config, a refused run writes nothing, and finished work is never lost."""
 
 from __future__ import annotations
 
@@ -14,22 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from qerl_exp.metrics import MACHINE_METRICS
-
-from conftest import ROOT, TINY_RUN, qerl
+from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, kill_after, metrics_rows, qerl, stable
 
 pytestmark = pytest.mark.slow
 
 RUN = [*TINY_RUN, "train.steps=6", "checkpoint.every=1", "noise=exp", "noise.num_stages=3", "monitor.every=2"]
-VOLATILE = MACHINE_METRICS
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -37,52 +27,53 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    return _stable(_rows(run_dir))
+    return stable(metrics_rows(run_dir))
 
 
-def _kill_after(run_dir: Path, logged_steps: int) -> None:
-    """Start the run, SIGKILL it once `logged_steps` steps are in metrics.jsonl."""
-    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", *RUN, f"run_dir={run_dir}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """`python -m qerl_exp ARGS` in the background, with the same thread settings as `qerl`."""
+    return subprocess.Popen([sys.executable, "-m", "qerl_exp", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**SUBPROCESS_ENV, **(env or {})})
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, logged_steps: int) -> None:
     deadline = time.time() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= logged_steps:
-            break
+            return
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+    raise AssertionError(f"the run ended or stalled before step {logged_steps}: {proc.communicate()[1][-2000:]}")
 
 
 @pytest.mark.parametrize("kill_at", [1, 3, 5])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted, kill_at):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, kill_at)
+    kill_after(RUN, run_dir, kill_at)
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(6)), "duplicate or missing steps after resume"
-    assert _stable(rows) == uninterrupted
+    assert stable(rows) == uninterrupted
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 4)
+    kill_after(RUN, run_dir, 4)
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     (newest / "state.pt").write_bytes(b"not a checkpoint")
     out = qerl(*RUN, f"run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"checkpoint {newest} is unreadable" in out.stderr
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    _kill_after(run_dir, 2)
+    kill_after(RUN, run_dir, 2)
     out = qerl(f"resume={run_dir}", "tracker.mode=disabled")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert _stable(_rows(run_dir)) == uninterrupted
+    assert stable(metrics_rows(run_dir)) == uninterrupted
 
 
 def _in_process_cfg(tmp_path, *overrides):
@@ -109,7 +100,7 @@ def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_
     run_dir = tmp_path / "run"
     with pytest.raises(train.NonFiniteError, match="3 consecutive steps"):
         train.run(cfg, run_dir)
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows] == [0, 0, 1, 1, 1]
     # the skipped steps left the adapter as it was after step 1
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
@@ -149,3 +140,174 @@ def test_failed_job_in_a_multirun_keeps_its_siblings(tmp_path):
     assert out.returncode != 0
     assert (tmp_path / "0_bf16_none_s0" / "summary.json").exists()
     assert "could not be loaded" in out.stderr
+
+
+# --------------------------------------------------------------------------- signals, ownership, refusals
+
+
+@pytest.mark.parametrize("sig, threads", [(signal.SIGTERM, "1"), (signal.SIGINT, "2")])
+def test_signal_checkpoints_the_step_and_prints_the_resume_command(tmp_path, uninterrupted, sig, threads):
+    run_dir = tmp_path / "run"
+    # checkpoint.every=0: the only checkpoint is the one the signal makes. The SIGINT run is long
+    # enough to still own its directory when a second process tries it.
+    longer = ["train.steps=500"] if sig == signal.SIGINT else []
+    proc = _start(*RUN, *longer, "checkpoint.every=0", f"run_dir={run_dir}")
+    _wait_for_steps(proc, run_dir, 2)
+    if sig == signal.SIGINT:  # a second process is refused while the first owns the directory
+        other = qerl(*RUN, "seed=1", f"run_dir={run_dir}")
+        assert other.returncode == 1 and f"in use by process {proc.pid}" in other.stderr, other.stderr[-2000:]
+        assert other.stderr.count("\n") == 1
+    assert proc.poll() is None, "the run ended before the signal"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert f"interrupted by {sig.name}" in last and "checkpointed" in last, last
+    resume = last.split("resume with: python -m qerl_exp ")[1].split()
+    assert resume == [f"resume={run_dir}"]
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))
+    done = len(metrics_rows(run_dir))
+    assert len(ckpt) == 1 and int(ckpt[0].name[5:]) == done
+    if threads == "1":  # the same thread count as the uninterrupted run: the same metrics
+        out = qerl(*resume)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert stable(metrics_rows(run_dir)) == uninterrupted
+        assert "thread" not in out.stderr
+    else:  # another thread count is named, since the last bits may differ from here on
+        out = qerl(*resume, f"train.steps={done + 1}", env={"OMP_NUM_THREADS": threads})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "written by a run with 1 CPU thread(s), resumed with 2" in out.stderr
+        assert [r["step"] for r in metrics_rows(run_dir)] == list(range(done + 1))
+
+
+def _tree(path: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+def _ghosts() -> set[Path]:
+    return set((ROOT / "runs").glob("*/*"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 2-step run made with run_dir=, and the ghost dirs Hydra made meanwhile (none)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    before = _ghosts()
+    out = qerl(*TINY_RUN, "train.steps=2", f"run_dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _ghosts() == before, "a run_dir= run left a Hydra output dir under runs/"
+    return run_dir
+
+
+def test_run_dir_holds_hydra_record(finished):
+    overrides = (finished / ".hydra" / "overrides.yaml").read_text()
+    assert f"run_dir={finished}" in overrides and "train.steps=2" in overrides
+    assert "seed: 0" in (finished / ".hydra" / "config.yaml").read_text()
+
+
+def test_refused_runs_write_nothing(finished):
+    before, ghosts = _tree(finished), _ghosts()
+    for args in ([f"hydra.run.dir={finished}", "quant=mxfp4", "seed=3"], [f"run_dir={finished}", "seed=3"],
+                 [f"resume={finished}"]):
+        out = qerl(*TINY_RUN, "train.steps=2", *args)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+        assert f"{finished} holds a finished run" in out.stderr
+    assert _tree(finished) == before
+    assert _ghosts() == ghosts
+
+
+def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "unfinished"
+    shutil.copytree(finished, run_dir)
+    (run_dir / "summary.json").unlink()
+    before = _tree(run_dir)
+    out = qerl(*TINY_RUN, "train.steps=2", f"run_dir={run_dir}", "quant=nvfp4")
+    assert out.returncode == 1 and "another config (quant.format: 'none' -> 'nvfp4')" in out.stderr, out.stderr[-2000:]
+    out = qerl(f"resume={run_dir}", "lora.r=32", "seed=2")
+    assert out.returncode == 1 and "the overrides change lora.r: 16 -> 32; seed: 0 -> 2" in out.stderr, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1
+    assert _tree(run_dir) == before
+    # train.steps may change: the run is extended and its config.json says so
+    out = qerl(f"resume={run_dir}", "train.steps=3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 3
+    assert [r["step"] for r in metrics_rows(run_dir)] == [0, 1, 2]
+
+
+def test_each_eval_writes_its_own_file(finished, tmp_path):
+    import shutil
+
+    from qerl_exp.eval import EvalArgs, evaluate_run
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    settings = [dict(k=2, limit=3, max_new_tokens=8), dict(k=0, limit=2, max_new_tokens=8)]
+    for i, kwargs in enumerate(settings):
+        args = EvalArgs(run_dir=str(run_dir), device="cpu", tracker="disabled", **kwargs)
+        evaluate_run(args)
+        assert args.out == ("eval.json" if i == 0 else "eval-2.json")
+    first, second = (json.loads((run_dir / n).read_text()) for n in ("eval.json", "eval-2.json"))
+    assert first["args"]["k"] == 2 and len(first["problems"]) == 3
+    assert second["args"]["k"] == 0 and len(second["problems"]) == 2
+    with pytest.raises(ValueError, match="holds another evaluation's results"):
+        evaluate_run(EvalArgs(run_dir=str(run_dir), out="eval.json", **settings[1]))
+
+
+def test_truncated_adapter_is_named(finished, tiny_policy):
+    from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
+
+    path = finished.parent / "truncated"
+    path.mkdir()
+    (path / ADAPTER_FILE).write_bytes((finished / "final" / "adapter" / ADAPTER_FILE).read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{path / ADAPTER_FILE} is not a readable safetensors file"):
+        load_adapter(tiny_policy[2].policy, path)
+
+
+def _can_mount(tmp_path) -> bool:
+    return subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_and_read_only_paths_end_in_one_line_and_leave_a_resumable_run(tmp_path):
+    """A 300 KiB file system fills up at the first checkpoint; a read-only one refuses the run dir."""
+    mnt, ro = tmp_path / "mnt", tmp_path / "ro"
+    mnt.mkdir(), ro.mkdir()
+    if not _can_mount(mnt):
+        pytest.skip("needs a private mount namespace (unshare -m) to make a small or read-only file system")
+    full_args = " ".join([*TINY_RUN, "train.steps=3", "checkpoint.every=1", f"run_dir={mnt}/run"])
+    ro_args = " ".join([*TINY_RUN, f"run_dir={ro}/run"])
+    script = (f"mount -t tmpfs -o size=300k tmpfs {mnt} && mount -t tmpfs -o ro,size=64k tmpfs {ro} && "
+              f"{sys.executable} -m qerl_exp {full_args} 2>{tmp_path}/full.err; echo $? > {tmp_path}/full.rc; "
+              f"cp -r {mnt}/run {tmp_path}/copy; "
+              f"{sys.executable} -m qerl_exp {ro_args} 2>{tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc")
+    subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=SUBPROCESS_ENV, timeout=600)
+    full_err = (tmp_path / "full.err").read_text().strip().splitlines()
+    assert (tmp_path / "full.rc").read_text().strip() == "1", full_err[-20:]
+    assert "Traceback" not in "\n".join(full_err)
+    assert f"cannot write {mnt}/run/" in full_err[-1] and "the disk is full" in full_err[-1], full_err[-1]
+    ro_err = (tmp_path / "ro.err").read_text().strip().splitlines()
+    assert len(ro_err) == 1 and f"{ro}/run" in ro_err[0] and "read-only" in ro_err[0], ro_err
+    assert (tmp_path / "ro.rc").read_text().strip() == "2"
+    # What the full disk left is whole: the run continues from it on a disk with room.
+    copy = tmp_path / "copy"
+    assert not list(copy.rglob(".step_*")) and not list(copy.rglob(".*-*"))
+    out = qerl(*TINY_RUN, "train.steps=3", "checkpoint.every=1", f"run_dir={copy}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["step"] for r in metrics_rows(copy)] == [0, 1, 2]
+
+
+def test_blown_up_weights_reach_the_nonfinite_guard(tmp_path):
+    import qerl_exp.train as train
+
+    cfg = _in_process_cfg(tmp_path, "train.steps=5", "train.lr=1e30", "train.max_nonfinite=2", "checkpoint.every=1")
+    run_dir = tmp_path / "run"
+    with pytest.raises(train.NonFiniteError, match=r"2 consecutive steps .* lower train.lr \(now 1e\+30\) or the noise sigma"):
+        train.run(cfg, run_dir)
+    rows = metrics_rows(run_dir)
+    assert [r["train/skipped"] for r in rows][-2:] == [1, 1]

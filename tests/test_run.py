@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_exp.metrics import MACHINE_METRICS
-
-from conftest import TINY_RUN, qerl
+from conftest import TINY_RUN, qerl, stable
 
 pytestmark = pytest.mark.slow
 
@@ -69,9 +67,7 @@ def test_same_seed_reproduces_metrics(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
         assert qerl(*TINY_RUN, "train.steps=2", "monitor.every=0", f"run_dir={d}").returncode == 0
-    drop = MACHINE_METRICS
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]  # noqa: E731
-    assert strip(_rows(a)) == strip(_rows(b))
+    assert stable(_rows(a)) == stable(_rows(b))
 
 
 def test_zero_warmup_steps_run_on_random_weights_and_cache_nothing(tmp_path):

@@ -19,7 +19,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import ROOT
+from conftest import ROOT, on_ci
 from test_sweep import SPEC, TINY, sweep_cmd, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -56,7 +56,7 @@ def postgres():
 def require_server(postgres) -> str:
     url, reason = postgres
     if url is None:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
+        if on_ci():
             pytest.fail(reason)  # CI promised a server: its absence is a failure, not a skip
         pytest.skip(reason)
     return url

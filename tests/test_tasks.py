@@ -8,8 +8,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_RUN, qerl
-from qerl_exp.config import TaskConfig
+from conftest import ROOT, TINY_RUN, import_or_skip, qerl
+from qerl_exp.cli import compose_config
+from qerl_exp.config import TaskConfig, to_config
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.answer import answers_equal, last_boxed, parse_number
 from qerl_exp.tasks.datasets import gsm8k_problem, load_problems, math_problem, split
@@ -192,13 +193,17 @@ def test_malformed_math_file_and_missing_file(tmp_path):
 
 
 def test_parquet_files_load_like_jsonl(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
+    pq = import_or_skip("pyarrow.parquet")
     import pyarrow as pa
 
     rows = [json.loads(line) for line in GSM8K.read_text().splitlines()]
     path = tmp_path / "gsm8k.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert load_problems(path, gsm8k_problem) == load_problems(GSM8K, gsm8k_problem)
+    # as a run composes it: task=gsm8k task.path=file.parquet
+    task = build_task(to_config(compose_config(["task=gsm8k", f"task.path={path}", "task.eval_size=6"])).task)
+    from_jsonl = build_task(TaskConfig(name="gsm8k", path=str(GSM8K), eval_size=6))
+    assert task.eval_problems() == from_jsonl.eval_problems() and task.train == from_jsonl.train
 
 
 # --- the split and the task objects ----------------------------------------------------------

@@ -60,7 +60,7 @@ def storage_url(plan: Plan) -> str:
 
     try:
         url = make_url(plan.storage)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         raise UsageError(f"storage={plan.storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST:PORT/DB") from None
     backend = url.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
@@ -72,6 +72,12 @@ def storage_url(plan: Plan) -> str:
             import psycopg2  # noqa: F401
         except ImportError:
             url = url.set(drivername="postgresql+psycopg")
+    if backend == "postgresql" and url.get_driver_name() == "psycopg":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise UsageError(f"storage={shown(plan.storage)} needs the PostgreSQL driver psycopg, which is not installed: "
+                             "pip install 'qerl-exp[postgres]' (or pip install 'psycopg[binary]')") from None
     return url.render_as_string(hide_password=False)
 
 

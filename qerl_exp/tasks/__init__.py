@@ -12,14 +12,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from qerl_exp.config import TaskConfig
+from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
 
-SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process and then provides the user with the answer. "
-    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
-    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
-)
+__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +44,9 @@ class Task(Protocol):
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task named by `cfg.name`."""
-    from qerl_exp.tasks import arith
+    from qerl_exp.tasks import arith, wordprob
 
-    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask}
+    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "wordprob": wordprob.WordProblemTask}
     try:
         from qerl_exp.tasks import datasets as _datasets
 

@@ -20,7 +20,7 @@ class ArithTask:
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
-        self.rewards = default_rewards(cfg.format_reward, cfg.correct_reward)
+        self.rewards = default_rewards(cfg)
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         hi = 10 ** self.cfg.difficulty

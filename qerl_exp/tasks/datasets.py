@@ -110,8 +110,14 @@ def _rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
         for i, row in enumerate(_read_parquet(path), start=1):
             yield f"row {i}", row
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield f"line {i}", _RowError(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                             "is it a JSONL file?")
+                continue
             if not line.strip():
                 continue
             try:
@@ -127,7 +133,10 @@ def _read_parquet(path: Path) -> list[dict]:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSONL") from None
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
+        raise ValueError(f"{path} is not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
 
 
 def load_problems(path: str | Path, parse_row: Callable[[dict], Problem]) -> list[Problem]:
@@ -233,7 +242,7 @@ class FileTask:
     def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str):
         self.name, self.cfg = name, cfg
         self.train, self.held_out, self.fingerprint = train, held_out, fingerprint
-        self.rewards = default_rewards(cfg.format_reward, cfg.correct_reward)
+        self.rewards = default_rewards(cfg)
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         # Without replacement when the batch fits, so one step never repeats a question.

@@ -1,0 +1,334 @@
+"""Run directories: one owner at a time, a config that cannot change under a run, whole files only.
+
+- `claim(run_dir, config)` takes a run directory for this process: it refuses a finished run, a
+  directory another process holds (an OS file lock, `.lock`, held for the run's life; released by
+  the kernel when the process dies), and a rerun whose config differs from the saved
+  `config.json` in anything but `RESUMABLE_KEYS`. A refusal changes nothing on disk.
+- `write_atomic` writes a file through a temporary file and a rename, so a crash or a full disk
+  leaves the old file or the new one, never half of one.
+- `StopSignals` turns SIGINT and SIGTERM into a clean stop at the end of the current step (a
+  second signal abandons the step); `Interrupted` carries the signal out of the run.
+- `os_error_line` turns a full disk, a read-only path or a file standing where a directory belongs
+  into one line that names the path and what to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import fcntl
+import json
+import os
+import re
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+# Config keys a rerun or `resume=` may change: they extend the run or change where and how it is
+# logged, never what an already logged step computed.
+RESUMABLE_KEYS = ("train.steps", "tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
+                  "run_dir", "resume", "model.cache_dir", "choices")
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked; nothing in it was changed."""
+
+
+class RunExistsError(RunDirError):
+    """The run directory holds a finished run, which is never overwritten."""
+
+
+class RunDirBusy(RunDirError):
+    """Another process owns the run directory."""
+
+
+class ConfigChangedError(RunDirError):
+    """A rerun or resume asks for a config other than the one the run was started with."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run.
+
+    Args:
+        signum: the signal.
+        step: the step a resume starts at, when the run checkpointed it; None when the current
+            step was abandoned (a resume starts at the last periodic checkpoint).
+    """
+
+    def __init__(self, signum: int, step: int | None = None) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step = signum, step
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process ended by this signal
+
+
+class StopSignals:
+    """Catch SIGINT and SIGTERM while a run's steps execute.
+
+    The first signal sets `signum`; the loop finishes its step, checkpoints and raises
+    `Interrupted`. A second signal raises `Interrupted` at once. Only signals nobody else handles
+    are taken (a sweep worker keeps its own handlers), and only in the main thread.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+        defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, default in defaults.items():
+            if signal.getsignal(sig) is default:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:
+            raise Interrupted(signum)
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """Nested dicts to one level with dotted keys; lists stay values."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
+
+
+def config_changes(saved: dict, new: dict, keys: set[str] | None = None) -> list[str]:
+    """`key: old -> new` for each key (of `keys`, default all) where `new` differs from `saved`.
+
+    Keys in `RESUMABLE_KEYS` are left out: they may change when a run is continued.
+    """
+    a, b = flatten(saved), flatten(new)
+    keys = (set(a) | set(b)) if keys is None else keys
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(keys) if not _resumable(k) and a.get(k) != b.get(k)]
+
+
+def with_changes(saved: dict, new: dict, keys: set[str]) -> dict:
+    """`saved` with the values of `new` at `keys` (dotted), e.g. a resume's `train.steps=12`."""
+    out, flat = copy.deepcopy(saved), flatten(new)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = flat[key]
+    return out
+
+
+def resumed(run_dir: str | Path, saved: dict, new: dict, keys: set[str]) -> dict:
+    """The config a `resume=` continues with: the saved one, plus the overrides that may change.
+
+    Args:
+        run_dir: the run being resumed (for the message).
+        saved: its `config.json`.
+        new: the config composed from the command line.
+        keys: the dotted keys the command line set (`cli.set_keys`).
+
+    Raises:
+        ConfigChangedError: an override changes a key outside `RESUMABLE_KEYS` (all are listed).
+    """
+    changes = config_changes(saved, new, keys)
+    if changes:
+        raise ConfigChangedError(
+            f"resume={run_dir} continues the run with its saved config, but the overrides change {'; '.join(changes)}; "
+            f"drop them, or start a new run (a resume may change only {', '.join(RESUMABLE_KEYS[:5])})")
+    return with_changes(saved, new, {k for k in keys if _resumable(k) and k.split(".")[0] not in ("run_dir", "resume", "choices")})
+
+
+def read_config(run_dir: str | Path) -> dict | None:
+    """The run's saved `config.json`, or None when there is none.
+
+    Raises:
+        RunDirError: the file is there but is not a JSON object (one line naming it).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RunDirError(f"{path} is not readable JSON ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                          "restore it from the run's .hydra/config.yaml or choose another run_dir") from None
+    if not isinstance(saved, dict):
+        raise RunDirError(f"{path} holds a {type(saved).__name__}, not a run config; choose another run_dir")
+    return saved
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file; name ours
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
+_CAUSES = {
+    errno.ENOSPC: ("the disk is full", "free some space or choose a run_dir on another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space or choose a run_dir on another disk"),
+    errno.EFBIG: ("the file size limit is reached", "raise the limit (ulimit -f) or choose another run_dir"),
+    errno.EROFS: ("the file system is read-only", "choose a writable run_dir"),
+    errno.EACCES: ("permission denied", "choose a run_dir you may write to"),
+    errno.EPERM: ("permission denied", "choose a run_dir you may write to"),
+    errno.ENOTDIR: ("a file stands where a directory is needed", "remove that file or choose another run_dir"),
+    errno.EEXIST: ("a file stands where a directory is needed", "remove that file or choose another run_dir"),
+}
+
+
+def as_os_error(e: BaseException | None) -> OSError | None:
+    """The OS error behind `e`: itself, one it was raised from or while handling (torch's zip
+    writer), or one a native library reported as text ("... (os error 28)", safetensors)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found:
+            return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def os_error_line(e: OSError) -> str | None:
+    """One line for a storage fault (full disk, read-only path, file in the way); None for others."""
+    if e.errno not in _CAUSES:
+        return None
+    cause, fix = _CAUSES[e.errno]
+    return f"cannot write {e.filename or 'the run directory'}: {cause}; {fix}"
+
+
+class RunDir:
+    """A run directory owned by this process until `release` (or the process ends).
+
+    Args:
+        path: the run directory.
+        lock: the open lock file; its `flock` is the ownership.
+    """
+
+    def __init__(self, path: Path, lock) -> None:
+        self.path, self._lock, self._claims = path, lock, 1
+
+    def release(self) -> None:
+        """Give up this claim; the lock goes with the last claim of the process."""
+        self._claims -= 1
+        if self._claims == 0:
+            self._lock.close()  # closing the only descriptor drops the flock
+            _HELD.pop(self.path, None)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# Run directories this process owns: a second claim (the CLI, then `train.run`) shares the owner.
+_HELD: dict[Path, RunDir] = {}
+
+
+def _lock(run_dir: Path, create: bool):
+    """Open and flock `run_dir/.lock`; None when `create` is False and there is no lock file."""
+    path = run_dir / LOCK_FILE
+    try:
+        f = open(path, "r+" if not create else "a+")
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirBusy(f"{run_dir} is in use by process {owner} (another run writes there); "
+                         "wait for it to end or choose another run_dir") from None
+    return f
+
+
+def claim(run_dir: str | Path, config: dict) -> RunDir:
+    """Take `run_dir` for this process: a new run, or the continuation of an unfinished one.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        config: the run's resolved config as nested dicts (with `choices`); written to
+            `config.json` when new, compared with it when not.
+
+    Returns:
+        The owned `RunDir`; release it (or use it as a context manager) when the run ends.
+
+    Raises:
+        RunExistsError: `run_dir` holds a finished run.
+        RunDirBusy: another process owns `run_dir` (the message names its pid).
+        ConfigChangedError: `config` differs from the saved one outside `RESUMABLE_KEYS`.
+        RunDirError: `run_dir` is a file, or its `config.json` is unreadable.
+        OSError: the directory cannot be created or written (see `os_error_line`).
+    """
+    run_dir = Path(run_dir).absolute()
+    if run_dir in _HELD:  # already ours (the CLI claims before `train.run` does)
+        _check(run_dir, config)
+        _HELD[run_dir]._claims += 1
+        return _HELD[run_dir]
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run_dir={run_dir} is a file, not a directory; choose another run_dir")
+    # Checks first, read-only; a refused run leaves no trace. They are repeated under the lock.
+    lock = _lock(run_dir, create=False) if run_dir.is_dir() else None
+    try:
+        _check(run_dir, config)
+        if lock is None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = _lock(run_dir, create=True)
+            _check(run_dir, config)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        saved = read_config(run_dir)
+        merged = config if saved is None else {**config, "choices": saved.get("choices", config.get("choices", {}))}
+        if merged != saved:
+            write_atomic(run_dir / "config.json", json.dumps(merged, indent=2))
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    owned = _HELD[run_dir] = RunDir(run_dir, lock)
+    return owned
+
+
+def _check(run_dir: Path, config: dict) -> None:
+    if (run_dir / "summary.json").exists():
+        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
+    saved = read_config(run_dir)
+    if saved is not None:
+        changes = config_changes(saved, config)
+        if changes:
+            raise ConfigChangedError(
+                f"{run_dir} holds an unfinished run started with another config ({'; '.join(changes[:6])}"
+                f"{'; ...' if len(changes) > 6 else ''}); rerun with its settings, or choose another run_dir "
+                f"(only {', '.join(RESUMABLE_KEYS[:5])} may change)")

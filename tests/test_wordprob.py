@@ -1,0 +1,119 @@
+"""task=wordprob: generated word problems, their fixed split, and the natural-answer reward."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from qerl_exp.cli import compose_config
+from qerl_exp.config import ConfigError, TaskConfig, to_config
+from qerl_exp.tasks import build_task
+from qerl_exp.tasks.rewards import correctness_reward, natural_answer
+from qerl_exp.tasks.wordprob import held_out
+
+OPS = ["+", "-", "*", "/"]
+
+
+def task(**kw):
+    return build_task(TaskConfig(**{"name": "wordprob", "ops": OPS, "format_reward": 0.0, "answer_from": "text", **kw}))
+
+
+# (reply, reference, judged correct?) -- the forms an instruct model writes, and near misses.
+REPLIES = [
+    ("Mia has 24 - 5 = 19 apples left.\n#### 19", "19", True),
+    ("#### 19 apples", "19", True),
+    ("She has 19 apples. The answer is 19.", "19", True),
+    ("The answer is: $1,250.", "1250", True),
+    ("So the final answer is **19**", "19", True),
+    ("24 - 5 = 19, so she has \\boxed{19} apples.", "19", True),
+    ("First 24 - 5 = 19. Then she has 19 apples", "19", True),  # the last number
+    ("<think>24-5</think><answer>19</answer> then 7", "19", True),  # tags win over the last number
+    ("She has 19 apples. The answer is 18.", "19", False),  # the stated answer, not an earlier number
+    ("\\boxed{18} and then 19", "19", False),  # the box wins
+    ("#### 19.5", "19", False),
+    ("It has 5, 7, and 12 apples, 1,000 in all", "1000", True),
+    ("I do not know.", "19", False),
+    ("She has -3 apples", "-3", True),
+]
+
+
+@pytest.mark.parametrize("reply, reference, ok", REPLIES)
+def test_natural_answer_forms(reply, reference, ok):
+    from qerl_exp.tasks import Problem
+
+    reward = correctness_reward(2.0, "text")
+    assert reward(reply, Problem("q", reference)) == (2.0 if ok else 0.0), natural_answer(reply)
+
+
+def test_tags_mode_keeps_the_papers_reward():
+    from qerl_exp.tasks import Problem
+
+    reward = correctness_reward(2.0, "tags")
+    assert reward("The answer is 19.", Problem("q", "19")) == 0.0
+    assert reward("<think>x</think><answer>19</answer>", Problem("q", "19")) == 2.0
+
+
+def _replay(solution: str) -> int:
+    """Recompute an answer from the worked steps ("a op n = c."), checking each step's arithmetic."""
+    value = None
+    for a, op, n, c in re.findall(r"(\d+) ([-+x/]) (\d+) = (\d+)\.", solution):
+        a, n, c = int(a), int(n), int(c)
+        assert value is None or a == value, solution
+        exact = {"+": a + n, "-": a - n, "x": a * n, "/": a / n}[op]
+        assert exact == c and c > 0, solution  # whole and positive at every step
+        value = c
+    return value
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_problems_have_whole_answers_and_the_asked_number_of_steps(difficulty):
+    problems = task(difficulty=difficulty).sample(300, np.random.default_rng(difficulty))
+    for p in problems:
+        assert len(re.findall(r" = ", p.solution)) == difficulty, p
+        assert str(_replay(p.solution)) == p.answer, p
+        assert p.question.endswith("now?") and p.answer not in ("", "0")
+    used = {op for p in problems for op in re.findall(r"\d+ ([-+x/]) \d+ =", p.solution)}
+    assert used == {"+", "-", "x", "/"}
+    assert len({p.question for p in problems}) > 0.95 * len(problems)
+
+
+def test_train_and_held_out_never_overlap_and_the_split_is_fixed():
+    t = task(difficulty=1, eval_size=300)
+    held = t.eval_problems()
+    assert len(held) == 300 and len({p.question for p in held}) == 300
+    assert [p.question for p in held] == [p.question for p in task(difficulty=1, eval_size=300).eval_problems()]
+    assert all(held_out(p.question) for p in held)
+    questions = {p.question for p in held}
+    drawn = [p for seed in range(5) for p in t.sample(2000, np.random.default_rng(seed))]
+    assert not any(p.question in questions or held_out(p.question) for p in drawn)
+    # the generator does produce held-out questions: without the filter, some draws would leak
+    from qerl_exp.tasks.wordprob import make_problem
+
+    rng = np.random.default_rng(0)
+    assert any(held_out(make_problem(["+"], rng).question) for _ in range(500))
+    # a smaller eval_size is a prefix of a larger one
+    assert [p.question for p in task(difficulty=1, eval_size=50).eval_problems()] == [p.question for p in held[:50]]
+
+
+def test_preset_turns_the_format_reward_off_and_judges_natural_answers():
+    cfg = to_config(compose_config(["task=wordprob"]))
+    t = build_task(cfg.task)
+    assert set(t.rewards) == {"correct"} and cfg.task.answer_from == "text"
+    p = t.eval_problems()[0]
+    assert t.rewards["correct"](f"Step by step.\n#### {p.answer}", p) == cfg.task.correct_reward
+    # the other tasks keep both of the paper's rewards
+    assert set(build_task(to_config(compose_config([])).task).rewards) == {"format", "correct"}
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"difficulty": 4}, "task.difficulty must be in 1..3 for task.name=wordprob"),
+    ({"ops": ["+", "%"]}, "task.ops entry='%' is not valid"),
+    ({"answer_from": "last"}, "task.answer_from='last' is not valid"),
+])
+def test_bad_wordprob_settings_are_refused(kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TaskConfig(name="wordprob", **kw)
+    with pytest.raises(ConfigError, match="task.ops entry='/' is not valid"):
+        TaskConfig(name="arith", ops=["/"])
