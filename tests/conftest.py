@@ -68,16 +68,22 @@ def kill_after(args: list[str], run_dir: Path, logged_steps: int) -> None:
     """Start `python -m qerl_exp ARGS run_dir=RUN_DIR`, SIGKILL it once `logged_steps` steps are in
     its metrics.jsonl, and check that it had not finished."""
     proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", *args, f"run_dir={run_dir}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    wait_for_steps(proc, run_dir, logged_steps)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, logged_steps: int) -> None:
+    """Return once the run `proc` has logged `logged_steps` steps; fail if it ends or stalls first."""
     deadline = time.time() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= logged_steps:
-            break
+            return
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+    raise AssertionError(f"the run ended or stalled before step {logged_steps}: {proc.communicate()[1][-2000:]}")
 
 
 @pytest.fixture(scope="session")

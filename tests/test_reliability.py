@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, kill_after, metrics_rows, qerl, stable
+from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, kill_after, metrics_rows, qerl, stable, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +33,6 @@ def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`python -m qerl_exp ARGS` in the background, with the same thread settings as `qerl`."""
     return subprocess.Popen([sys.executable, "-m", "qerl_exp", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**SUBPROCESS_ENV, **(env or {})})
-
-
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, logged_steps: int) -> None:
-    deadline = time.time() + 300
-    metrics = run_dir / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= logged_steps:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the run ended or stalled before step {logged_steps}: {proc.communicate()[1][-2000:]}")
 
 
 @pytest.mark.parametrize("kill_at", [1, 3, 5])
@@ -152,7 +141,7 @@ def test_signal_checkpoints_the_step_and_prints_the_resume_command(tmp_path, uni
     # enough to still own its directory when a second process tries it.
     longer = ["train.steps=500"] if sig == signal.SIGINT else []
     proc = _start(*RUN, *longer, "checkpoint.every=0", f"run_dir={run_dir}")
-    _wait_for_steps(proc, run_dir, 2)
+    wait_for_steps(proc, run_dir, 2)
     if sig == signal.SIGINT:  # a second process is refused while the first owns the directory
         other = qerl(*RUN, "seed=1", f"run_dir={run_dir}")
         assert other.returncode == 1 and f"in use by process {proc.pid}" in other.stderr, other.stderr[-2000:]
