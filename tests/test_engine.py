@@ -118,14 +118,14 @@ def teacher_forced_gap(model, ids, mask, comp):
     return lg.max(-1).values - lg.gather(2, comp[..., None])[..., 0], lg.std(-1)
 
 
-def assert_greedy_like_hf(model, ids, mask, comp, ref):
+def assert_greedy_like_hf(model, ids, mask, comp, ref, tol=0.05):
     """bf16 engine vs bf16 HF: every engine token is HF generate's own (same prefix) or HF's
-    teacher-forced argmax up to rounding (gap below 5% of the logit spread; HF's incremental and
+    teacher-forced argmax up to rounding (gap below `tol` of the logit spread; HF's incremental and
     teacher-forced logits differ by more than that with bitsandbytes NF4), the first two tokens are
     identical, and most positions agree exactly."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
     same_prefix = (comp == ref).long().cumprod(1).bool()
-    assert (same_prefix | (gap <= 0.05 * spread)).all(), (gap.max().item(), spread.mean().item())
+    assert (same_prefix | (gap <= tol * spread)).all(), (gap.max().item(), spread.mean().item())
     assert torch.equal(comp[:, :2], ref[:, :2])
     assert (gap == 0).float().mean().item() >= 0.9
 
@@ -653,7 +653,10 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     assert eng.backend == "triton" and eng.use_graph
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     print("exact agreement with HF greedy:", (out.completion_ids == ref).float().mean().item())
-    assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref)
+    # A 4-bit weight (E2M1 x E4M3 x fp32 tensor scale) is not a bf16 number: HF multiplies its bf16
+    # rounding, the engine's kernels the exact value; with the llama preset's larger weights that
+    # moved a near-tie by 5.4 % of the spread (H200, 2026-12-01).
+    assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref, tol=0.05 if quant is None else 0.08)
 
 
 @gpu
