@@ -117,7 +117,7 @@ class LinearPlan:
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
-    H200, 132 SMs, docs/engine.md; `bench/kernels.py --sweep` searches them again).
+    H200, 132 SMs, docs/engine.md; `bench/kernels.py --tiles` searches them again).
 
     dense / nvfp4 / nf4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM
     (NVFP4 up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by
