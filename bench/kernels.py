@@ -206,7 +206,7 @@ def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) 
                 except Exception as e:  # keep the sweep going; the failure is printed and never chosen
                     print(f"  {name} M={m} {cand} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     us[cand] = float("nan")
-            rows.append(dict(shape=f"{n}x{k}", m=m, us=us))
+            rows.append(dict(shape=f"{n}x{k}", m=m, us=us, cublas_us=t_ref * 1e6))
             best = min((c for c in us if us[c] == us[c]), key=us.get)
             mma_best = min([us[c] for c in us if c.startswith("mma") and us[c] == us[c]], default=float("nan"))
             ref = t_ref * 1e6

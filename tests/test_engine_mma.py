@@ -91,7 +91,7 @@ def test_mma_config_fills_the_gpu_and_fits_the_segments():
 
 
 def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
-    rows = [dict(shape="4608x3584", m=m, us=us) for m, us in
+    rows = [dict(shape="4608x3584", m=m, us=us, cublas_us=20.0) for m, us in
             [(8, {"small": 9.0, "dequant": 30.0, "mma": float("nan")}),
              (64, {"small": 20.0, "dequant": 18.0, 'mma {"BLOCK_N": 256, "num_stages": 4}': 15.0}),
              (256, {"small": 60.0, "dequant": 40.0, "mma": 41.0})]]

@@ -7,7 +7,7 @@ and shrink on load), "mma" (`mma_kernels._nvfp4_mma_kernel`, tensor-core tiles o
 shape at M in 1-256 against cuBLAS bf16 and writes `dispatch.json` beside this module:
 
     {"device": ..., "command": ..., "measured": true,
-     "shapes": {"4608x3584": [{"m": 16, "kernel": "mma", "tiles": {...}, "us": {...}}, ...]}}
+     "shapes": {"4608x3584": [{"m": 16, "kernel": "mma", "tiles": {...}, "us": {...}, "cublas_us": ...}, ...]}}
 
 Shapes are keyed "NxK" (output columns of the launch, gate and up together for GLU, x inputs). The
 entry for M rows is the first whose "m" is >= M (the last beyond them). A shape that is not in the
@@ -94,8 +94,9 @@ def write_table(path: Path, rows: list[dict], header: dict) -> dict:
 
     Args:
         path: where (normally `TABLE_PATH`).
-        rows: one dict per (shape, m): "shape" ("NxK"), "m", and "us", a dict of candidate name ->
-            microseconds ("small", "dequant", "mma" or "mma <tiles as JSON>"); NaN marks a failure.
+        rows: one dict per (shape, m): "shape" ("NxK"), "m", "us", a dict of candidate name ->
+            microseconds ("small", "dequant", "mma" or "mma <tiles as JSON>"; NaN marks a failure),
+            and "cublas_us", bf16 cuBLAS's time (kept beside the entry, never chosen).
         header: "device", "command" and the like, stored beside the table.
 
     Returns:
@@ -105,7 +106,8 @@ def write_table(path: Path, rows: list[dict], header: dict) -> dict:
     for r in rows:
         timed = {c: t for c, t in r["us"].items() if t == t}  # NaN: that candidate failed
         best = min(timed, key=timed.get)
-        entry = {"m": r["m"], "kernel": best.split(" ", 1)[0], "us": {c: round(t, 2) for c, t in r["us"].items()}}
+        entry = {"m": r["m"], "kernel": best.split(" ", 1)[0], "us": {c: round(t, 2) for c, t in r["us"].items()},
+                 "cublas_us": round(r["cublas_us"], 2)}
         if best.startswith("mma "):
             entry["tiles"] = json.loads(best.split(" ", 1)[1])
         shapes.setdefault(r["shape"], []).append(entry)
