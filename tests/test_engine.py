@@ -512,16 +512,21 @@ def _to(pw: layout.PackedWeight, device) -> layout.PackedWeight:
                                None if pw.lut is None else pw.lut.to(device))
 
 
-def _interp_main() -> None:
+def patch_interpreter() -> None:
+    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int())."""
     import triton.runtime.interpreter as ti
 
     orig = ti._patch_lang_tensor
 
-    def patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
+    def patched(tensor, scope):
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     ti._patch_lang_tensor = patched
+
+
+def _interp_main() -> None:
+    patch_interpreter()
     _check_kernels("cpu", torch.float32, 2e-3)
     for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
         model = tiny_model(quant=quant, family=family)
@@ -531,14 +536,20 @@ def _interp_main() -> None:
     print("INTERPRETER CHECKS OK")
 
 
-def test_triton_kernels_and_engine_in_the_interpreter():
+def run_interpreted(script: str, marker: str, timeout: int) -> None:
+    """Run `script --interp` with TRITON_INTERPRET=1 (it must be set before triton is first imported)
+    and check that it printed `marker`."""
     import_or_skip("triton")
     if CUDA:
         pytest.skip("the GPU tests run the kernels natively")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert "INTERPRETER CHECKS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, script, "--interp"], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_triton_kernels_and_engine_in_the_interpreter():
+    run_interpreted(__file__, "INTERPRETER CHECKS OK", 900)
 
 
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
