@@ -12,6 +12,11 @@ What is global and what is per rank:
 - per rank: `prompts_per_step / N` prompts with their whole groups (advantages never cross
   ranks), their rollouts, the reference, monitor and learner passes over them.
 
+Every rank seeds torch, numpy and random alike, so LoRA initialisation, AQN draws and evaluations
+agree; completions come from per-row streams seeded by (seed, step, prompt, row) (`rollout.row_seeds`),
+so a prompt samples the same completions on any rank (the HF engine; the CUDA fast engine seeds one
+stream per rank's batch).
+
 Rank 0 alone owns the run directory (lock, `config.json`, `metrics.jsonl`, W&B, checkpoints,
 `summary.json`) and prints; the other ranks create no files. Every collective waits at most
 `train.dist_timeout_s` seconds for the other ranks, so a rank that hangs ends the run instead
@@ -28,7 +33,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator, NoReturn
+from typing import Iterator, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -40,6 +45,7 @@ from qerl_exp.config import Config, ConfigError
 # own timeout may be what is bad).
 REFUSAL_TIMEOUT_S = 60.0
 _timeout_s = 0.0  # the process group's, for the timeout message
+_devnull: TextIO | None = None
 
 
 class PeerRefused(rundir.RunDirError):
@@ -148,6 +154,16 @@ def shard(n: int) -> range:
     """This rank's contiguous share of `n` items (the step's prompts); `check` made it even."""
     share = n // world_size()
     return range(rank() * share, (rank() + 1) * share)
+
+
+def console() -> TextIO:
+    """Where progress lines go: stderr on rank 0, nowhere on the other ranks."""
+    global _devnull
+    if is_main():
+        return sys.stderr
+    if _devnull is None:
+        _devnull = open(os.devnull, "w")
+    return _devnull
 
 
 def _device() -> torch.device:

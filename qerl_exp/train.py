@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -192,7 +191,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id) if distributed.is_main() else NoTracker()
-    bar = progress.Progress(cfg.train.steps, "train", initial=start, file=None if distributed.is_main() else open(os.devnull, "w"))
+    bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
     stop = rundir.StopSignals()
     try:
         for step in range(start, cfg.train.steps):

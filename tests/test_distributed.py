@@ -38,19 +38,16 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
 
 
-@pytest.mark.slow
-def test_two_processes_log_what_one_process_logs(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The issue's command run by one process."""
+    one = tmp_path_factory.mktemp("one") / "run"
     single = qerl(*RUN, "tracker.mode=disabled", f"run_dir={one}")
     assert single.returncode == 0, single.stderr[-2000:]
-    work = tmp_path / "cwd"  # the launch folder: only the run dir may appear in it
-    work.mkdir()
-    proc = torchrun(*RUN, "tracker.mode=offline", "run_dir=two", cwd=work)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-3000:]
-    assert [p.name for p in work.iterdir()] == ["two"]
-    two = work / "two"
+    return one
 
+
+def assert_same_steps(one: Path, two: Path) -> None:
     a, b = stable(metrics_rows(one)), stable(metrics_rows(two))
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a, b):
@@ -60,6 +57,19 @@ def test_two_processes_log_what_one_process_logs(tmp_path):
         assert not bad, f"step {ra['step']}: {bad}"
     assert any(abs(r["grad_norm"]) > 1e-3 for r in a)  # the gradients compared are not all ~0
 
+
+@pytest.mark.slow
+def test_two_processes_log_what_one_process_logs(tmp_path, one_process):
+    one = one_process
+    work = tmp_path / "cwd"  # the launch folder: only the run dir may appear in it
+    work.mkdir()
+    proc = torchrun(*RUN, "tracker.mode=offline", "run_dir=two", cwd=work)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert [p.name for p in work.iterdir()] == ["two"]
+    two = work / "two"
+    assert_same_steps(one, two)
+
     # rank 0 alone logged and printed; both records say how many processes ran
     assert out.count("run dir: ") == 1 and "error" not in out.lower()
     assert len(list((two / "wandb").glob("offline-run-*"))) == 1
@@ -68,6 +78,22 @@ def test_two_processes_log_what_one_process_logs(tmp_path):
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert math.isclose(summary["reward/final"], json.loads((one / "summary.json").read_text())["reward/final"])
+
+
+@pytest.mark.slow
+def test_every_rank_resumes_from_rank_0s_checkpoint(tmp_path, one_process):
+    proc = torchrun(*RUN, "tracker.mode=disabled", "checkpoint.every=1", "run_dir=run", cwd=tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on: every rank ends the step, rank 0 checkpoints
+    out = proc.communicate(timeout=120)[0]
+    assert "interrupted by SIGTERM (step " in out and not (tmp_path / "run" / "summary.json").exists(), out[-3000:]
+    again = torchrun(*RUN, "tracker.mode=disabled", "checkpoint.every=1", "run_dir=run", cwd=tmp_path)
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0 and out.count("resuming ") == 1, out[-3000:]
+    assert_same_steps(one_process, tmp_path / "run")
 
 
 def test_process_counts_that_do_not_split_the_prompts_are_refused():
