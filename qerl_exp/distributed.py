@@ -10,7 +10,9 @@ What is global and what is per rank:
   the LoRA gradients (summed before clipping), the optimizer step (identical on every rank), every
   logged metric (computed from all ranks' rows), the checkpoints (written by rank 0, read by all).
 - per rank: `prompts_per_step / N` prompts with their whole groups (advantages never cross
-  ranks), their rollouts, the reference, monitor and learner passes over them.
+  ranks), their rollouts, the reference, monitor and learner passes over them. With
+  `algo.mini_batches > 1` each mini-batch is every rank's share of it, so its rows are not the
+  ones a one-process run puts together (the same size and semantics, other members).
 
 Every rank seeds torch, numpy and random alike, so LoRA initialisation, AQN draws and evaluations
 agree; completions come from per-row streams seeded by (seed, step, prompt, row) (`rollout.row_seeds`),
@@ -214,7 +216,7 @@ def weighted_mean(values: dict[str, float], weight: float) -> dict[str, float]:
     if world_size() == 1:
         return values
     sums = _reduce([v * weight for v in values.values()] + [weight], dist.ReduceOp.SUM)
-    return {k: s / max(sums[-1], 1.0) if sums[-1] else v for (k, v), s in zip(values.items(), sums)}
+    return {k: s / sums[-1] if sums[-1] else v for (k, v), s in zip(values.items(), sums)}
 
 
 def gather(t: torch.Tensor) -> torch.Tensor:
