@@ -58,12 +58,13 @@ def main(cfg: DictConfig) -> float:
     from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
-    # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
-    run_dir = distributed.broadcast(Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir))
+    run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
     choices = {g: str(hc.runtime.choices[g]) for g in (*GROUPS, "strategy") if hc.runtime.choices.get(g) is not None}
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
+        # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
+        run_dir = distributed.broadcast(run_dir)
         conf = to_config(cfg)
         if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.read_config(run_dir)
