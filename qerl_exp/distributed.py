@@ -33,9 +33,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator, NoReturn, TextIO
+from typing import NoReturn, TextIO
 
 import torch
 import torch.distributed as dist

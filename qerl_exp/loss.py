@@ -12,7 +12,7 @@ time, each chunk checkpointed (its fp32 logits are recomputed in backward, not k
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -140,8 +140,8 @@ def test_torchrun_refuses_in_one_line_before_any_work(tmp_path):
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
     ours = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: train.prompts_per_step=3 cannot be split evenly over 2 processes; use a multiple of 2 "
-                    "(e.g. 2) or --nproc-per-node dividing 3"]
+    assert ours == [("error: train.prompts_per_step=3 cannot be split evenly over 2 processes; use a multiple of 2 "
+                     "(e.g. 2) or --nproc-per-node dividing 3")]
     assert "exitcode  : 2" in out  # every rank exited with the usage-error code (torchrun's report)
     assert list(tmp_path.iterdir()) == []
 
