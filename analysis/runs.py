@@ -39,7 +39,8 @@ REQUIRED = (
 MONITORED = ("entropy_gain",)
 
 # Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
-IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir")
+IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir",
+                "world_size", "train.dist_timeout_s")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 

@@ -3,6 +3,7 @@
     python3 bench/step.py                                   # 7B, the paper's workload, 3 strategies
     python3 bench/step.py --shapes 7b,14b --workload wide   # 64 sequences x 512 new tokens
     python3 bench/step.py --shapes 32b --strategies nvfp4_lora,full_precision
+    python3 bench/step.py --workload wide --strategies nvfp4_lora --nproc 2   # one run on 2 GPUs (torchrun)
 
 Each (shape, strategy) is its own process, `python -m qerl_exp` with the shape preset
 (`model=qwen2.5-<shape>-shape`: Qwen2.5's decoder, vocabulary and untied lm_head, random weights),
@@ -19,7 +20,10 @@ learner's forward + backward passes, the optimizer; memory is `mem/weights_bytes
 parameters and buffers, quantized layers with their scales), `mem/load_peak_bytes` (while the
 model was built) and CUDA's max allocated in the rollout and in the learner phases over all steps
 (`mem/rollout_peak_bytes`, `mem/learner_peak_bytes`); "peak / fp" is the larger of the two over
-full_precision's at the same shape, as are the other ratios.
+full_precision's at the same shape, as are the other ratios. `--nproc N` runs each one under
+`torchrun --standalone --nproc-per-node N` (data parallel, `qerl_exp/distributed.py`): the same
+global batch split over N GPUs; times are the slowest rank's, memory the largest rank's. Compare
+`seq/s` (completions per second of the whole step) with a `--nproc 1` run of the same workload.
 """
 
 from __future__ import annotations
@@ -48,18 +52,21 @@ def task_file(path: Path, prompt_tokens: int, n: int = 64) -> None:
     path.write_text("\n".join(rows) + "\n")
 
 
-def run_one(shape: str, strategy: str, workload: dict, steps: int, micro: int, data: Path, out: Path) -> dict:
-    """Run one (shape, strategy) in its own process; return its per-step metrics, or the error."""
+def run_one(shape: str, strategy: str, workload: dict, steps: int, micro: int, data: Path, out: Path,
+            nproc: int = 1) -> dict:
+    """Run one (shape, strategy) in its own process (`nproc` > 1: torchrun's processes); return its
+    per-step metrics, or the error."""
     run_dir = out / f"{shape}_{strategy}"
     shutil.rmtree(run_dir, ignore_errors=True)  # the bench owns its folder: a rerun measures anew
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     args = [
-        sys.executable, "-m", "qerl_exp", f"model=qwen2.5-{shape}-shape", f"strategy={strategy}", "lora=r32",
+        sys.executable, *launcher, "-m", "qerl_exp", f"model=qwen2.5-{shape}-shape", f"strategy={strategy}", "lora=r32",
         "task=gsm8k", f"task.path={data}", f"train.steps={steps}", f"train.prompts_per_step={workload['prompts']}",
         f"algo.group_size={workload['group']}", f"algo.max_new_tokens={workload['new']}", "rollout.ignore_eos=true",
         f"train.micro_batch_size={micro}", "train.gradient_checkpointing=true", "checkpoint.every=0",
         "tracker=disabled", "tracker.completions_every=0", f"run_dir={run_dir}",
     ]
-    print(f"--- {shape} {strategy}: {' '.join(args[3:])}", flush=True)
+    print(f"--- {shape} {strategy}: {' '.join(args[3 + len(launcher):])}", flush=True)
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
     metrics = run_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
@@ -68,10 +75,11 @@ def run_one(shape: str, strategy: str, workload: dict, steps: int, micro: int, d
     return {"rows": [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]}
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], completions: int) -> dict:
     timed = rows[1:] or rows
     mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
     return {
+        "seq_s": completions / mean("perf/step_s"),
         "weights": rows[-1]["mem/weights_bytes"] / GIB, "load_peak": rows[-1]["mem/load_peak_bytes"] / GIB,
         "peak": max(r["mem/peak_bytes"] for r in rows) / GIB, "rollout_mem": rows[-1]["mem/rollout_bytes"] / GIB,
         "rollout_peak": max(r["mem/rollout_peak_bytes"] for r in rows) / GIB,
@@ -85,7 +93,7 @@ def summarize(rows: list[dict]) -> dict:
 def table(results: dict, shapes: list[str], strategies: list[str]) -> str:
     head = ("| shape | strategy | weights GiB | load peak GiB | rollout peak GiB | learner peak GiB | peak / fp "
             "| step s | step / fp | rollout s "
-            "| reference s | learner s | optimizer s | rollout tok/s | tok/s / fp | step 0 s |")
+            "| reference s | learner s | optimizer s | rollout tok/s | tok/s / fp | seq/s | step 0 s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for shape in shapes:
         base = results.get((shape, "full_precision"), {})
@@ -104,7 +112,7 @@ def table(results: dict, shapes: list[str], strategies: list[str]) -> str:
                 f"| {shape} | {strategy} | {r['weights']:.1f} | {r['load_peak']:.1f} | {r['rollout_peak']:.1f} "
                 f"| {r['learner_peak']:.1f} | {ratio('peak')} "
                 f"| {r['step']:.2f} | {ratio('step')} | {r['rollout']:.2f} | {r['reference']:.2f} | {r['learner']:.2f} "
-                f"| {r['optimizer']:.3f} | {r['tok_s']:.0f} | {ratio('tok_s')} | {r['warmup']:.1f} |"
+                f"| {r['optimizer']:.3f} | {r['tok_s']:.0f} | {ratio('tok_s')} | {r['seq_s']:.2f} | {r['warmup']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -116,6 +124,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="paper")
     ap.add_argument("--steps", type=int, default=3, help="RL steps per run (step 0 is warm-up)")
     ap.add_argument("--micro", type=int, default=1, help="train.micro_batch_size: completions per backward")
+    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) of one data-parallel run, through torchrun")
     ap.add_argument("--out", default="", help="where runs and results.json go (default: a temporary folder)")
     args = ap.parse_args()
     shapes, strategies = args.shapes.split(","), args.strategies.split(",")
@@ -127,14 +136,14 @@ def main() -> None:
     results = {}
     for shape in shapes:
         for strategy in strategies:
-            got = run_one(shape, strategy, workload, args.steps, args.micro, data, out)
-            results[(shape, strategy)] = got if "error" in got else summarize(got["rows"])
+            got = run_one(shape, strategy, workload, args.steps, args.micro, data, out, args.nproc)
+            results[(shape, strategy)] = got if "error" in got else summarize(got["rows"], workload["prompts"] * workload["group"])
             print(json.dumps({"shape": shape, "strategy": strategy, **results[(shape, strategy)]}), flush=True)
     (out / "results.json").write_text(json.dumps([{"shape": s, "strategy": t, **r} for (s, t), r in results.items()], indent=1))
     w = workload
     print(f"\nworkload {args.workload}: {w['prompts'] * w['group']} completions x ({w['prompt']} prompt + {w['new']} new) "
           f"tokens, LoRA r32 on 7 projections, micro-batch {args.micro}, gradient checkpointing, {args.steps} steps "
-          f"(step 0 left out)\n")
+          f"(step 0 left out), {args.nproc} process(es)\n")
     print(table(results, shapes, strategies))
 
 

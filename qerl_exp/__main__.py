@@ -1,4 +1,9 @@
-"""`python -m qerl_exp [overrides]`: one run; `-m` for a Hydra multirun (one run dir and W&B run per job)."""
+"""`python -m qerl_exp [overrides]`: one run; `-m` for a Hydra multirun (one run dir and W&B run per job).
+
+`torchrun --nproc-per-node N -m qerl_exp [overrides]`: one data-parallel run on N processes
+(`qerl_exp.distributed`); rank 0 owns the run dir and prints, the other ranks print only an error
+that is theirs alone.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp import rundir
+from qerl_exp import distributed, rundir
 from qerl_exp.cli import CONF_DIR, UsageError, fail, hydra_overrides, set_keys, validate
-from qerl_exp.config import GROUPS, as_dict, from_dict, register_configs, to_config
+from qerl_exp.config import GROUPS, ConfigError, as_dict, from_dict, register_configs, to_config
 
 
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -31,11 +36,14 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def _error_line(e: Exception, run_dir: Path) -> str:
-    """One line for a failed run; the traceback goes to `run_dir/error.txt` when it can be written."""
+    """One line for a failed run; the traceback goes to `run_dir/error.txt` when it can be written
+    (by rank 0: the other ranks of a data-parallel run write no file)."""
     line = rundir.os_error_line(e) if isinstance(e, OSError) else None
     if line is None:
         text = str(e).strip()
         line = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    if not distributed.is_main():
+        return f"rank {distributed.rank()}: {line}"
     try:
         if run_dir.is_dir():
             rundir.write_atomic(run_dir / "error.txt", traceback.format_exc())
@@ -47,7 +55,7 @@ def _error_line(e: Exception, run_dir: Path) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
-    from qerl_exp.train import run
+    from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
@@ -55,17 +63,22 @@ def main(cfg: DictConfig) -> float:
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
+        # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
+        run_dir = distributed.broadcast(run_dir)
         conf = to_config(cfg)
         if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.read_config(run_dir)
             keys = set_keys(list(hc.overrides.task), rundir.flatten(as_dict(conf)))
             conf, choices = from_dict(rundir.resumed(run_dir, saved, as_dict(conf), keys)), saved.get("choices", {})
-        with rundir.claim(run_dir, {**as_dict(conf), "choices": choices}):
-            _write_hydra_files(run_dir, cfg)
+        with distributed.claim(run_dir, run_config(conf, choices)):
+            if distributed.is_main():
+                _write_hydra_files(run_dir, cfg)
             summary = run(conf, run_dir, choices=choices, group=group)
     except KeyboardInterrupt as e:  # SIGINT/SIGTERM (`rundir.Interrupted`), or SIGINT before the first step
         signum, step = getattr(e, "signum", signal.SIGINT), getattr(e, "step", None)
-        if not (run_dir / "config.json").exists():
+        if not distributed.is_main():
+            pass
+        elif not (run_dir / "config.json").exists():
             print(f"interrupted by {signal.Signals(signum).name} before the run started; nothing was written", file=sys.stderr)
         else:
             kept = f"step {step} checkpointed" if step is not None else "it continues from its last checkpoint"
@@ -76,14 +89,22 @@ def main(cfg: DictConfig) -> float:
         if multirun:
             print(f"error: job {hc.job.num} refused: {e}", file=sys.stderr)
             raise
-        fail(str(e), code=1)
+        distributed.refuse(str(e), code=1)  # every rank stops; rank 0 says why
+    except distributed.CollectiveError as e:  # torchrun: another rank ended or hung
+        if e.line():
+            print(f"error: {e.line()}", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
         message = _error_line(e, run_dir)
         if multirun:  # let Hydra record the failure and go on with the sibling jobs
             print(f"error: job {hc.job.num} failed: {message}", file=sys.stderr)
             raise
+        if isinstance(e, NonFiniteError):  # every rank reaches it at the same step
+            distributed.refuse(message, code=1)
         fail(message, code=1)
-    print(f"run dir: {run_dir}  final reward: {summary['reward/final']:.3f} (mean of the last quarter of steps)")
+    if distributed.is_main():
+        print(f"run dir: {run_dir}  final reward: {summary['reward/final']:.3f} (mean of the last quarter of steps)")
+    distributed.done()
     return summary["reward/final"]
 
 
@@ -95,9 +116,11 @@ def cli() -> None:
     if not any(a in args for a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help")):
         try:
             configs = validate(overrides, multirun)
-        except UsageError as e:
-            fail(str(e))
-        sys.argv += hydra_overrides(configs[0], overrides, multirun)
+            distributed.check(configs[0], distributed.launched_world_size(), multirun)
+        except (UsageError, ConfigError) as e:
+            distributed.refuse(str(e))  # on every rank of a torchrun command, printed once
+        distributed.init(configs[0].train.dist_timeout_s, configs[0].train.device)
+        sys.argv += hydra_overrides(configs[0], overrides, multirun, main=distributed.is_main())
     main()
 
 

@@ -124,7 +124,7 @@ def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
     return {k for k in composed if composed[k] != base.get(k) or any(k == n or k.startswith(n + ".") for n in named)}
 
 
-def hydra_overrides(cfg: Config, overrides: list[str], multirun: bool) -> list[str]:
+def hydra_overrides(cfg: Config, overrides: list[str], multirun: bool, main: bool = True) -> list[str]:
     """What Hydra is told besides the user's overrides, so that it writes nowhere but the run dir.
 
     Hydra writes `.hydra/` and a log file into its output dir before the run starts; the run
@@ -136,10 +136,14 @@ def hydra_overrides(cfg: Config, overrides: list[str], multirun: bool) -> list[s
         cfg: the (first) job's validated config.
         overrides: the command line's overrides.
         multirun: a `-m` command (each job's dir is Hydra's sweep subdir).
+        main: False on the ranks of a torchrun command other than 0: their Hydra gets no output dir
+            and no log file (rank 0's Hydra and run write the run dir).
 
     Returns:
         Overrides to append to the command line.
     """
+    if not main:
+        return ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     extra = ["hydra.output_subdir=null"]
     if not any(o.startswith("hydra/job_logging") for o in overrides):
         extra.append("++hydra.job_logging.handlers.file.delay=true")

@@ -398,6 +398,10 @@ class TrainConfig:
             memory.
         gradient_checkpointing: recompute each decoder block's activations in backward instead of
             keeping them (the paper does at 14B and 32B): less memory, one more forward.
+        dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
+            metric gathering) for the others before the run ends with an error: longer than the
+            slowest step plus an evaluation and a checkpoint, short enough that a hung rank does
+            not hold the GPUs for long.
     """
 
     steps: int = 60
@@ -411,6 +415,7 @@ class TrainConfig:
     max_nonfinite: int = 3
     micro_batch_size: int = 0
     gradient_checkpointing: bool = False
+    dist_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0 (0: the whole batch), got {self.micro_batch_size}")
@@ -421,6 +426,7 @@ class TrainConfig:
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
         _check(self.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        _check(self.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
 
 
 @schema

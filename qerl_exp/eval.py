@@ -202,6 +202,7 @@ def run_config(run_dir: str | Path):
         raise FileNotFoundError(f"{path} does not exist: run_dir must be a run directory made by `python -m qerl_exp`")
     saved = json.loads(path.read_text())
     saved.pop("choices", None)
+    saved.pop("world_size", None)  # how many processes trained it (torchrun), not a config field
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
 
 

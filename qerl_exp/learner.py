@@ -13,7 +13,9 @@ The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler 
 
 Each update accumulates gradients over micro-batches of `train.micro_batch_size` completions;
 the loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals
-that of one pass over the mini-batch.
+that of one pass over the mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
+holds its share of every mini-batch: the normaliser counts all ranks' tokens, the gradients are
+summed over the ranks before clipping, and the loss and clip counters cover every rank's tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qerl_exp import distributed
 from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
 from qerl_exp.metrics import clip_metrics
@@ -44,7 +47,8 @@ class Update:
         clip: the clip counters over every token of every update (`metrics.clip_metrics`).
         ratio_dev: per optimizer step, the largest |ratio - 1| over its tokens.
         learner_s: seconds in forward and backward passes (old log-probs included).
-        optimizer_s: seconds in gradient clipping and optimizer steps.
+        optimizer_s: seconds in the gradients' all-reduce (data-parallel runs), gradient clipping and
+            optimizer steps.
     """
 
     loss: float
@@ -138,7 +142,7 @@ def update_policy(
     skipped = 0
     for _ in range(algo.num_iterations):
         for mini in torch.arange(b, device=device).chunk(algo.mini_batches):
-            normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg)
+            normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
             optimizer.zero_grad(set_to_none=True)
             loss, dev = 0.0, 0.0
             for idx in _micro_batches(mini, train.micro_batch_size):
@@ -160,7 +164,9 @@ def update_policy(
                 ratios.append(ratio[on])
                 ratio_adv.append(advantages[idx].unsqueeze(1).expand_as(ratio)[on])
                 dev = max(dev, float((ratio[on] - 1).abs().max()) if on.any() else 0.0)
+            loss, dev = distributed.total(loss), distributed.maximum({"dev": dev})["dev"]
             t_opt = clock(device)
+            distributed.all_reduce_grads(params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf")))
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 optimizer.step()
@@ -171,7 +177,7 @@ def update_policy(
             losses.append(loss)
             norms.append(grad_norm)
             ratio_dev.append(dev)
-    ratio_all, adv_all = torch.cat(ratios), torch.cat(ratio_adv)
+    ratio_all, adv_all = distributed.gather(torch.cat(ratios)), distributed.gather(torch.cat(ratio_adv))
     clip = clip_metrics(ratio_all, adv_all, torch.ones_like(ratio_all), algo.eps_low, algo.eps_high)
     return Update(
         loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped=skipped,

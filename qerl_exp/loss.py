@@ -12,6 +12,8 @@ time, each chunk checkpointed (its fp32 logits are recomputed in backward, not k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -110,12 +112,12 @@ def score_completions(
     return scatter(logp), scatter(entropy)
 
 
-def loss_normalizer(mask: torch.Tensor, how: str) -> float:
+def loss_normalizer(mask: torch.Tensor, how: str, total: Callable[[float], float] = float) -> float:
     """The denominator of `aggregate` over a whole (mini-)batch: its completion tokens (`token`) or
-    its non-empty completions (`sequence`), so that micro-batches summed give the batch's loss."""
-    if how == "token":
-        return max(1.0, float(mask.sum()))
-    return max(1.0, float((mask.sum(dim=1) > 0).sum()))
+    its non-empty completions (`sequence`), so that micro-batches summed give the batch's loss.
+    `total` sums the count over the ranks of a data-parallel run (`distributed.total`)."""
+    count = mask.sum() if how == "token" else (mask.sum(dim=1) > 0).sum()
+    return max(1.0, total(float(count)))
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, normalizer: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Names follow TRL's GRPO trainer where one exists (DESIGN.md section 3). The run loop only calls
 these functions; it never builds metric names itself. Token means are over completion tokens
-(`mask == 1`) of the whole batch.
+(`mask == 1`) of the whole batch (in a data-parallel run, every rank's rows: `qerl_exp.distributed`).
 
 | name | definition |
 | --- | --- |
@@ -22,9 +22,9 @@ these functions; it never builds metric names itself. Token means are over compl
 | quant/kl | token mean of KL(reference || sampler) over the vocabulary, on the same tokens |
 | sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens (learner before the update; 0 up to rounding when sampler and learner are one clean policy) |
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
-| perf/rollout_tok_s | completion tokens generated per second of rollout wall time |
+| perf/rollout_tok_s | completion tokens generated per second of rollout wall time (data-parallel: all ranks' tokens over the slowest rank's time) |
 | perf/step_s | wall time of the whole step |
-| timing_s/rollout, timing_s/reference, timing_s/learner, timing_s/optimizer | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the learner's forward and backward passes, in gradient clipping and optimizer steps |
+| timing_s/rollout, timing_s/reference, timing_s/learner, timing_s/optimizer | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run; each the slowest rank's) |
 | mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |

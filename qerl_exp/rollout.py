@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import FastEngine
@@ -45,6 +46,30 @@ class _FiniteLogits(LogitsProcessor):
         return scores
 
 
+class RowSampling(LogitsProcessor):
+    """Turn greedy decoding into sampling, each row from its own random stream.
+
+    Placed after the temperature and top-p warpers: argmax(scores + Gumbel noise) is an exact draw
+    from softmax(scores) (the Gumbel-max trick). Row i's noise comes from a generator seeded with
+    `seeds[i]`, so its tokens depend on its seed and its logits only, not on the other rows of the
+    batch: a prompt samples the same completions on whichever rank of a data-parallel run draws it.
+    """
+
+    def __init__(self, seeds: list[int], device: torch.device):
+        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        u = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device) for g in self.generators])
+        tiny = torch.finfo(u.dtype).tiny
+        return scores + -torch.log(-torch.log(u.clamp(tiny, 1 - 1e-7)))
+
+
+def row_seeds(seed: int, step: int, prompts: range, group_size: int) -> list[int]:
+    """One sampling seed per completion, from (run seed, step, global prompt index, row in the group)."""
+    return [int(np.random.SeedSequence([seed, step, p, j]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+            for p in prompts for j in range(group_size)]
+
+
 def encode_prompts(prompts: list[str], tokenizer, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded `[B, P]` ids and mask for prompt texts."""
     bos = getattr(tokenizer, "bos_id", None)
@@ -74,12 +99,16 @@ class HFSampler:
         self.model, self.tokenizer = model, tokenizer
 
     @torch.no_grad()
-    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int):
+    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
+        # greedy decoding over tempered, top-p filtered, Gumbel-perturbed scores: sampling, row by row
+        processors = [_FiniteLogits(), TemperatureLogitsWarper(algo.temperature)]
+        if algo.top_p < 1:
+            processors.append(TopPLogitsWarper(algo.top_p))
+        processors.append(RowSampling(seeds, ids.device))
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=algo.temperature,
-            top_p=algo.top_p, top_k=0, max_new_tokens=algo.max_new_tokens,
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=algo.max_new_tokens,
             eos_token_id=eos_id, pad_token_id=self.tokenizer.pad_id,
-            output_logits=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList([_FiniteLogits()]),
+            output_logits=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList(processors),
         )
         completion = out.sequences[:, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
@@ -95,13 +124,14 @@ class FastSampler:
         self.model, self.tokenizer = model, tokenizer
         self.engine: FastEngine | None = None
 
-    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int):
+    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
         if self.engine is None:  # room for prompts somewhat longer than the first batch's
             self.engine = FastEngine(self.model, max_batch_size=ids.shape[0],
                                      max_seq_len=ids.shape[1] + 64 + algo.max_new_tokens)
         out = self.engine.generate(
             ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
             eos_id=eos_id, pad_id=self.tokenizer.pad_id,
+            generator=torch.Generator().manual_seed(seeds[0]),  # one stream for the batch, from its first row's seed
         )
         return out.completion_ids, out.logprobs, out.entropy
 
@@ -128,7 +158,7 @@ def make_sampler(engine: str, model, tokenizer, device: torch.device):
 
 
 def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device,
-           ignore_eos: bool = False) -> Rollout:
+           ignore_eos: bool = False, seeds: list[int] | None = None) -> Rollout:
     """Draw `algo.group_size` completions for each prompt text.
 
     Args:
@@ -138,6 +168,9 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
         algo: sampling settings (group size, temperature, top-p, length cap).
         device: where the batch lives.
         ignore_eos: EOS does not end a completion: every one is `algo.max_new_tokens` long.
+        seeds: one per completion (`row_seeds`); the HF engine samples each row from its own
+            stream, the fast engine the whole batch from one stream seeded by `seeds[0]`. None:
+            drawn from torch's global generator.
 
     Returns:
         A `Rollout` with `len(prompts) * group_size` rows, each group's rows adjacent.
@@ -149,7 +182,9 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
     repeated = [p for p in prompts for _ in range(algo.group_size)]
     ids, mask = encode_prompts(repeated, tokenizer, device)
     eos_id = -1 if ignore_eos else tokenizer.eos_id  # -1: no token ends a completion
-    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id)
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (len(repeated),)).tolist()
+    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id, seeds)
     cmask, terminated = completion_mask(completion, eos_id)
     if not torch.isfinite(logp[cmask.bool()]).all():  # the fast engine samples on without complaint
         raise NonFiniteLogitsError("the sampler's log-probabilities are not finite")

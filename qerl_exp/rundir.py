@@ -31,7 +31,7 @@ os.umask(_UMASK)
 # Config keys a rerun or `resume=` may change: they extend the run or change where and how it is
 # logged, never what an already logged step computed.
 RESUMABLE_KEYS = ("train.steps", "tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
-                  "run_dir", "resume", "model.cache_dir", "choices")
+                  "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size")
 
 
 class RunDirError(RuntimeError):

@@ -139,3 +139,22 @@ class Tracker:
             self.jsonl.close()
         except OSError:  # the disk is full: the error being raised already says so
             pass
+
+
+class NoTracker:
+    """The tracker of a data-parallel run's other ranks: rank 0's `Tracker` logs for all of them,
+    and these ranks write no file."""
+
+    run_id = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_completions(self, step: int, rows: list[tuple[str, str, float]]) -> None:
+        pass
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

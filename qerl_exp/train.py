@@ -4,6 +4,9 @@ Per step, data flows one way:
   prompts -> rollout from the sampler (quantized base + LoRA, AQN on) -> rewards -> group
   advantages -> learner forward (AQN off) -> monitor (reference vs sampler) -> loss, backward,
   optimizer step -> metrics -> trackers.
+
+Under torchrun each rank runs this loop on its share of the step's prompts (`qerl_exp.distributed`
+says what is global); the `distributed` calls below are no-ops in a one-process run.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import checkpoint, logs, progress, rundir
+from qerl_exp import checkpoint, distributed, logs, progress, rundir
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, QuantConfig, as_dict
 from qerl_exp.eval import evaluate
@@ -30,9 +33,9 @@ from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.quant import memory_bytes
-from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, sample
+from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
 from qerl_exp.tasks import build_task
-from qerl_exp.tracking import Tracker, run_tags
+from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
 
@@ -94,6 +97,7 @@ def run(
     A `run_dir` that holds an unfinished run is resumed from its newest readable checkpoint:
     model, optimizer, schedules, every RNG and the W&B run continue, and `metrics.jsonl` is
     truncated to that step, so the result equals an uninterrupted run with the same seed.
+    Under torchrun every rank calls `run`; rank 0 alone writes `run_dir`.
 
     Args:
         cfg: the validated run config.
@@ -114,9 +118,14 @@ def run(
     """
     run_dir = Path(run_dir)
     choices = choices or {}
-    config = {**as_dict(cfg), "choices": choices}
-    with rundir.claim(run_dir, config):
+    config = run_config(cfg, choices)
+    with distributed.claim(run_dir, config):
         return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step)
+
+
+def run_config(cfg: Config, choices: dict[str, str]) -> dict:
+    """What `config.json` records: the config, the Hydra choices and the data-parallel world size."""
+    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size()}
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
@@ -132,7 +141,6 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     sampler_quant = QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets)
     dtype = resolve_dtype(cfg.model.dtype, device)
     algo, G = cfg.algo, cfg.algo.group_size
-    batch = cfg.train.prompts_per_step * G
     sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device)
     if cfg.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -168,18 +176,29 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         start, nonfinite, wandb_id = saved["step"], saved["nonfinite"], saved["wandb_id"]
         if separate_sampler:
             requantize_sampler(policy, models.sampler, sampler_quant, dtype)
-        print(f"resuming {run_dir} at step {start} from {path.name}", file=sys.stderr)
-    history = _truncate_metrics(run_dir, start)
+        if distributed.is_main():
+            print(f"resuming {run_dir} at step {start} from {path.name}", file=sys.stderr)
 
+    def save(path: Path, next_step: int, prune: bool = False) -> None:
+        """Rank 0 writes the checkpoint: every rank holds the same policy and optimizer state."""
+        if distributed.is_main():
+            checkpoint.save(path, policy, state(next_step))
+            if prune:
+                checkpoint.prune(run_dir, cfg.checkpoint.keep)
+
+    # Rank 0 logs and prints for every rank.
+    history = _truncate_metrics(run_dir, start) if distributed.is_main() else []
     tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
-                      run_id=wandb_id)
-    bar = progress.Progress(cfg.train.steps, "train", initial=start)
+                      run_id=wandb_id) if distributed.is_main() else NoTracker()
+    bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
     stop = rundir.StopSignals()
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
-            problems = task.sample(cfg.train.prompts_per_step, data_rng)
+            # Every rank draws the step's prompts from the same stream and keeps its share.
+            share = distributed.shard(cfg.train.prompts_per_step)
+            problems = task.sample(cfg.train.prompts_per_step, data_rng)[share.start:share.stop]
             prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
 
             # Rollout: the sampler with this step's noise draw in its norm scales.
@@ -189,8 +208,11 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             t_roll = time.perf_counter()
             try:
                 with _phase("rollout"), aqn.applied(models.sampler):
-                    rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos)
-            except NonFiniteLogitsError:  # blown-up weights or noise: the step is skipped, as for a NaN loss
+                    rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos,
+                                     seeds=row_seeds(cfg.seed, step, share, G))
+            except NonFiniteLogitsError:
+                rollout = None
+            if distributed.any_rank(rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
                 nonfinite += 1
                 lr_sched.step()
                 tracker.log(step, M.optim_metrics(math.nan, math.nan, lr_sched.get_last_lr()[0], skipped=True))
@@ -223,7 +245,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             step_metrics: dict[str, float] = {}
             if reference is not None and step % cfg.monitor.every == 0:
                 with _phase("monitor"):
-                    step_metrics.update(_monitor(policy, models.sampler, reference, aqn, rollout, algo.temperature))
+                    step_metrics.update(distributed.weighted_mean(
+                        _monitor(policy, models.sampler, reference, aqn, rollout, algo.temperature), float(mask.sum())))
 
             # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
             policy.train()
@@ -244,34 +267,39 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                     policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
                     batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
+            # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
+            phases = distributed.maximum({"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
+                                          "optimizer": update.optimizer_s, "step": time.perf_counter() - t_step})
+            gather = distributed.gather
             step_metrics.update(M.step_metrics(
-                rewards=rewards, group_size=G, mask=mask, terminated=rollout.terminated,
-                sampler_logp=rollout.sampler_logp, sampler_entropy=rollout.sampler_entropy,
-                learner_logp=update.logp, learner_entropy=update.entropy, ref_logp=ref_logp, clip=update.clip,
+                rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
+                terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
+                sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
+                learner_entropy=gather(update.entropy), ref_logp=gather(ref_logp), clip=update.clip,
                 loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
-                memory=M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks),
-                step_s=time.perf_counter() - t_step,
-                phases={"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
-                        "optimizer": update.optimizer_s},
+                memory=distributed.maximum(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks)),
+                step_s=phases.pop("step"), phases=phases,
             ))
             step_metrics.update(schedule.observe(step_metrics))
             tracker.log(step, step_metrics)
             bar.update(step + 1, step_metrics)
             history.append({"step": step, **step_metrics})
             if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
-                tracker.log_completions(step, [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, batch, G)])
+                tracker.log_completions(step, distributed.gather_objects(
+                    [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, len(rollout.texts), G)]))
             _check_nonfinite(nonfinite, cfg, step, run_dir)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
-                checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
-                checkpoint.prune(run_dir, cfg.checkpoint.keep)
+                save(checkpoint.step_dir(run_dir, step + 1), step + 1, prune=True)
             if on_step is not None:
                 on_step(step, step_metrics)
-            if stop.signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
-                checkpoint.save(checkpoint.step_dir(run_dir, step + 1), policy, state(step + 1))
-                raise rundir.Interrupted(stop.signum, step + 1)
+            signum = int(distributed.any_rank(stop.signum))  # every rank stops after the same step
+            if signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
+                save(checkpoint.step_dir(run_dir, step + 1), step + 1)
+                raise rundir.Interrupted(signum, step + 1)
 
-        checkpoint.save(run_dir / "final", policy, state(cfg.train.steps))
-        summary = M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan")))
+        save(run_dir / "final", cfg.train.steps)
+        summary = distributed.broadcast({**M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan"))),
+                                         "world_size": distributed.world_size()} if distributed.is_main() else None)
         tracker.finish(summary)
         return summary
     except BaseException:
