@@ -33,44 +33,29 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from qerl_exp import logs, progress
 from qerl_exp.checkpoint import load_adapter
 from qerl_exp import metrics as M
+from qerl_exp.cli import UsageError, fail
 from qerl_exp.config import Config, EvalConfig, as_dict, to_config
-from qerl_exp.rollout import encode_prompts
+from qerl_exp.model import build_models, resolve_device
+from qerl_exp.rollout import complete, encode_prompts
 from qerl_exp.rundir import write_atomic
-from qerl_exp.tasks import SYSTEM_PROMPT, Problem
+from qerl_exp.tasks import SYSTEM_PROMPT, Problem, build_task, reference_completion
+from qerl_exp.tracking import run_tags
 
 
 def _device(policy) -> torch.device:
     return next(policy.parameters()).device
-
-
-def complete(policy, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
-             max_new_tokens: int, batch_size: int, on_batch=None) -> tuple[list[str], list[bool]]:
-    """`samples` completions per prompt (greedy when temperature is 0), rows of a prompt adjacent;
-    `on_batch(rows)` is called after each generated batch."""
-    rows = [p for p in prompts for _ in range(samples)]
-    how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-    texts, terminated = [], []
-    for start in range(0, len(rows), batch_size):
-        ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, _device(policy))
-        out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, **how)
-        for row in out[:, ids.shape[1]:].tolist():
-            done = tokenizer.eos_id in row
-            texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
-            terminated.append(done)
-        if on_batch is not None:
-            on_batch(len(out))
-    return texts, terminated
 
 
 @torch.no_grad()
@@ -92,8 +77,6 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     Returns:
         A float32 CPU tensor, one value per problem.
     """
-    from qerl_exp.warmup import reference_completion
-
     out = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
@@ -195,8 +178,6 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
 
 def run_config(run_dir: str | Path):
     """The validated `Config` a run was started with, read from `run_dir/config.json`."""
-    from omegaconf import OmegaConf
-
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run_dir must be a run directory made by `python -m qerl_exp`")
@@ -217,9 +198,6 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True)
     Returns:
         `(cfg, task, models)`; `models.policy` is in eval mode.
     """
-    from qerl_exp.model import build_models, resolve_device
-    from qerl_exp.tasks import build_task
-
     cfg = run_config(run_dir)
     # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.
     cfg = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
@@ -273,8 +251,6 @@ class EvalArgs:
     verbose: bool = False
 
     def __post_init__(self) -> None:
-        from qerl_exp.cli import UsageError
-
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise UsageError(message)
@@ -293,8 +269,6 @@ class EvalArgs:
 
 def parse_args(argv: list[str]) -> EvalArgs:
     """`key=value` arguments into `EvalArgs`; raises `UsageError` naming the bad argument."""
-    from qerl_exp.cli import UsageError
-
     types = {f.name: f.type for f in fields(EvalArgs)}
     values = {}
     for arg in argv:
@@ -370,11 +344,7 @@ def evaluate_run(args: EvalArgs) -> dict[str, float]:
 
 def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter: str | None) -> None:
     """A W&B run of job type `eval` beside the training run (same project and task group)."""
-    import os
-
-    import wandb
-
-    from qerl_exp.tracking import run_tags
+    import wandb  # only when the results go to W&B: importing it takes seconds
 
     os.environ.setdefault("WANDB_SILENT", "true")
     saved = json.loads((run_dir / "config.json").read_text())
@@ -392,8 +362,6 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `python -m qerl_exp.eval`."""
-    from qerl_exp.cli import UsageError, fail
-
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: python -m qerl_exp.eval run_dir=RUN [key=value ...]\n\n{EvalArgs.__doc__}")

@@ -8,21 +8,19 @@ full-precision reference (the unquantized base + a LoRA kept equal to the policy
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from qerl_exp.config import Config, LoraConfig, ModelConfig, QuantConfig
+from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.pretrained import load_pretrained
-from qerl_exp.quant import quantize_model
+from qerl_exp.quant import decoder_linears, dense_weight, quantize_linear, quantize_model
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
-
-# Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
-# cached warm-ups made by older code are not reused.
-TINY_RECIPE_VERSION = 1
+from qerl_exp.warmup import build, load_or_warm_up
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,35 +37,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def tiny_config(cfg: ModelConfig, vocab_size: int):
-    """The HF config of the embedded model (Qwen2 or Llama shaped)."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
-    return cls(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=cfg.tie_embeddings,
-        pad_token_id=0,
-    )
-
-
-def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
-    """Hash of everything that determines the warmed-up embedded model."""
-    spec = {
-        "version": TINY_RECIPE_VERSION,
-        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir", "gguf_file", "package")},
-        "task": task_fields,
-        "vocab": vocab,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
 @dataclass
 class Models:
     """The models of a run. `sampler` is `policy` itself unless `rollout.quant` asks for a
@@ -82,8 +51,6 @@ class Models:
 
 def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_block=None):
     if cfg.model.name == "tiny":
-        from qerl_exp.warmup import build, load_or_warm_up
-
         tokenizer = CharTokenizer()
         if cfg.model.warmup.max_steps == 0:  # random weights, made where they run (7B: 28 GB in fp32 on CPU)
             model = build(cfg.model, len(tokenizer), device, dtype, on_block=on_block)
@@ -95,9 +62,6 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap `model` with trainable LoRA adapters; everything else is frozen."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
     return get_peft_model(model, peft_cfg)
 
@@ -151,10 +115,6 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         quant: the sampler's format and targets.
         dtype: the compute dtype.
     """
-    from peft.tuners.lora import LoraLayer
-
-    from qerl_exp.quant import decoder_linears, dense_weight, quantize_linear
-
     learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
     for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
         src = learner[path]

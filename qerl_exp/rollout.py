@@ -1,4 +1,5 @@
-"""Rollouts: sample G completions per prompt from the sampling policy.
+"""Rollouts: sample G completions per prompt from the sampling policy; and the one HF generation
+path (`hf_generate`, `complete`) that evaluation and the embedded model's warm-up use too.
 
 The sampler is the policy as it stands (quantized base + LoRA), with AQN applied by the caller
 around `sample`. Two engines share one contract (`Rollout`): HF `generate` (any device) and our
@@ -9,6 +10,7 @@ fast one on CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -67,6 +69,71 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Te
     return (~after).long(), terminated
 
 
+def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                temperature: float, top_p: float, processors: list[LogitsProcessor] | None = None,
+                output_logits: bool = False):
+    """The project's one call of `transformers` `generate`: the sampler's, evaluation's and the
+    warm-up's completions all come from here.
+
+    Args:
+        model: an HF causal LM (peft-wrapped or not).
+        ids: `[B, P]` left-padded prompt ids.
+        mask: `[B, P]` their attention mask.
+        max_new_tokens: completion length cap.
+        eos_id: the token that ends a completion (-1: none does).
+        pad_id: the padding token.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p: nucleus threshold of sampling (no top-k cut).
+        processors: logits processors run before sampling.
+        output_logits: also return the raw logits of every generated position.
+
+    Returns:
+        `generate`'s output dict: `sequences` `[B, P + T]` and, when asked, `logits` (T of `[B, V]`).
+    """
+    how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+        logits_processor=LogitsProcessorList(processors or []), output_logits=output_logits,
+        return_dict_in_generate=True, **how,
+    )
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
+             max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None
+             ) -> tuple[list[str], list[bool]]:
+    """Completion texts of prompt texts, through `hf_generate` in batches.
+
+    Args:
+        model: an HF causal LM (its train/eval mode is the caller's business).
+        tokenizer: the model's tokenizer.
+        prompts: rendered prompt texts.
+        samples: completions per prompt; the rows of a prompt are adjacent.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p: nucleus threshold of sampling.
+        max_new_tokens: completion length cap.
+        batch_size: sequences per `generate` call.
+        on_batch: called with the number of rows after each generated batch.
+
+    Returns:
+        `(texts, terminated)`: each completion up to (without) its EOS, and whether EOS came.
+    """
+    rows = [p for p in prompts for _ in range(samples)]
+    device = next(model.parameters()).device
+    texts, terminated = [], []
+    for start in range(0, len(rows), batch_size):
+        ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
+        out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                          pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p).sequences
+        for row in out[:, ids.shape[1]:].tolist():
+            done = tokenizer.eos_id in row
+            texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
+            terminated.append(done)
+        if on_batch is not None:
+            on_batch(len(out))
+    return texts, terminated
+
+
 class HFSampler:
     """Sampling through `transformers` `generate` (the reference engine; works on CPU)."""
 
@@ -75,12 +142,10 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, ids, mask, algo: AlgoConfig, eos_id: int):
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=algo.temperature,
-            top_p=algo.top_p, top_k=0, max_new_tokens=algo.max_new_tokens,
-            eos_token_id=eos_id, pad_token_id=self.tokenizer.pad_id,
-            output_logits=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList([_FiniteLogits()]),
-        )
+        processors = [_FiniteLogits()]
+        out = hf_generate(self.model, ids, mask, max_new_tokens=algo.max_new_tokens, eos_id=eos_id,
+                          pad_id=self.tokenizer.pad_id, temperature=algo.temperature, top_p=algo.top_p,
+                          processors=processors, output_logits=True)
         completion = out.sequences[:, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
         logp = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)

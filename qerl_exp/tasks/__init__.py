@@ -14,7 +14,7 @@ import numpy as np
 
 from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
 
-__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task"]
+__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "reference_completion"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,12 @@ class Problem:
 
 
 RewardFn = Callable[[str, Problem], float]
+
+
+def reference_completion(problem: Problem) -> str:
+    """The problem's worked solution and answer in the paper's format: what the embedded model's
+    warm-up imitates and what evaluation's `eval/solution_logp` scores."""
+    return f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
 
 
 class Task(Protocol):
