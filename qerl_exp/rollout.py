@@ -21,13 +21,20 @@ from qerl_exp.metrics import entropy_from_logits
 
 
 @dataclass
-class Rollout:
-    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent."""
+class Sequences:
+    """Prompts with completions: what the teacher-forced scorer (`loss.score_completions`) reads."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    completion_ids: torch.Tensor  # [B, T] right-padded after EOS
-    completion_mask: torch.Tensor  # [B, T] 1 up to and including EOS
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    completion_mask: torch.Tensor  # [B, T] 1 on the completion's tokens
+
+
+@dataclass
+class Rollout(Sequences):
+    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent; the
+    completion mask is 1 up to and including EOS."""
+
     sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
     sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
     terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from qerl_exp.config import ModelConfig, TaskConfig
-from qerl_exp.rollout import complete
+from qerl_exp.eval import greedy_pass_at_1
 from qerl_exp.tasks import Problem, reference_completion
 from qerl_exp.tokenizer import CharTokenizer
 
@@ -188,18 +188,6 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
     return ids, lab
 
 
-@torch.no_grad()
-def greedy_accuracy(model, task, tokenizer: CharTokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
-    """Fraction of `problems` whose greedy completion earns the correctness reward."""
-    prompts = [tokenizer.render_prompt(p.question, "") for p in problems]
-    # One batch of all problems, as always: other batches pad differently, which could move the
-    # greedy tokens and so the warm-up's stopping step (its model is cached by config hash alone).
-    texts, _ = complete(model, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                        max_new_tokens=max_new_tokens, batch_size=len(prompts))
-    correct = task.rewards["correct"]
-    return float(np.mean([correct(t, p) > 0 for t, p in zip(texts, problems)]))
-
-
 def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
     w = cfg.warmup
     rng = np.random.default_rng(WARMUP_SEED)
@@ -218,7 +206,11 @@ def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
         opt.step()
         if step % w.eval_every == 0:
             model.eval()
-            accuracy = greedy_accuracy(model, task, tokenizer, probe)
+            # One batch of all problems, as always: other batches pad differently, which could move
+            # the greedy tokens and so the stopping step (the model is cached by config hash alone).
+            correct = greedy_pass_at_1(model, tokenizer, task, probe, system_prompt="", max_new_tokens=32,
+                                       batch_size=len(probe))[2]
+            accuracy = float(np.mean(correct))
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
             if accuracy >= w.target_accuracy:
                 break
