@@ -18,7 +18,7 @@ from torch import nn
 
 from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.pretrained import load_pretrained
-from qerl_exp.quant import decoder_linears, dense_weight, quantize_linear, quantize_model
+from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
 from qerl_exp.warmup import build, load_or_warm_up
 
@@ -37,15 +37,47 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+class RolloutModel:
+    """The model rollouts come from: the policy itself (QeRL), or, when `rollout.quant` names a
+    format, a separate copy of the base whose targeted linears hold the policy's base + LoRA merged
+    and quantized to it. `sync()` after each update keeps either one equal to the policy.
+
+    Args:
+        policy: the peft-wrapped learner.
+        separate: a copy of the base to quantize (`None`: the policy samples); synced at once.
+        quant: the separate copy's format and targets.
+        dtype: the compute dtype.
+    """
+
+    def __init__(self, policy: nn.Module, separate: nn.Module | None = None, quant: QuantConfig | None = None,
+                 dtype: torch.dtype | None = None):
+        self.policy, self.quant, self.dtype = policy, quant, dtype
+        self.module = policy if separate is None else separate
+        self.sync()
+
+    def sync(self) -> None:
+        """Bring the separate copy up to the policy's weights (nothing to do when it is the policy)."""
+        if self.module is not self.policy:
+            requantize_sampler(self.policy, self.module, self.quant, self.dtype)
+
+    def weights_bytes(self) -> dict[str, int]:
+        """`quant.memory_bytes` of the policy plus the separate copy's: the weights the strategy pays for."""
+        weights = memory_bytes(self.policy)
+        if self.module is not self.policy:
+            separate = memory_bytes(self.module)
+            weights = {k: v + separate[k] for k, v in weights.items()}
+        return weights
+
+
 @dataclass
 class Models:
-    """The models of a run. `sampler` is `policy` itself unless `rollout.quant` asks for a
-    separately quantized copy (then refresh it with `requantize_sampler` after each update)."""
+    """The models of a run; `sampler.module` samples (the policy itself unless `rollout.quant`
+    asks for a separately quantized copy)."""
 
     policy: nn.Module
     tokenizer: CharTokenizer | HFTokenizer
     reference: nn.Module | None
-    sampler: nn.Module
+    sampler: RolloutModel
     base_info: dict
 
 
@@ -94,15 +126,14 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
-    sampler = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
+    sampler_copy = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
     policy = add_lora(quantize_model(base, cfg.quant, dtype), cfg.lora)
     if reference is not None:
         reference = add_lora(reference, cfg.lora)
         reference.requires_grad_(False)
         sync_lora(policy, reference)
-    if sampler is not None:
-        requantize_sampler(policy, sampler, QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets), dtype)
-    return Models(policy=policy, tokenizer=tokenizer, reference=reference, sampler=sampler or policy, base_info=info)
+    sampler = RolloutModel(policy, sampler_copy, QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets), dtype)
+    return Models(policy=policy, tokenizer=tokenizer, reference=reference, sampler=sampler, base_info=info)
 
 
 @torch.no_grad()

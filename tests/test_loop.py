@@ -20,10 +20,10 @@ import torch
 from conftest import TINY_RUN, kill_after, metrics_rows, qerl, stable
 from qerl_exp import train
 from qerl_exp.cli import compose_config
-from qerl_exp.config import AlgoConfig, QuantConfig, to_config
+from qerl_exp.config import AlgoConfig, to_config
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp
-from qerl_exp.model import build_models, requantize_sampler
+from qerl_exp.model import build_models
 from qerl_exp.quant import decoder_linears, dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
 from qerl_exp.rollout import HFSampler, sample
@@ -159,7 +159,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
 
     def check(step, metrics):
         # the sampler holds quantize(base + B A * alpha / r) of the policy as it stands after the update
-        policy, sampler = keep["models"].policy, keep["models"].sampler
+        policy, sampler = keep["models"].policy, keep["models"].sampler.module
         learner = dict(policy.named_modules())
         changed = 0
         for path, _, _, module in decoder_linears(sampler, cfg.quant.targets):
@@ -185,7 +185,7 @@ def test_requantizing_the_sampler_draws_no_random_numbers(fmt):
     cfg = to_config(compose_config([*LOOP, f"rollout.quant={fmt}"]))
     models = build_models(cfg, build_task(cfg.task), torch.device("cpu"))
     before = torch.get_rng_state()
-    requantize_sampler(models.policy, models.sampler, QuantConfig(format=fmt), torch.float32)
+    models.sampler.sync()
     assert torch.equal(torch.get_rng_state(), before)
 
 
