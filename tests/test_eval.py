@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT
+from conftest import ROOT, run_in_process
 from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
 from qerl_exp.config import EvalConfig
 from qerl_exp.eval import evaluate, solution_logprobs
@@ -30,12 +30,8 @@ FAST = dict(eval=EvalConfig(k=2, max_new_tokens=12, batch_size=16), limit=6, tra
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A finished run directory whose adapter was changed by training."""
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
-    from qerl_exp.train import run
-
     run_dir = tmp_path_factory.mktemp("eval") / "run"
-    run(to_config(compose_config(RUN)), run_dir)
+    run_in_process(run_dir, *RUN)
     return run_dir
 
 
