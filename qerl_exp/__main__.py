@@ -47,7 +47,7 @@ def _error_line(e: Exception, run_dir: Path) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
-    from qerl_exp.train import run
+    from qerl_exp.train import run  # torch and the models: a refused config or --help answers without them
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)

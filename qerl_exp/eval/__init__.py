@@ -4,10 +4,10 @@ Two ways in:
 - `evaluate(policy, tokenizer, task, k=...)` scores a live policy on the task's held-out problems
   and returns `eval/...` metrics; the run loop calls it every `eval.every` steps, and the embedded
   model's warm-up measures its progress with `greedy_pass_at_1`.
-- `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...` (`qerl_exp/eval/__main__.py`) rebuilds a finished run's
-  policy from `RUN/config.json` (the same base, for the embedded model its cached warm-up, and the
-  same quantization), loads the trained adapter from `RUN/final/adapter`, scores the run's
-  held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`); a later
+- `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...` (`__main__.py` here) rebuilds a
+  finished run's policy from `RUN/config.json` (the same base, for the embedded model its cached
+  warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
+  the run's held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`); a later
   evaluation of the same run writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
