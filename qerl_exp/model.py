@@ -11,9 +11,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
-from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from qerl_exp.config import Config, LoraConfig, QuantConfig
@@ -94,6 +91,11 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap `model` with trainable LoRA adapters; everything else is frozen."""
+    # peft is imported where it is used, inside the run's logs.quiet block: its import loads torchao
+    # and bitsandbytes, which print notices at import time.
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
     return get_peft_model(model, peft_cfg)
 
@@ -146,6 +148,8 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         quant: the sampler's format and targets.
         dtype: the compute dtype.
     """
+    from peft.tuners.lora import LoraLayer  # imported on use, as in add_lora
+
     learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
     for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
         src = learner[path]
