@@ -1,7 +1,8 @@
 """Weight-only 4-bit GEMM kernels against bf16 cuBLAS at decode shapes (one process, one GPU).
 
     python bench/kernels.py                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
-    python bench/kernels.py --sweep         # also try tile configs (NVFP4 and dense) and print the best
+    python bench/kernels.py --sweep         # NVFP4 dispatch: every candidate at M 1-256, writes dispatch.json
+    python bench/kernels.py --tiles         # also try `_splitk_kernel` tile configs (NVFP4 and dense)
 
 Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
 to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
@@ -11,6 +12,7 @@ excluded. Errors are ||out - ref|| / ||ref|| against dequantize + matmul in fp32
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import launch, layout  # noqa: E402
+from qerl_exp.engine import dispatch, launch, layout  # noqa: E402
 from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
@@ -26,6 +28,13 @@ SHAPES_7B = [("qkv 3584x4608", 3584, 4608), ("o 3584x3584", 3584, 3584),
              ("up/gate 3584x18944", 3584, 18944), ("down 18944x3584", 18944, 3584)]
 SHAPES_05B = [("qkv 896x1152", 896, 1152), ("o 896x896", 896, 896),
               ("up/gate 896x4864", 896, 4864), ("down 4864x896", 4864, 896)]
+# the engine's NVFP4 launches (gate and up side by side: N = 2 x 18944), as `dispatch.json` keys them
+LAUNCHES_7B = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate|up", 3584, 37888), ("down", 18944, 3584)]
+SWEEP_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# `_nvfp4_mma_kernel` tiles tried beside `mma_kernels.TILES`' row (BLOCK_M from that row)
+MMA_TILES = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+             dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+             dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
 L2_BYTES = 60 * 2**20
 
 
@@ -169,6 +178,46 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool
     return results[0][1] if results else None
 
 
+def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) -> dict:
+    """Time cuBLAS bf16, dequantize + cuBLAS, the decode kernels and `_nvfp4_mma_kernel` (its tile
+    table and `MMA_TILES`) for every launch shape and M; print them side by side and write the
+    fastest per (shape, M) as the dispatch table."""
+    dev = torch.device("cuda")
+    rows = []
+    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'dequant':>8} {'mma':>7}  best "
+          "(x cuBLAS bf16: higher is faster)")
+    for name, k, n in launches:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        dense = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
+        plans, _ = _plans("nvfp4", w, {"nvfp4": _packed("nvfp4", w)}, dense)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            t_ref = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense])
+            cands = {"small": dict(kernel="small"), "dequant": dict(kernel="dequant")}
+            if m >= 16:
+                cands["mma"] = dict(kernel="mma")
+                for tiles in MMA_TILES:
+                    cands["mma " + json.dumps(tiles)] = dict(kernel="mma", config=tiles)
+            us = {}
+            for cand, kw in cands.items():
+                try:
+                    us[cand] = time_graph([lambda p=p: launch.fused_linear(p, x, out, **kw) for p in plans]) * 1e6
+                except Exception as e:  # keep the sweep going; the failure is printed and never chosen
+                    print(f"  {name} M={m} {cand} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    us[cand] = float("nan")
+            rows.append(dict(shape=f"{n}x{k}", m=m, us=us, cublas_us=t_ref * 1e6))
+            best = min((c for c in us if us[c] == us[c]), key=us.get)
+            mma_best = min([us[c] for c in us if c.startswith("mma") and us[c] == us[c]], default=float("nan"))
+            ref = t_ref * 1e6
+            print(f"{name + f' {n}x{k}':22} {m:>4} {ref:>10.1f} {ref / us['small']:>6.2f}x {ref / us['dequant']:>7.2f}x "
+                  f"{ref / mma_best:>6.2f}x  {best} ({ref / us[best]:.2f}x)", flush=True)
+        del plans, dense, w
+        torch.cuda.empty_cache()
+    header = dict(device=torch.cuda.get_device_name(), command=command)
+    return dispatch.write_table(out_path, rows, header)
+
+
 def sweep_configs() -> list[dict]:
     """`_splitk_kernel` configs (dense and NVFP4)."""
     return [dict(BLOCK_N=bn, num_stages=st, SPLIT=sp, num_warps=nw)
@@ -181,16 +230,28 @@ def main(argv: list[str] | None = None) -> list:
     ap.add_argument("--m", default="1,8,64,256", help="rows (batch) to time")
     ap.add_argument("--variants", default="dense,nvfp4,nf4_f16,bnb_nf4",
                     help="dense = the Triton bf16 kernel; nvfp4; nf4_f16 / nf4_bf16; bnb_nf4 = bitsandbytes")
-    ap.add_argument("--sweep", action="store_true", help="search NVFP4 and dense tile configs (M=8 and 64)")
+    ap.add_argument("--tiles", action="store_true", help="search NVFP4 and dense tile configs (M=8 and 64)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every NVFP4 path for the 7B launches at M 1-256 and write the dispatch table")
+    ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_M)), help="rows for --sweep")
+    ap.add_argument("--dispatch-out", default=str(dispatch.TABLE_PATH), help="where --sweep writes the table")
+    ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the kernel table after it")
     a = ap.parse_args(argv)
     shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_05B
     ms = [int(v) for v in a.m.split(",")]
     variants = a.variants.split(",")
+    if a.sweep:
+        print(f"# dispatch sweep: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
+        dispatch_sweep(LAUNCHES_7B, [int(v) for v in a.sweep_m.split(",")], Path(a.dispatch_out),
+                       "python bench/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"# wrote {a.dispatch_out}")
+        if a.no_table:
+            return []
     print(f"# kernel table: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
     print(f"{'shape (in x out)':22} {'kernel':12} {'M':>4} {'time us':>9} {'weight GB/s':>12} {'x cuBLAS':>9} {'rel err':>9}")
     all_rows = []
     for name, k, n in shapes:
-        if a.sweep:
+        if a.tiles:
             for m in (8, 64):
                 for fmt in ("nvfp4", "dense"):
                     sweep_shape(name, k, n, m, fmt)

@@ -144,7 +144,7 @@ def update_policy(
             for idx in _micro_batches(mini, train.micro_batch_size):
                 sub = rows(rollout, idx)
                 w = sub.completion_ids.shape[1]
-                logp, entropy = score_completions(policy, sub, algo.temperature)
+                logp, entropy = score_completions(policy, sub, algo.temperature, entropy_grad=algo.entropy_coef != 0)
                 if not reuse:  # one update: the learner before it is the old policy
                     old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
                 per_token, ratio = policy_loss(

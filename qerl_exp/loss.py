@@ -60,14 +60,19 @@ def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float):
+def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float, entropy_grad: bool):
     logp_all = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
+    # An entropy with grad saves two [chunk, V] fp32 tensors per chunk that backward frees only
+    # if the loss uses the entropy; as a metric it would keep them all until backward ends.
+    p = logp_all if entropy_grad else logp_all.detach()
+    entropy = -(p.exp() * p).sum(dim=-1)
     return logp, entropy
 
 
-def score_completions(model, batch: Sequences, temperature: float, chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def score_completions(
+    model, batch: Sequences, temperature: float, entropy_grad: bool = False, chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probs and entropies of the completion tokens, in chunks of the vocabulary:
     the one scorer of the learner (`learner`) and of evaluation (`eval.solution_logprobs`).
 
@@ -79,11 +84,13 @@ def score_completions(model, batch: Sequences, temperature: float, chunk: int = 
         model: the policy (a peft model or a plain HF causal LM of the Llama/Qwen2 family).
         batch: a `Rollout` or other `Sequences`; only positions with `completion_mask == 1` are scored.
         temperature: logits are divided by it.
+        entropy_grad: whether the entropy is differentiable (an entropy bonus in the loss); else it
+            is a metric and keeps no activations for backward.
         chunk: most logits (tokens x vocabulary) per chunk.
 
     Returns:
-        `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; differentiable when
-        grad is enabled.
+        `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; `logp` is
+        differentiable when grad is enabled, `entropy` only with `entropy_grad`.
     """
     lm, hidden = _hidden_states(model, batch)
     prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
@@ -93,7 +100,7 @@ def score_completions(model, batch: Sequences, temperature: float, chunk: int = 
     step = max(1, chunk // lm.lm_head.out_features)
     logp, entropy = [], []
     for i in range(0, len(where), step):
-        args = (hidden[i : i + step], tokens[i : i + step], lm.lm_head, temperature)
+        args = (hidden[i : i + step], tokens[i : i + step], lm.lm_head, temperature, entropy_grad)
         lp, ent = checkpoint(_chunk_scores, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_scores(*args)
         logp.append(lp)
         entropy.append(ent)

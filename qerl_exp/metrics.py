@@ -44,7 +44,9 @@ steps, `FINAL_FRACTION`; the console line and the sweep's default objective use 
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
 import resource
 import sys
 
@@ -72,6 +74,33 @@ class Phase:
 # device peaks): two runs with the same seed agree on everything else.
 MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", f"mem/{Phase.ROLLOUT}_peak_bytes",
                    f"mem/{Phase.LEARNER}_peak_bytes", "mem/load_peak_bytes", "eval/seconds")
+
+
+def _logged_patterns() -> list[str]:
+    """The per-step names of this module's table (its first column), as regular expressions:
+    `<fn>` is any reward function's name, `@k` / `@n` any count."""
+    names = []
+    for line in __doc__.split("Summary keys")[0].splitlines():
+        cells = line.split("|")
+        if len(cells) > 2 and cells[1].strip() not in ("name", "---"):
+            names += [n.strip() for n in cells[1].split(",")]
+    return [re.escape(n).replace("<fn>", "[^/]+").replace("@k", r"@\d+").replace("@n", r"@\d+") for n in names]
+
+
+LOGGED = _logged_patterns()
+
+
+def check_logged(name: str) -> None:
+    """Raise `ValueError` with one line unless `name` is a per-step metric of the table above.
+
+    Args:
+        name: a metric name as a sweep objective or a figure would read it from `metrics.jsonl`.
+    """
+    if not any(re.fullmatch(p, name) for p in LOGGED):
+        plain = [p.replace("\\", "") for p in LOGGED if "[" not in p and "\\d" not in p]
+        close = difflib.get_close_matches(name, plain, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; the names are listed in qerl_exp/metrics.py"
+        raise ValueError(f"no run logs a metric named {name!r}{hint}")
 
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

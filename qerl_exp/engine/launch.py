@@ -2,7 +2,8 @@
 (`linear_config`, `norm_on_load`) and the launch wrappers the decode step calls (`fused_linear`,
 `norm_shrink`, `rope_cache`, `decode_attention`, `prefill_epilogue`).
 
-The kernels themselves are in `triton_kernels` (NVFP4 up to `nvfp4_mma.MAX_M` rows: `nvfp4_mma`),
+The kernels themselves are in `triton_kernels` (NVFP4 up to `nvfp4_mma.MAX_M` rows: `nvfp4_mma`;
+16-256 rows: `mma_kernels` or dequantize + cuBLAS, as `dispatch` picks),
 the weight layouts they read in `layout`, and their torch twins in `reference`.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qerl_exp.engine import dispatch, mma_kernels
 from qerl_exp.engine import triton_kernels as tk
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import FORMATS, dummy_tensor, norm_shrink_args, pow2, tl_dtype
@@ -109,12 +111,13 @@ class LinearPlan:
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
     workspace: Tensor | None = None  # dense / nvfp4 / nf4: fp32 [SPLIT_MAX, B_max, >= n], the K slices
     cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
+    packed: list | None = None  # nvfp4: the segments' PackedWeight (dequantize + cuBLAS fallback)
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
-    H200, 132 SMs, docs/engine.md; `bench/kernels.py --sweep` searches them again).
+    H200, 132 SMs, docs/engine.md; `bench/kernels.py --tiles` searches them again).
 
     dense / nvfp4 / nf4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM
     (NVFP4 up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by
@@ -158,12 +161,13 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  residual: Tensor | None = None, a_next: Tensor | None = None,
                  t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
                  ss_out: Tensor | None = None, norm: tuple | None = None, shrink: Tensor | None = None,
-                 config: dict | None = None) -> Tensor:
+                 config: dict | None = None, kernel: str | None = None) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
     Dense, NVFP4 and NF4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load`
     says so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the
-    rest. Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
+    rest. NVFP4 on CUDA: the base product as `dispatch.choose` says for the shape and M ("mma":
+    `mma_kernels`, "dequant": dequantize + cuBLAS, both after a `norm_shrink` launch). Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
     linear (MXFP4, cuBLAS: one `_linear_kernel` launch).
 
     Args:
@@ -182,17 +186,22 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         norm: (gamma [K], eps, ss fp32 [T, >= M] partial sums of squares of x's rows): x is a
             residual row and the linear reads RMSNorm(x) * gamma (HF's rounding) instead.
         shrink: int64 [nseg] addresses of the group's LoRA A matrices ([r, K] each): compute t.
-        config: tile sizes (`linear_config`'s keys) instead of the heuristic.
+        config: tile sizes (`linear_config`'s keys; "mma": `mma_kernels.mma_config`'s) instead of
+            the heuristic.
+        kernel: NVFP4: "small", "mma" or "dequant" instead of the dispatch table's choice (on CPU,
+            where there is no table to follow, "small" unless given).
     """
+    m = x.shape[0]
+    sms = _sm_count(x.device)
+    kind, cfg = _dispatch(plan, x, config, kernel, sms)
     if not x.is_cuda and not tk.interpreting():
         raise RuntimeError("Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is imported, or use FastEngine(backend='torch')")
-    m = x.shape[0]
-    sms = _sm_count(x.device)
-    mma = (plan.workspace is not None and config is None and x.is_cuda and nvfp4_mma is not None
+    mma = (kind == "small" and plan.workspace is not None and config is None and x.is_cuda and nvfp4_mma is not None
            and nvfp4_mma.usable(plan, m))
-    cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
-    on_load = nvfp4_mma.norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m)
+    if kind == "small":
+        cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
+    on_load = kind == "small" and (nvfp4_mma.norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m))
     if (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty_like(x) if norm is not None else None
@@ -201,7 +210,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         x = h if h is not None else x
         norm = shrink = None
     if plan.workspace is not None:
-        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg, mma, sms)
+        _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
+                       "nvfp4_mma" if mma else kind, sms)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -229,14 +239,36 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _dispatch(plan: LinearPlan, x: Tensor, config: dict | None, kernel: str | None, sms: int) -> tuple:
+    """(kind, config) of an NVFP4 launch's base product: `kernel`, else the dispatch table's choice on
+    CUDA, else "small"; "mma" with its tiles (`config` overrides the table's)."""
+    if kernel is not None and (kernel not in dispatch.KINDS or (kernel != "small" and plan.fmt != "nvfp4")):
+        raise ValueError(f"kernel={kernel!r} is not one of {dispatch.KINDS} for a {plan.fmt} linear "
+                         "(mma and dequant take NVFP4 only)")
+    if plan.fmt != "nvfp4" or plan.workspace is None:
+        return "small", config
+    total = plan.n * (2 if plan.glu else 1)
+    choice = dispatch.Choice(kernel or "small")
+    if kernel is None and x.is_cuda and config is None:
+        choice = dispatch.choose(total, plan.k, x.shape[0])
+    if choice.kind != "mma":
+        return choice.kind, config
+    tiles = config if config is not None else choice.tiles
+    return "mma", mma_kernels.mma_config(x.shape[0], total, plan.k, plan.seg_gcd, sms, SPLIT_MAX, tiles)
+
+
 def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                   mma: bool, sms: int) -> None:
+                   kind: str, sms: int) -> None:
     m = x.shape[0]
     ws = plan.workspace
     if m > ws.shape[1]:
         raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
-    if mma:  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
+    if kind == "nvfp4_mma":  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
         split, ws = nvfp4_mma.launch(plan, x, t, norm, shrink, sms)
+    elif kind == "mma":
+        split = mma_kernels.launch_mma(plan, x, cfg)
+    elif kind == "dequant":
+        split = mma_kernels.launch_dequant(plan, x)
     else:
         split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
@@ -417,6 +449,8 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     if splitk:
         plan.workspace = workspace
         plan.keep.append(workspace)
+    if fmt == "nvfp4" and raw is None:
+        plan.packed = list(weights)
     if raw is not None:
         plan.cublas = list(zip(weights, raw))
     return plan

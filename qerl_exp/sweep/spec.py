@@ -26,7 +26,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from qerl_exp.cli import CONF_DIR, UsageError, compose_config, expand_sweep, group_options, validate
-from qerl_exp.metrics import FINAL_FRACTION, final_window
+from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",
@@ -404,6 +404,10 @@ def _objectives(spec: dict, where: str) -> list[Objective]:
         last_steps = None if o.get("last_steps") is None else _int(o["last_steps"], f"{at}: last_steps", 1)
         obj = Objective(o["metric"], str(o.get("direction", "maximize")), str(o.get("reduce", "mean")),
                         _num(o.get("last", FINAL_FRACTION), at), last_steps)
+        try:  # a typo here would otherwise surface only after a whole trial
+            check_logged(obj.metric)
+        except ValueError as e:
+            raise UsageError(f"{at}: {e}") from None
         if obj.direction not in ("maximize", "minimize"):
             raise UsageError(f"{at}: direction={obj.direction!r}; choose maximize or minimize")
         if obj.reduce not in REDUCES:

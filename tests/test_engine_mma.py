@@ -1,0 +1,130 @@
+"""The NVFP4 paths for 16-256 rows (`engine.mma_kernels`: the tensor-core kernel and dequantize +
+cuBLAS) against dequantize + matmul in float64, with norm, LoRA shrink and expand, bias, GLU and
+residual fused as the engine launches them; and `engine.dispatch`'s table lookup."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from qerl_exp.engine import dispatch, launch, mma_kernels, reference
+from test_engine import _nvfp4_packed, _to, gpu, needs_cuda, patch_interpreter, run_interpreted
+
+SHAPES_CPU = [("qkv", [32, 16, 16], 256, False), ("gate/up", [32, 32], 256, True), ("down", [32], 512, False)]
+SHAPES_7B = [("qkv", [3584, 512, 512], 3584, False), ("o", [3584], 3584, False),
+             ("gate/up", [18944, 18944], 3584, True), ("down", [3584], 18944, False)]
+ROWS = (16, 17, 64, 100, 256)
+
+
+def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, cases: list, lora_dtype=None) -> None:
+    """Each shape (name, segments, k, glu) with its cases (rows, kernel, tiles) through `fused_linear`
+    against float64, on `device`."""
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    ldt = lora_dtype or dtype
+    for (name, segs, k, glu), tiles in zip(shapes, cases):
+        ws = [_to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev) for n in segs]
+        dense = [w.dequantize().to(dev, torch.float64) for w in ws]
+        bias = [None if glu else torch.randn(n).to(dev, dtype) for n in segs]
+        a = [(torch.randn(8, k) * 0.1).to(dev, ldt) for _ in segs]
+        b = [(torch.randn(n, 8) * 0.1).to(dev, ldt) for n in segs]
+        total = sum(segs)
+        wsp = torch.full((launch.SPLIT_MAX, max(ROWS), total), float("nan"), device=dev)  # slices overwritten
+        plan = launch.make_plan("nvfp4", ws, bias, b, [2.0] * len(segs), 8, glu, dev, workspace=wsp)
+        a_tab = torch.tensor([t.data_ptr() for t in a], dtype=torch.int64, device=dev)
+        gamma = (1 + 0.1 * torch.randn(k)).to(dev, dtype)
+        for m, kernel, cfg in tiles:
+            x = torch.randn(m, k).to(dev, dtype)
+            ss = x.float().pow(2).reshape(m, 4, -1).sum(-1).t().contiguous()  # 4 partial sums a row
+            res = torch.randn(m, segs[0] if glu else total).to(dev, dtype)
+            xd = reference.rms_norm_ref(x, gamma, 1e-6).double()
+            outs = []
+            for s, wd in enumerate(dense):
+                y = xd @ wd.T + (xd @ a[s].double().T) @ b[s].double().T * 2.0
+                outs.append(y if bias[s] is None else y + bias[s].double())
+            ref = torch.nn.functional.silu(outs[0]) * outs[1] if glu else torch.cat(outs, 1) + res.double()
+            out = torch.full(ref.shape, float("nan"), device=dev, dtype=dtype)
+            t = torch.zeros(m, 64, device=dev)
+            ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=dev)
+            launch.fused_linear(plan, x, out, t=t, residual=None if glu else res, norm=(gamma, 1e-6, ss),
+                                shrink=a_tab, ss_out=ss_out, kernel=kernel, config=cfg)
+            case = (name, m, kernel, cfg)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < tol, (*case, err)
+            torch.testing.assert_close(ss_out.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-4)
+
+
+def _interp_main() -> None:
+    patch_interpreter()
+    # every row count of the issue over the three shapes with the table's tiles (K split 2-4 ways:
+    # 132 "SMs"), plus explicit tiles: 64-input steps split 4 ways, 32-row tiles over 100 rows
+    cases = [[(16, "mma", None), (64, "mma", None),
+              (100, "mma", dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=128, SPLIT=1, num_warps=4, num_stages=4))],
+             [(256, "mma", None), (17, "dequant", None)],
+             [(17, "mma", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT=4, num_warps=4, num_stages=3)),
+              (100, "mma", None), (17, "dequant", None)]]
+    _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, cases)
+    print("MMA INTERPRETER CHECKS OK")
+
+
+def test_nvfp4_mma_kernel_and_dequant_fallback_in_the_interpreter():
+    run_interpreted(__file__, "MMA INTERPRETER CHECKS OK", 600)
+
+
+def test_mma_config_fills_the_gpu_and_fits_the_segments():
+    # 7B o at 16 rows: 28 tiles of 128 rows, K split until 2 programs an SM or until its 28 steps of
+    # 128 inputs no longer split evenly (4 slices of 7); at 64 rows (64-input steps) 8 slices
+    cfg = mma_kernels.mma_config(16, 3584, 3584, 3584, 132, launch.SPLIT_MAX)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT"]) == (16, 128, 128, 4)
+    assert mma_kernels.mma_config(64, 3584, 3584, 3584, 132, launch.SPLIT_MAX)["SPLIT"] == 8
+    # gate/up at 256 rows: 296 tiles x 2 m blocks already fill the GPU; k/v segments of 512 cap
+    # nothing, segments of 48 cut the tile to 16 rows; measured tiles override the table's
+    assert mma_kernels.mma_config(256, 37888, 3584, 18944, 132, 8)["SPLIT"] == 1
+    assert mma_kernels.mma_config(64, 144, 256, 48, 132, 8)["BLOCK_N"] == 16
+    got = mma_kernels.mma_config(64, 4608, 3584, 512, 132, 8, dict(BLOCK_N=256, BLOCK_K=128, SPLIT=2))
+    assert (got["BLOCK_M"], got["BLOCK_N"], got["BLOCK_K"], got["SPLIT"]) == (64, 256, 128, 2)
+    # a step that does not divide K falls back to one chunk a step
+    assert mma_kernels.mma_config(16, 4608, 3584 + 64, 512, 132, 8)["BLOCK_K"] == 64
+
+
+def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
+    rows = [dict(shape="4608x3584", m=m, us=us, cublas_us=20.0) for m, us in
+            [(8, {"small": 9.0, "dequant": 30.0, "mma": float("nan")}),
+             (64, {"small": 20.0, "dequant": 18.0, 'mma {"BLOCK_N": 256, "num_stages": 4}': 15.0}),
+             (256, {"small": 60.0, "dequant": 40.0, "mma": 41.0})]]
+    path = tmp_path / "dispatch.json"
+    written = dispatch.write_table(path, rows, {"device": "test"})
+    assert json.loads(path.read_text()) == json.loads(json.dumps(written))
+    table = dispatch.load_table(path)
+    assert dispatch.choose(4608, 3584, 1, table) == dispatch.Choice("small")
+    assert dispatch.choose(4608, 3584, 9, table) == dispatch.Choice("mma", {"BLOCK_N": 256, "num_stages": 4})
+    assert dispatch.choose(4608, 3584, 100, table) == dispatch.Choice("dequant")
+    assert dispatch.choose(4608, 3584, 4096, table) == dispatch.Choice("dequant")  # beyond the last entry
+    assert dispatch.choose(3584, 3584, 64, table).kind == "mma"  # nearest measured shape
+    assert {dispatch.choose(1, 1, m, {}).kind for m in (1, 16, 17, 128, 256)} == {"small"}  # unmeasured
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"shapes": {"1x1": [{"m": 4, "kernel": "cutlass"}]}}))
+    with pytest.raises(ValueError, match="regenerate it with"):
+        dispatch.load_table(bad)
+
+
+def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
+    plan = launch.make_plan("dense", [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device("cpu"),
+                            workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))
+    with pytest.raises(ValueError, match=r"^kernel='mma' is not one of .* \(mma and dequant take NVFP4 only\)$"):
+        launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64), kernel="mma")
+
+
+@gpu
+@needs_cuda
+def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
+    tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "dequant")]
+    tiles += [(m, None, None) for m in (1, 8, 16, 64, 256)]  # as the dispatch table picks
+    _check_paths("cuda", torch.bfloat16, 1.5e-2, SHAPES_7B, [tiles] * len(SHAPES_7B), torch.float32)
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    _interp_main()
