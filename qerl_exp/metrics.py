@@ -58,7 +58,6 @@ import torch
 FINAL_FRACTION = 0.25
 
 
-
 class Phase:
     """The phases of an RL step, by name: each is timed (`timing_s/NAME`), the rollout and learner
     get a memory peak (`mem/NAME_peak_bytes`), and an out-of-memory error names the phase it hit."""
