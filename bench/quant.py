@@ -51,7 +51,7 @@ MiB = 2**20
 def tiny_config():
     """The embedded model's shape (Qwen2, hidden 128, MLP 256, 2 layers) with its char vocab."""
     from qerl_exp.config import ModelConfig
-    from qerl_exp.model import tiny_config as build_config
+    from qerl_exp.warmup import tiny_config as build_config
     from qerl_exp.tokenizer import CharTokenizer
 
     return build_config(ModelConfig(), vocab_size=len(CharTokenizer()))

@@ -55,6 +55,7 @@ def _error_line(e: Exception, run_dir: Path) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
+    # torch and the models: a refused config or --help answers without them
     from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()

@@ -436,7 +436,7 @@ class EvalConfig:
     Args:
         every: RL steps between evaluations on the task's held-out problems (and after the last
             step); 0 disables evaluation during training.
-        k: the k of the sampled pass@k; 0 skips sampling (greedy pass@1 only).
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy pass@1 only).
         n: samples per problem for the pass@k estimate (>= k); 0 means k.
         max_new_tokens: completion cap of evaluation; 0 uses algo.max_new_tokens.
         batch_size: sequences per generate call.
@@ -450,7 +450,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
-        _check(self.k == 0 or self.k >= 2, f"eval.k must be 0 or >= 2, got {self.k}")
+        _check(self.k >= 0, f"eval.k must be >= 2 for sampled pass@k, or 0 or 1 for the greedy pass@1 alone, got {self.k}")
         _check(self.n == 0 or self.n >= self.k, f"eval.n must be 0 or >= eval.k, got {self.n}")
         _check(self.max_new_tokens >= 0, f"eval.max_new_tokens must be >= 0, got {self.max_new_tokens}")
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl_exp.config import AlgoConfig
 from qerl_exp.metrics import kl_k3
-from qerl_exp.rollout import Rollout
+from qerl_exp.rollout import Sequences
 
 LOGIT_CHUNK = 2**24  # fp32 logits per chunk (64 MB): 110 tokens at Qwen's 152,064-token vocabulary
 
@@ -33,30 +33,33 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tor
     return adv.reshape(-1)
 
 
-def _model_inputs(rollout: Rollout) -> dict[str, torch.Tensor]:
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+def _model_inputs(batch: Sequences) -> dict[str, torch.Tensor]:
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    # Prompts are left-padded: positions count real tokens only.
     position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
 
 
-def completion_logits(model, rollout: Rollout, temperature: float) -> torch.Tensor:
+def _hidden_states(model, batch: Sequences):
+    """The teacher-forced decoder pass every score starts from: `(lm, hidden [B, P + T, H])`, `lm`
+    the HF causal LM (`.model`, `.lm_head`) inside a peft wrapper or the model itself."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return lm, lm.model(**_model_inputs(batch)).last_hidden_state
+
+
+def completion_logits(model, batch: Sequences, temperature: float) -> torch.Tensor:
     """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced: the whole
-    vocabulary at every position, for the monitor's exact KL (small models; the learner uses
-    `score_completions`)."""
-    logits = model(**_model_inputs(rollout)).logits
-    prompt_len, new = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    return logits[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
+    vocabulary at every position, for the monitor's exact KL (small models; the learner and
+    evaluation use `score_completions`)."""
+    lm, hidden = _hidden_states(model, batch)
+    prompt_len, new = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    return lm.lm_head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
 
 
 def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Log-prob `[B, T]` of `tokens` under softmax(logits)."""
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _causal_lm(model):
-    """The HF causal LM inside a peft wrapper (or the model itself): `.model` and `.lm_head`."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float, entropy_grad: bool):
@@ -70,9 +73,10 @@ def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperatu
 
 
 def score_completions(
-    model, rollout: Rollout, temperature: float, entropy_grad: bool = False, chunk: int = LOGIT_CHUNK,
+    model, batch: Sequences, temperature: float, entropy_grad: bool = False, chunk: int = LOGIT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probs and entropies of the completion tokens, in chunks of the vocabulary.
+    """Teacher-forced log-probs and entropies of the completion tokens, in chunks of the vocabulary:
+    the one scorer of the learner (`learner`) and of evaluation (`eval.solution_logprobs`).
 
     Equal to `token_logp(completion_logits(...))` and `entropy_from_logits(completion_logits(...))`
     on the completion tokens, without ever holding more than `chunk` fp32 logits (times a few for
@@ -80,7 +84,7 @@ def score_completions(
 
     Args:
         model: the policy (a peft model or a plain HF causal LM of the Llama/Qwen2 family).
-        rollout: the batch; only positions with `completion_mask == 1` are scored.
+        batch: a `Rollout` or other `Sequences`; only positions with `completion_mask == 1` are scored.
         temperature: logits are divided by it.
         entropy_grad: whether the entropy is differentiable (an entropy bonus in the loss); else it
             is a metric and keeps no activations for backward.
@@ -90,12 +94,11 @@ def score_completions(
         `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; `logp` is
         differentiable when grad is enabled, `entropy` only with `entropy_grad`.
     """
-    lm = _causal_lm(model)
-    hidden = lm.model(**_model_inputs(rollout)).last_hidden_state
-    prompt_len, (b, t) = rollout.prompt_ids.shape[1], rollout.completion_ids.shape
+    lm, hidden = _hidden_states(model, batch)
+    prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
-    where = rollout.completion_mask.reshape(-1).nonzero().squeeze(1)
-    hidden, tokens = hidden[where], rollout.completion_ids.reshape(-1)[where]
+    where = batch.completion_mask.reshape(-1).nonzero().squeeze(1)
+    hidden, tokens = hidden[where], batch.completion_ids.reshape(-1)[where]
     step = max(1, chunk // lm.lm_head.out_features)
     logp, entropy = [], []
     for i in range(0, len(where), step):

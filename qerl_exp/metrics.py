@@ -57,10 +57,22 @@ import torch
 # (`reward/final`), on the console line, and as the sweep's default objective.
 FINAL_FRACTION = 0.25
 
+
+class Phase:
+    """The phases of an RL step, by name: each is timed (`timing_s/NAME`), the rollout and learner
+    get a memory peak (`mem/NAME_peak_bytes`), and an out-of-memory error names the phase it hit."""
+
+    ROLLOUT = "rollout"
+    REFERENCE = "reference"
+    MONITOR = "monitor"
+    LEARNER = "learner"
+    OPTIMIZER = "optimizer"
+
+
 # Prefixes of the metrics that measure the machine rather than the run (wall times, process and
 # device peaks): two runs with the same seed agree on everything else.
-MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", "mem/rollout_peak_bytes", "mem/learner_peak_bytes",
-                   "mem/load_peak_bytes")
+MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", f"mem/{Phase.ROLLOUT}_peak_bytes",
+                   f"mem/{Phase.LEARNER}_peak_bytes", "mem/load_peak_bytes", "eval/seconds")
 
 
 def _logged_patterns() -> list[str]:
@@ -183,7 +195,7 @@ def noise_metrics(sigma: float, stage: int) -> dict[str, float]:
 
 def perf_metrics(completion_tokens: int, step_s: float, phases: dict[str, float]) -> dict[str, float]:
     """Throughput and the step's wall time, whole and by phase (`phases` in seconds, by name)."""
-    out = {"perf/rollout_tok_s": completion_tokens / max(phases["rollout"], 1e-9), "perf/step_s": step_s}
+    out = {"perf/rollout_tok_s": completion_tokens / max(phases[Phase.ROLLOUT], 1e-9), "perf/step_s": step_s}
     out.update({f"timing_s/{name}": seconds for name, seconds in phases.items()})
     return out
 

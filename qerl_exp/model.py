@@ -8,21 +8,16 @@ full-precision reference (the unquantized base + a LoRA kept equal to the policy
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from qerl_exp.config import Config, LoraConfig, ModelConfig, QuantConfig
+from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.pretrained import load_pretrained
-from qerl_exp.quant import quantize_model
+from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
-
-# Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
-# cached warm-ups made by older code are not reused.
-TINY_RECIPE_VERSION = 1
+from qerl_exp.warmup import build, load_or_warm_up
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,51 +34,52 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def tiny_config(cfg: ModelConfig, vocab_size: int):
-    """The HF config of the embedded model (Qwen2 or Llama shaped)."""
-    from transformers import LlamaConfig, Qwen2Config
+class RolloutModel:
+    """The model rollouts come from: the policy itself (QeRL), or, when `rollout.quant` names a
+    format, a separate copy of the base whose targeted linears hold the policy's base + LoRA merged
+    and quantized to it. `sync()` after each update keeps either one equal to the policy.
 
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
-    return cls(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=cfg.tie_embeddings,
-        pad_token_id=0,
-    )
+    Args:
+        policy: the peft-wrapped learner.
+        separate: a copy of the base to quantize (`None`: the policy samples); synced at once.
+        quant: the separate copy's format and targets.
+        dtype: the compute dtype.
+    """
 
+    def __init__(self, policy: nn.Module, separate: nn.Module | None = None, quant: QuantConfig | None = None,
+                 dtype: torch.dtype | None = None):
+        self.policy, self.quant, self.dtype = policy, quant, dtype
+        self.module = policy if separate is None else separate
+        self.sync()
 
-def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
-    """Hash of everything that determines the warmed-up embedded model."""
-    spec = {
-        "version": TINY_RECIPE_VERSION,
-        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir", "gguf_file", "package")},
-        "task": task_fields,
-        "vocab": vocab,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    def sync(self) -> None:
+        """Bring the separate copy up to the policy's weights (nothing to do when it is the policy)."""
+        if self.module is not self.policy:
+            requantize_sampler(self.policy, self.module, self.quant, self.dtype)
+
+    def weights_bytes(self) -> dict[str, int]:
+        """`quant.memory_bytes` of the policy plus the separate copy's: the weights the strategy pays for."""
+        weights = memory_bytes(self.policy)
+        if self.module is not self.policy:
+            separate = memory_bytes(self.module)
+            weights = {k: v + separate[k] for k, v in weights.items()}
+        return weights
 
 
 @dataclass
 class Models:
-    """The models of a run. `sampler` is `policy` itself unless `rollout.quant` asks for a
-    separately quantized copy (then refresh it with `requantize_sampler` after each update)."""
+    """The models of a run; `sampler.module` samples (the policy itself unless `rollout.quant`
+    asks for a separately quantized copy)."""
 
     policy: nn.Module
     tokenizer: CharTokenizer | HFTokenizer
     reference: nn.Module | None
-    sampler: nn.Module
+    sampler: RolloutModel
     base_info: dict
 
 
 def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_block=None):
     if cfg.model.name == "tiny":
-        from qerl_exp.warmup import build, load_or_warm_up
-
         tokenizer = CharTokenizer()
         if cfg.model.warmup.max_steps == 0:  # random weights, made where they run (7B: 28 GB in fp32 on CPU)
             model = build(cfg.model, len(tokenizer), device, dtype, on_block=on_block)
@@ -95,6 +91,8 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     """Wrap `model` with trainable LoRA adapters; everything else is frozen."""
+    # peft is imported where it is used, inside the run's logs.quiet block: its import loads torchao
+    # and bitsandbytes, which print notices at import time.
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -130,15 +128,14 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
-    sampler = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
+    sampler_copy = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
     policy = add_lora(quantize_model(base, cfg.quant, dtype), cfg.lora)
     if reference is not None:
         reference = add_lora(reference, cfg.lora)
         reference.requires_grad_(False)
         sync_lora(policy, reference)
-    if sampler is not None:
-        requantize_sampler(policy, sampler, QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets), dtype)
-    return Models(policy=policy, tokenizer=tokenizer, reference=reference, sampler=sampler or policy, base_info=info)
+    sampler = RolloutModel(policy, sampler_copy, QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets), dtype)
+    return Models(policy=policy, tokenizer=tokenizer, reference=reference, sampler=sampler, base_info=info)
 
 
 @torch.no_grad()
@@ -151,9 +148,7 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         quant: the sampler's format and targets.
         dtype: the compute dtype.
     """
-    from peft.tuners.lora import LoraLayer
-
-    from qerl_exp.quant import decoder_linears, dense_weight, quantize_linear
+    from peft.tuners.lora import LoraLayer  # imported on use, as in add_lora
 
     learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
     for path, parent, attr, _ in decoder_linears(sampler, quant.targets):

@@ -1,4 +1,5 @@
-"""Rollouts: sample G completions per prompt from the sampling policy.
+"""Rollouts: sample G completions per prompt from the sampling policy; and the one HF generation
+path (`hf_generate`, `complete`) that evaluation and the embedded model's warm-up use too.
 
 The sampler is the policy as it stands (quantized base + LoRA), with AQN applied by the caller
 around `sample`. Two engines share one contract (`Rollout`): HF `generate` (any device) and our
@@ -9,6 +10,7 @@ fast one on CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,13 +22,20 @@ from qerl_exp.metrics import entropy_from_logits
 
 
 @dataclass
-class Rollout:
-    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent."""
+class Sequences:
+    """Prompts with completions: what the teacher-forced scorer (`loss.score_completions`) reads."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    completion_ids: torch.Tensor  # [B, T] right-padded after EOS
-    completion_mask: torch.Tensor  # [B, T] 1 up to and including EOS
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    completion_mask: torch.Tensor  # [B, T] 1 on the completion's tokens
+
+
+@dataclass
+class Rollout(Sequences):
+    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent; the
+    completion mask is 1 up to and including EOS."""
+
     sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
     sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
     terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
@@ -92,6 +101,82 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Te
     return (~after).long(), terminated
 
 
+def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                temperature: float, top_p: float, processors: list[LogitsProcessor] | None = None,
+                output_logits: bool = False, seeds: list[int] | None = None):
+    """The project's one call of `transformers` `generate`: the sampler's, evaluation's and the
+    warm-up's completions all come from here.
+
+    Args:
+        model: an HF causal LM (peft-wrapped or not).
+        ids: `[B, P]` left-padded prompt ids.
+        mask: `[B, P]` their attention mask.
+        max_new_tokens: completion length cap.
+        eos_id: the token that ends a completion (-1: none does).
+        pad_id: the padding token.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p: nucleus threshold of sampling (no top-k cut).
+        processors: logits processors run before sampling.
+        output_logits: also return the raw logits of every generated position.
+        seeds: one per row: each row samples from its own generator (`RowSampling`), so its
+            completion does not depend on the batch it is in; None samples with torch's generator.
+
+    Returns:
+        `generate`'s output dict: `sequences` `[B, P + T]` and, when asked, `logits` (T of `[B, V]`).
+    """
+    processors = list(processors or [])
+    if temperature > 0 and seeds is not None:
+        # greedy decoding over tempered, top-p filtered, Gumbel-perturbed scores: sampling, row by row
+        processors += [TemperatureLogitsWarper(temperature), *([TopPLogitsWarper(top_p)] if top_p < 1 else []),
+                       RowSampling(seeds, ids.device)]
+        how = dict(do_sample=False)
+    elif temperature > 0:
+        how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    else:
+        how = dict(do_sample=False)
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+        logits_processor=LogitsProcessorList(processors), output_logits=output_logits,
+        return_dict_in_generate=True, **how,
+    )
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
+             max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None
+             ) -> tuple[list[str], list[bool]]:
+    """Completion texts of prompt texts, through `hf_generate` in batches.
+
+    Args:
+        model: an HF causal LM (its train/eval mode is the caller's business).
+        tokenizer: the model's tokenizer.
+        prompts: rendered prompt texts.
+        samples: completions per prompt; the rows of a prompt are adjacent.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p: nucleus threshold of sampling.
+        max_new_tokens: completion length cap.
+        batch_size: sequences per `generate` call.
+        on_batch: called with the number of rows after each generated batch.
+
+    Returns:
+        `(texts, terminated)`: each completion up to (without) its EOS, and whether EOS came.
+    """
+    rows = [p for p in prompts for _ in range(samples)]
+    device = next(model.parameters()).device
+    texts, terminated = [], []
+    for start in range(0, len(rows), batch_size):
+        ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
+        out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                          pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p).sequences
+        for row in out[:, ids.shape[1]:].tolist():
+            done = tokenizer.eos_id in row
+            texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
+            terminated.append(done)
+        if on_batch is not None:
+            on_batch(len(out))
+    return texts, terminated
+
+
 class HFSampler:
     """Sampling through `transformers` `generate` (the reference engine; works on CPU)."""
 
@@ -100,16 +185,9 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
-        # greedy decoding over tempered, top-p filtered, Gumbel-perturbed scores: sampling, row by row
-        processors = [_FiniteLogits(), TemperatureLogitsWarper(algo.temperature)]
-        if algo.top_p < 1:
-            processors.append(TopPLogitsWarper(algo.top_p))
-        processors.append(RowSampling(seeds, ids.device))
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=algo.max_new_tokens,
-            eos_token_id=eos_id, pad_token_id=self.tokenizer.pad_id,
-            output_logits=True, return_dict_in_generate=True, logits_processor=LogitsProcessorList(processors),
-        )
+        out = hf_generate(self.model, ids, mask, max_new_tokens=algo.max_new_tokens, eos_id=eos_id,
+                          pad_id=self.tokenizer.pad_id, temperature=algo.temperature, top_p=algo.top_p,
+                          processors=[_FiniteLogits()], output_logits=True, seeds=seeds)
         completion = out.sequences[:, ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
         logp = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)

@@ -26,13 +26,12 @@ import torch
 from qerl_exp import metrics as M
 from qerl_exp import checkpoint, distributed, logs, progress, rundir
 from qerl_exp.checkpoint import restore_rng, rng_state
-from qerl_exp.config import Config, QuantConfig, as_dict
+from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate
 from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
-from qerl_exp.model import build_models, requantize_sampler, resolve_device, resolve_dtype, sync_lora
+from qerl_exp.model import build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.quant import memory_bytes
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
 from qerl_exp.tasks import build_task
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
@@ -136,25 +135,19 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     task = build_task(cfg.task)
     with logs.quiet(cfg.verbose):
         models = build_models(cfg, task, device)
-    policy, tok, reference = models.policy, models.tokenizer, models.reference
-    separate_sampler = models.sampler is not policy
-    sampler_quant = QuantConfig(format=cfg.rollout.quant, targets=cfg.quant.targets)
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    policy, tok, reference, sampling = models.policy, models.tokenizer, models.reference, models.sampler.module
     algo, G = cfg.algo, cfg.algo.group_size
-    sampler = make_sampler(cfg.rollout.engine, models.sampler, tok, device)
+    sampler = make_sampler(cfg.rollout.engine, sampling, tok, device)
     if cfg.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    aqn = AQN(models.sampler, cfg.noise, seed=cfg.seed + 1)
+    aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
     schedule = Schedule(cfg.noise, cfg.train.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
     # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
     lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio))
     data_rng = np.random.default_rng(cfg.seed)
-    weights = memory_bytes(policy)
-    if separate_sampler:  # the rollout copy is memory the strategy pays for too
-        sampler_bytes = memory_bytes(models.sampler)
-        weights = {k: weights[k] + sampler_bytes[k] for k in weights}
+    weights = models.sampler.weights_bytes()
     load_peak = M.phase_peak_bytes(device)
 
     def state(next_step: int) -> dict:
@@ -164,7 +157,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             "wandb_id": tracker.run_id, "nonfinite": nonfinite,
         }
 
-    start, nonfinite, wandb_id, history = 0, 0, None, []
+    start, nonfinite, wandb_id = 0, 0, None
     if resume_from is not None:
         path, saved = resume_from
         checkpoint.load_adapter(policy, path / "adapter")
@@ -174,8 +167,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         aqn.generator.set_state(saved["aqn_rng"])
         restore_rng(saved["rng"], data_rng)
         start, nonfinite, wandb_id = saved["step"], saved["nonfinite"], saved["wandb_id"]
-        if separate_sampler:
-            requantize_sampler(policy, models.sampler, sampler_quant, dtype)
+        models.sampler.sync()
         if distributed.is_main():
             print(f"resuming {run_dir} at step {start} from {path.name}", file=sys.stderr)
 
@@ -204,10 +196,10 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             # Rollout: the sampler with this step's noise draw in its norm scales.
             sigma, stage = schedule(step)
             aqn.draw(sigma)
-            models.sampler.eval()
+            sampling.eval()
             t_roll = time.perf_counter()
             try:
-                with _phase("rollout"), aqn.applied(models.sampler):
+                with _phase(M.Phase.ROLLOUT), aqn.applied(sampling):
                     rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos,
                                      seeds=row_seeds(cfg.seed, step, share, G))
             except NonFiniteLogitsError:
@@ -223,7 +215,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             rollout_bytes = getattr(sampler, "nbytes", 0)
             if hasattr(sampler, "release"):
                 sampler.release()
-            peaks = {"rollout": M.phase_peak_bytes(device)}
+            peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
 
             # Rewards and group-normalized advantages.
             repeated = [p for p in problems for _ in range(G)]
@@ -237,30 +229,30 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 informative = total.view(-1, G).std(dim=1) > 0
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
             t_ref = learner.clock(device)
-            with _phase("reference"), torch.no_grad(), policy.disable_adapter():
+            with _phase(M.Phase.REFERENCE), torch.no_grad(), policy.disable_adapter():
                 ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train.micro_batch_size)
             reference_s = learner.clock(device) - t_ref
 
             # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}
             if reference is not None and step % cfg.monitor.every == 0:
-                with _phase("monitor"):
+                with _phase(M.Phase.MONITOR):
                     step_metrics.update(distributed.weighted_mean(
-                        _monitor(policy, models.sampler, reference, aqn, rollout, algo.temperature), float(mask.sum())))
+                        _monitor(policy, sampling, reference, aqn, rollout, algo.temperature), float(mask.sum())))
 
             # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
             policy.train()
-            with _phase("learner"), aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+            with _phase(M.Phase.LEARNER), aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
                 update = learner.update_policy(policy, opt, params, rollout, advantages, loss_mask, algo,
                                                cfg.train, ref_logp=ref_logp)
-            peaks["learner"] = M.phase_peak_bytes(device)  # the reference and monitor passes included
+            peaks[M.Phase.LEARNER] = M.phase_peak_bytes(device)  # the reference and monitor passes included
 
             lr = lr_sched.get_last_lr()[0]
             finite = update.skipped == 0
             nonfinite = 0 if finite else nonfinite + 1
             lr_sched.step()
-            if separate_sampler and finite:
-                requantize_sampler(policy, models.sampler, sampler_quant, dtype)
+            if finite:
+                models.sampler.sync()
 
             if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
                 step_metrics.update(evaluate(
@@ -268,8 +260,9 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
                     batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
             # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
-            phases = distributed.maximum({"rollout": rollout_s, "reference": reference_s, "learner": update.learner_s,
-                                          "optimizer": update.optimizer_s, "step": time.perf_counter() - t_step})
+            phases = distributed.maximum({M.Phase.ROLLOUT: rollout_s, M.Phase.REFERENCE: reference_s,
+                                          M.Phase.LEARNER: update.learner_s, M.Phase.OPTIMIZER: update.optimizer_s,
+                                          "step": time.perf_counter() - t_step})
             gather = distributed.gather
             step_metrics.update(M.step_metrics(
                 rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
@@ -334,10 +327,10 @@ class OutOfMemory(RuntimeError):
 
 
 _LOWER = {
-    "rollout": "lower train.prompts_per_step, algo.group_size or algo.max_new_tokens",
-    "reference": "set train.micro_batch_size (e.g. 1) or turn on train.gradient_checkpointing=true",
-    "monitor": "set monitor.every=0 (the full-precision reference doubles the weights)",
-    "learner": "set train.micro_batch_size (e.g. 1), train.gradient_checkpointing=true, or lower algo.max_new_tokens",
+    M.Phase.ROLLOUT: "lower train.prompts_per_step, algo.group_size or algo.max_new_tokens",
+    M.Phase.REFERENCE: "set train.micro_batch_size (e.g. 1) or turn on train.gradient_checkpointing=true",
+    M.Phase.MONITOR: "set monitor.every=0 (the full-precision reference doubles the weights)",
+    M.Phase.LEARNER: "set train.micro_batch_size (e.g. 1), train.gradient_checkpointing=true, or lower algo.max_new_tokens",
 }
 
 

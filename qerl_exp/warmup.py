@@ -10,12 +10,14 @@ runs from warming up the same model twice.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -23,17 +25,62 @@ import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from qerl_exp.config import ModelConfig, TaskConfig
-from qerl_exp.tasks import Problem
+from qerl_exp.eval import greedy_pass_at_1
+from qerl_exp.tasks import Problem, reference_completion
 from qerl_exp.tokenizer import CharTokenizer
 
 WARMUP_SEED = 1234  # the base model is a fixed artifact, independent of the run's seed
 
+# Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
+# cached warm-ups made by older code are not reused.
+TINY_RECIPE_VERSION = 1
 
-def reference_completion(problem: Problem) -> str:
-    """The completion the warm-up imitates, in the paper's format."""
-    return f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
+
+def tiny_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | LlamaConfig:
+    """The HF config of the embedded model (Qwen2 or Llama shaped).
+
+    Args:
+        cfg: the model config (`family` and the sizes).
+        vocab_size: the tokenizer's vocabulary.
+
+    Returns:
+        A `Qwen2Config` or `LlamaConfig`.
+    """
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=cfg.tie_embeddings,
+        pad_token_id=0,
+    )
+
+
+def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
+    """Hash of everything that determines the warmed-up embedded model.
+
+    Args:
+        cfg: the model config (its fields that do not shape the weights are left out).
+        task_fields: the task settings that shape its problems (and a file-backed task's data).
+        vocab: the tokenizer's vocabulary.
+
+    Returns:
+        16 hex digits.
+    """
+    spec = {
+        "version": TINY_RECIPE_VERSION,
+        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir", "gguf_file", "package")},
+        "task": task_fields,
+        "vocab": vocab,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: CharTokenizer):
@@ -48,10 +95,6 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     Returns:
         `(model, info)`, info holding the cache key, path, warm-up steps and accuracy.
     """
-    from transformers import AutoModelForCausalLM
-
-    from qerl_exp.model import tiny_cache_key
-
     task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
     if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path
         task_fields["data"] = task.fingerprint
@@ -89,10 +132,6 @@ def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu",
             that at most one block exists in `dtype` at a time: the model is laid out on the meta
             device and made block by block.
     """
-    from transformers import AutoModelForCausalLM
-
-    from qerl_exp.model import tiny_config
-
     device = torch.device(device)
     config = tiny_config(cfg, cfg.vocab_size or vocab_size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -149,20 +188,6 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
     return ids, lab
 
 
-@torch.no_grad()
-def greedy_accuracy(model, task, tokenizer: CharTokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
-    """Fraction of `problems` whose greedy completion earns the correctness reward."""
-    from qerl_exp.eval import complete
-
-    prompts = [tokenizer.render_prompt(p.question, "") for p in problems]
-    # One batch of all problems, as always: other batches pad differently, which could move the
-    # greedy tokens and so the warm-up's stopping step (its model is cached by config hash alone).
-    texts, _ = complete(model, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                        max_new_tokens=max_new_tokens, batch_size=len(prompts))
-    correct = task.rewards["correct"]
-    return float(np.mean([correct(t, p) > 0 for t, p in zip(texts, problems)]))
-
-
 def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
     w = cfg.warmup
     rng = np.random.default_rng(WARMUP_SEED)
@@ -181,7 +206,11 @@ def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
         opt.step()
         if step % w.eval_every == 0:
             model.eval()
-            accuracy = greedy_accuracy(model, task, tokenizer, probe)
+            # One batch of all problems, as always: other batches pad differently, which could move
+            # the greedy tokens and so the stopping step (the model is cached by config hash alone).
+            correct = greedy_pass_at_1(model, tokenizer, task, probe, system_prompt="", max_new_tokens=32,
+                                       batch_size=len(probe))[2]
+            accuracy = float(np.mean(correct))
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
             if accuracy >= w.target_accuracy:
                 break

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qerl_exp.config import DECODER_LINEARS
 from qerl_exp.metrics import MACHINE_METRICS
 
 os.environ["WANDB_MODE"] = "disabled"
@@ -86,9 +87,36 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, logged_steps: int) -> 
     raise AssertionError(f"the run ended or stalled before step {logged_steps}: {proc.communicate()[1][-2000:]}")
 
 
-@pytest.fixture(scope="session")
-def tiny_policy():
-    """The embedded model (warmed up once, cached) as a bf16-config policy with LoRA, on CPU."""
+def tiny_qwen2(seed: int = 0, *, vocab: int = 96, hidden: int = 128, inter: int = 256, layers: int = 2, heads: int = 4,
+               kv: int = 2, max_positions: int = 64):
+    """A Qwen2 causal LM at HF's random initialisation after `torch.manual_seed(seed)`: float32, CPU,
+    eval mode, untied head; widths multiples of 64 as bitsandbytes' packing wants."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def with_lora(model, seed: int | None = 1, random_b: bool = True):
+    """`model` wrapped by peft with LoRA r=8, alpha 16 on the seven decoder projections. `random_b`: B is
+    random as well as A (peft's init_lora_weights=False), so both get a gradient and the adapter
+    changes the output; `seed`: torch's seed for that initialisation (None: the stream as it is)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(DECODER_LINEARS),
+                                            init_lora_weights=not random_b))
+
+
+def tiny_models(*overrides: str):
+    """`(cfg, task, models)`: the run config of `overrides` (Hydra syntax), its task, and its models
+    built on the CPU by `model.build_models`, as a run would."""
     import torch
 
     from qerl_exp.cli import compose_config
@@ -96,6 +124,32 @@ def tiny_policy():
     from qerl_exp.model import build_models
     from qerl_exp.tasks import build_task
 
-    cfg = to_config(compose_config(["monitor.every=1"]))
+    cfg = to_config(compose_config(list(overrides)))
     task = build_task(cfg.task)
     return cfg, task, build_models(cfg, task, torch.device("cpu"))
+
+
+def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | None = None) -> list[dict]:
+    """Run `train.run` in this process with the config of `overrides` (Hydra syntax) and return its
+    metrics rows; `keep["models"]` receives the run's models (for checks inside `on_step`)."""
+    from qerl_exp import train
+    from qerl_exp.cli import compose_config
+    from qerl_exp.config import to_config
+
+    cfg = to_config(compose_config(list(overrides)))
+    with pytest.MonkeyPatch.context() as mp:
+        if keep is not None:
+            def build_and_keep(*args, **kwargs):  # the real builder; the test only holds on to its result
+                keep["models"] = real(*args, **kwargs)
+                return keep["models"]
+
+            real = train.build_models
+            mp.setattr(train, "build_models", build_and_keep)
+        train.run(cfg, run_dir, on_step=on_step)
+    return metrics_rows(run_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy():
+    """The embedded model (warmed up once, cached) as a bf16-config policy with LoRA, on CPU."""
+    return tiny_models("monitor.every=1")

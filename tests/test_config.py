@@ -106,7 +106,7 @@ def test_configs_are_read_only_once_validated():
         (["task=gsm8k", "task.path=/no/such/file.jsonl"], "task.path=/no/such/file.jsonl does not exist"),
         (["resume=/no/such/run"], "resume=/no/such/run is not a run directory"),
         (["model.name=/no/such/checkpoint"], "model.name=/no/such/checkpoint is not a directory"),
-        (["eval.k=1"], "eval.k must be 0 or >= 2"),
+        (["eval.k=-1"], "eval.k must be >= 2 for sampled pass@k"),
         (["algo.beta=-0.1"], "algo.beta must be >= 0"),
         (["seed=abc"], "bad value for 'seed'"),
         (["+bogus=1", "train.steps=2"], "unknown config key 'bogus'"),

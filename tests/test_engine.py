@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import import_or_skip
+from conftest import import_or_skip, tiny_qwen2, with_lora
 from qerl_exp.engine import launch, layout, reference
 from qerl_exp.engine.decode import sample
 from qerl_exp.engine.fast_engine import FastEngine
@@ -38,19 +38,17 @@ def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora
     and LoRA r=8 on all seven projections with a non-zero B. `family="llama"`: SmolLM2-135M's
     architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
     head of 64), at width 192."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     if family == "llama":
+        torch.manual_seed(seed)
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=192, intermediate_size=256, num_hidden_layers=layers,
                           num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
                           tie_word_embeddings=True, rope_theta=1e5)
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
-                          tie_word_embeddings=False)
-        model = Qwen2ForCausalLM(cfg)
+        model = tiny_qwen2(seed, vocab=vocab, hidden=hidden, inter=inter, layers=layers, heads=heads, kv=kv,
+                           max_positions=512)
     head = "embed" if family == "llama" else "lm_head"  # tied: the embedding is the head
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,9 +60,7 @@ def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora
     if quant is not None:
         _quantize(model, quant, dtype)
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LINEARS, lora_dropout=0.0))
+        model = with_lora(model, seed=None, random_b=False)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_" in name:
@@ -476,12 +472,12 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     def lora(y, t, b, s):
         return y.double() + s * t.double() @ b.double().T
 
-    for glu, with_lora in [(False, True), (True, True), (True, False)]:
-        s1, s2 = (0.5, 2.0) if with_lora else (0.0, 0.0)
-        kw = dict(t=t, b=b, scale=s1) if with_lora else {}
+    for glu, lora_on in [(False, True), (True, True), (True, False)]:
+        s1, s2 = (0.5, 2.0) if lora_on else (0.0, 0.0)
+        kw = dict(t=t, b=b, scale=s1) if lora_on else {}
         g = rnd(lora(y, t, b, s1))
         if glu:
-            kw.update(y2=y2, **(dict(t2=t2, b2=b2, scale2=s2) if with_lora else {}))
+            kw.update(y2=y2, **(dict(t2=t2, b2=b2, scale2=s2) if lora_on else {}))
             ref = rnd(rnd(torch.nn.functional.silu(g)) * rnd(lora(y2, t2, b2, s2)))
         else:
             kw.update(residual=res)

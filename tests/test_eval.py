@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT
+from conftest import ROOT, run_in_process
 from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
-from qerl_exp.eval import EvalArgs, evaluate, evaluate_run, load_run, solution_logprobs
+from qerl_exp.config import EvalConfig
+from qerl_exp.eval import evaluate, solution_logprobs
+from qerl_exp.eval.__main__ import EvalCommand, evaluate_run, load_run
 from qerl_exp.metrics import pass_at_k
 
 # A run small enough to train in seconds: the suite's cached embedded model (conftest's
@@ -22,18 +24,14 @@ from qerl_exp.metrics import pass_at_k
 # model, no tracker.
 RUN = ["tracker.mode=disabled", "train.steps=2", "train.prompts_per_step=2", "algo.group_size=4", "monitor.every=0",
        "task.eval_size=12"]
-FAST = dict(k=2, limit=6, max_new_tokens=12, batch_size=16, tracker="disabled")
+FAST = dict(eval=EvalConfig(k=2, max_new_tokens=12, batch_size=16), limit=6, tracker="disabled")
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A finished run directory whose adapter was changed by training."""
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
-    from qerl_exp.train import run
-
     run_dir = tmp_path_factory.mktemp("eval") / "run"
-    run(to_config(compose_config(RUN)), run_dir)
+    run_in_process(run_dir, *RUN)
     return run_dir
 
 
@@ -85,15 +83,15 @@ def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
     """Overwrite the adapter file with a different one: the scores follow the file."""
     run_dir = tmp_path / "copy"
     shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))
-    trained = evaluate_run(EvalArgs(run_dir=str(run_dir), **FAST))
-    base = evaluate_run(EvalArgs(run_dir=str(run_dir), adapter=False, **FAST))
+    trained = evaluate_run(EvalCommand(run_dir=str(run_dir), **FAST))
+    base = evaluate_run(EvalCommand(run_dir=str(run_dir), adapter=False, **FAST))
 
     path = run_dir / "final" / "adapter" / ADAPTER_FILE
     state = load_file(str(path))
     generator = torch.Generator().manual_seed(0)
     save_file({k: v + 0.5 * torch.randn(v.shape, generator=generator) if "lora_B" in k else v
                for k, v in state.items()}, str(path))
-    perturbed = evaluate_run(EvalArgs(run_dir=str(run_dir), **FAST))
+    perturbed = evaluate_run(EvalCommand(run_dir=str(run_dir), **FAST))
 
     logp = [m["eval/solution_logp"] for m in (trained, base, perturbed)]
     assert len(set(logp)) == 3, logp
@@ -148,13 +146,14 @@ def test_command_line_writes_eval_json(trained_run, tmp_path):
     (["run_dir=RUN", "kk=2"], "error: unknown argument 'kk'; keys: run_dir, k, n,"),
     (["run_dir=RUN", "k=two"], "error: bad value for 'k': 'two' is not a int"),
     (["run_dir=RUN", "adapter=maybe"], "error: bad value for 'adapter': 'maybe' is not a bool"),
-    (["run_dir=RUN", "k=-1"], "error: k=-1: use k >= 2"),
+    (["run_dir=RUN", "k=-1"], "error: k must be >= 2 for sampled pass@k, or 0 or 1 for the greedy pass@1 alone, got -1"),
+    (["run_dir=RUN", "k=4", "n=3"], "error: n must be 0 or >= k, got 3"),
     (["run_dir=RUN", "tracker=loud"], "error: tracker='loud' is not valid; choose one of: run, offline"),
     (["k=2"], "error: run_dir=<a run directory> is required"),
     (["run_dir=RUN"], "error: FileNotFoundError: "),
 ])
 def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
-    from qerl_exp.eval import main
+    from qerl_exp.eval.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main([a.replace("RUN", str(tmp_path / "none")) for a in args])

@@ -12,16 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from qerl_exp.cli import compose_config
-from qerl_exp.config import ModelConfig, QuantConfig, to_config
+from conftest import tiny_models
+from qerl_exp.config import ModelConfig, QuantConfig
 from qerl_exp.learner import rows, update_policy
 from qerl_exp.loss import completion_logits, score_completions, token_logp
 from qerl_exp.metrics import entropy_from_logits
-from qerl_exp.model import build_models
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
 from qerl_exp.rollout import HFSampler, sample
-from qerl_exp.tasks import SYSTEM_PROMPT, build_task
+from qerl_exp.tasks import SYSTEM_PROMPT
 from qerl_exp.warmup import build
 
 
@@ -51,12 +50,10 @@ def test_frozen_fp4_linear_saves_no_dense_weight_and_its_input_grad_is_exact(fmt
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = to_config(compose_config([
+    cfg, task, models = tiny_models(
         "model.warmup.max_steps=0", "monitor.every=0", "quant=nvfp4", "lora.r=8", "algo.group_size=4",
         "train.prompts_per_step=2", "algo.max_new_tokens=12", "train.device=cpu",
-    ]))
-    task = build_task(cfg.task)
-    models = build_models(cfg, task, torch.device("cpu"))
+    )
     policy, tok = models.policy, models.tokenizer
     with torch.no_grad():  # LoRA B is zero at init: give the adapter a non-trivial state
         for n, p in policy.named_parameters():

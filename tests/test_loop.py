@@ -17,17 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_RUN, kill_after, metrics_rows, qerl, stable
+from conftest import TINY_RUN, kill_after, metrics_rows, qerl, run_in_process, stable, tiny_models
 from qerl_exp import train
 from qerl_exp.cli import compose_config
-from qerl_exp.config import AlgoConfig, QuantConfig, to_config
+from qerl_exp.config import AlgoConfig, to_config
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp
-from qerl_exp.model import build_models, requantize_sampler
 from qerl_exp.quant import decoder_linears, dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
 from qerl_exp.rollout import HFSampler, sample
-from qerl_exp.tasks import SYSTEM_PROMPT, build_task
+from qerl_exp.tasks import SYSTEM_PROMPT
 
 LOOP = [*TINY_RUN, "monitor.every=0", "checkpoint.every=0", "tracker.completions_every=0",
         f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}"]
@@ -44,18 +43,7 @@ def _series(rows: list[dict], name: str) -> list[float]:
 
 
 def _run(run_dir: Path, *overrides: str, on_step=None, keep: dict | None = None) -> list[dict]:
-    """Run in-process; `keep["models"]` receives the run's models (for checks inside `on_step`)."""
-    cfg = to_config(compose_config([*LOOP, *overrides]))
-    with pytest.MonkeyPatch.context() as mp:
-        if keep is not None:
-            def build_and_keep(*args, **kwargs):  # the real builder; the test only holds on to its result
-                keep["models"] = real(*args, **kwargs)
-                return keep["models"]
-
-            real = train.build_models
-            mp.setattr(train, "build_models", build_and_keep)
-        train.run(cfg, run_dir, on_step=on_step)
-    return metrics_rows(run_dir)
+    return run_in_process(run_dir, *LOOP, *overrides, on_step=on_step, keep=keep)
 
 
 def _lora(model) -> dict[str, torch.Tensor]:
@@ -159,7 +147,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
 
     def check(step, metrics):
         # the sampler holds quantize(base + B A * alpha / r) of the policy as it stands after the update
-        policy, sampler = keep["models"].policy, keep["models"].sampler
+        policy, sampler = keep["models"].policy, keep["models"].sampler.module
         learner = dict(policy.named_modules())
         changed = 0
         for path, _, _, module in decoder_linears(sampler, cfg.quant.targets):
@@ -182,10 +170,9 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
 def test_requantizing_the_sampler_draws_no_random_numbers(fmt):
     # a resumed run restores torch's RNG and then re-quantizes the sampler: a draw there would make
     # its rollouts differ from the uninterrupted run's
-    cfg = to_config(compose_config([*LOOP, f"rollout.quant={fmt}"]))
-    models = build_models(cfg, build_task(cfg.task), torch.device("cpu"))
+    _, _, models = tiny_models(*LOOP, f"rollout.quant={fmt}")
     before = torch.get_rng_state()
-    requantize_sampler(models.policy, models.sampler, QuantConfig(format=fmt), torch.float32)
+    models.sampler.sync()
     assert torch.equal(torch.get_rng_state(), before)
 
 

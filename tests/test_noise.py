@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import tiny_qwen2
 from qerl_exp.config import NoiseConfig
 from qerl_exp.noise import AQN, Schedule, noisy_norms, sigma_at, stage_of
 
@@ -58,12 +59,7 @@ def test_adaptive_controller_moves_toward_target_and_stays_bounded():
 
 
 def _tiny_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    return Qwen2ForCausalLM(cfg).eval()
+    return tiny_qwen2(vocab=64, hidden=64, inter=128)
 
 
 def test_noise_goes_to_the_two_norms_per_block_only():

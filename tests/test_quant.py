@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from qerl_exp.config import DECODER_LINEARS, QuantConfig
+from conftest import tiny_qwen2, with_lora
+from qerl_exp.config import QuantConfig
 from qerl_exp.quant import dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.quant.fp4 import (
     E2M1_VALUES,
@@ -340,22 +341,6 @@ def test_fp4_linear_keeps_its_format_under_dtype_casts():
 # ---------------------------------------------------------------- LoRA through peft
 
 
-def _tiny_model(seed: int = 0, dtype=torch.float32):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).to(dtype).eval()
-
-
-def _lora(model, seed: int = 1):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    # init_lora_weights=False: B is random too, so A gets a gradient.
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(DECODER_LINEARS),
-                                            init_lora_weights=False))
 
 
 def _lora_grads(model, ids):
@@ -372,16 +357,16 @@ IDS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
 def test_lora_on_fp4_linear_gets_the_gradients_of_the_dense_equivalent(fmt):
     from peft.tuners.lora import Linear as LoraLinear
 
-    quantized = quantize_model(_tiny_model(), QuantConfig(format=fmt), torch.float32)
+    quantized = quantize_model(tiny_qwen2(), QuantConfig(format=fmt), torch.float32)
     # The same model with each FP4Linear replaced by a dense nn.Linear holding W_hat.
-    dense = _tiny_model()
+    dense = tiny_qwen2()
     for name, module in quantized.named_modules():
         if isinstance(module, FP4Linear):
             ref = dense.get_submodule(name)
             with torch.no_grad():
                 ref.weight.copy_(module.dequantize())
     codes_before = quantized.model.layers[0].mlp.down_proj.codes.clone()
-    quantized, dense = _lora(quantized), _lora(dense)
+    quantized, dense = with_lora(quantized), with_lora(dense)
 
     wrapped = quantized.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(wrapped, LoraLinear) and isinstance(wrapped.get_base_layer(), FP4Linear)
@@ -405,12 +390,12 @@ def test_lora_on_fp4_linear_gets_the_gradients_of_the_dense_equivalent(fmt):
 def _nf4_policy(double_quant: bool, avx512_repack: bool = False):
     import bitsandbytes as bnb
 
-    model = quantize_model(_tiny_model(), QuantConfig(format="nf4", double_quant=double_quant), torch.float32)
+    model = quantize_model(tiny_qwen2(), QuantConfig(format="nf4", double_quant=double_quant), torch.float32)
     if avx512_repack:  # undo the guard, to show what it guards against
         for m in model.modules():
             if isinstance(m, bnb.nn.Linear4bit):
                 m.support_avx512bf16_for_cpu = True
-    return _lora(model)
+    return with_lora(model)
 
 
 def _generate(model):
@@ -477,7 +462,7 @@ def _quant_cfg(fmt: str) -> QuantConfig:
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4", "nf4_dq"])
 def test_memory_bytes_match_hand_counts(fmt):
-    model = quantize_model(_tiny_model(), _quant_cfg(fmt), torch.float32)
+    model = quantize_model(tiny_qwen2(), _quant_cfg(fmt), torch.float32)
     hidden, vocab, layers = 128, 96, 2
     linear = layers * sum(_hand_bytes(fmt, *shape) for shape in LINEARS.values())
     # embeddings + untied lm_head + 2 norms per layer + final norm, fp32; rotary inv_freq x2 (16 each)
@@ -487,13 +472,13 @@ def test_memory_bytes_match_hand_counts(fmt):
     assert mem["mem/weights_bytes"] == linear + rest
     # LoRA adds exactly its own fp32 parameters (nothing counted twice through peft's wrappers).
     lora_bytes = layers * sum(8 * (i + o) * 4 for o, i, _ in LINEARS.values())
-    mem_lora = memory_bytes(_lora(model))
+    mem_lora = memory_bytes(with_lora(model))
     assert mem_lora["mem/quantized_linear_bytes"] == linear
     assert mem_lora["mem/weights_bytes"] == linear + rest + lora_bytes
 
 
 def test_memory_bytes_of_the_unquantized_model():
-    model = _tiny_model()
+    model = tiny_qwen2()
     n_params = sum(p.numel() for p in model.parameters())
     assert memory_bytes(model) == {"mem/weights_bytes": 4 * n_params + 2 * 16 * 4, "mem/quantized_linear_bytes": 0}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl_exp.config import DECODER_LINEARS, QuantConfig
+from conftest import tiny_qwen2, with_lora
+from qerl_exp.config import QuantConfig
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear, quantize_mxfp4, quantize_nvfp4
 
@@ -37,20 +38,7 @@ def test_cuda_quantization_equals_cpu(fmt, dtype):
 
 
 def _tiny_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return Qwen2ForCausalLM(cfg).cuda().eval()
-
-
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(DECODER_LINEARS),
-                                            init_lora_weights=False))
+    return tiny_qwen2().cuda()
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -62,7 +50,7 @@ def test_lora_on_cuda_fp4_linear_matches_the_dense_equivalent(fmt):
             assert module.codes.is_cuda
             with torch.no_grad():
                 dense.get_submodule(name).weight.copy_(module.dequantize())
-    quantized, dense = _lora(quantized), _lora(dense)
+    quantized, dense = with_lora(quantized), with_lora(dense)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
     grads = []
     for model in (quantized, dense):
@@ -76,7 +64,7 @@ def test_lora_on_cuda_fp4_linear_matches_the_dense_equivalent(fmt):
 
 
 def test_bf16_forward_and_backward_on_cuda():
-    model = _lora(quantize_model(_tiny_model().to(torch.bfloat16), QuantConfig(format="nvfp4"), torch.bfloat16))
+    model = with_lora(quantize_model(_tiny_model().to(torch.bfloat16), QuantConfig(format="nvfp4"), torch.bfloat16))
     layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert layer.bias.dtype == torch.bfloat16 and layer.block_scales.dtype == torch.float8_e4m3fn
     ids = torch.randint(0, 96, (2, 12), device="cuda")
@@ -110,7 +98,7 @@ def test_cuda_fp4_linear_converts_to_one_kernel_layout_and_keeps_no_dense_weight
 def test_engine_reads_the_policy_s_own_nvfp4_layout():
     from qerl_exp.engine import FastEngine
 
-    model = _lora(quantize_model(_tiny_model().to(torch.bfloat16), QuantConfig(format="nvfp4"), torch.bfloat16))
+    model = with_lora(quantize_model(_tiny_model().to(torch.bfloat16), QuantConfig(format="nvfp4"), torch.bfloat16))
     layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
     before = sum(m.quantized_bytes() for m in layers)
     allocated = torch.cuda.memory_allocated()

@@ -232,20 +232,21 @@ def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, 
 def test_each_eval_writes_its_own_file(finished, tmp_path):
     import shutil
 
-    from qerl_exp.eval import EvalArgs, evaluate_run
+    from qerl_exp.config import EvalConfig
+    from qerl_exp.eval.__main__ import EvalCommand, evaluate_run
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
-    settings = [dict(k=2, limit=3, max_new_tokens=8), dict(k=0, limit=2, max_new_tokens=8)]
+    settings = [dict(eval=EvalConfig(k=2, max_new_tokens=8), limit=3), dict(eval=EvalConfig(k=0, max_new_tokens=8), limit=2)]
     for i, kwargs in enumerate(settings):
-        args = EvalArgs(run_dir=str(run_dir), device="cpu", tracker="disabled", **kwargs)
+        args = EvalCommand(run_dir=str(run_dir), device="cpu", tracker="disabled", **kwargs)
         evaluate_run(args)
         assert args.out == ("eval.json" if i == 0 else "eval-2.json")
     first, second = (json.loads((run_dir / n).read_text()) for n in ("eval.json", "eval-2.json"))
-    assert first["args"]["k"] == 2 and len(first["problems"]) == 3
-    assert second["args"]["k"] == 0 and len(second["problems"]) == 2
+    assert first["args"]["eval"]["k"] == 2 and len(first["problems"]) == 3
+    assert second["args"]["eval"]["k"] == 0 and len(second["problems"]) == 2
     with pytest.raises(ValueError, match="holds another evaluation's results"):
-        evaluate_run(EvalArgs(run_dir=str(run_dir), out="eval.json", **settings[1]))
+        evaluate_run(EvalCommand(run_dir=str(run_dir), out="eval.json", **settings[1]))
 
 
 def test_truncated_adapter_is_named(finished, tiny_policy):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import tiny_qwen2
 from qerl_exp.config import QuantConfig
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
@@ -14,13 +15,8 @@ from qerl_exp.shards import load_blockwise, shard_files
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     folder = tmp_path_factory.mktemp("ckpt")
-    Qwen2ForCausalLM(cfg).save_pretrained(folder, max_shard_size="300KB")  # several shards
+    tiny_qwen2(vocab=256, layers=4).save_pretrained(folder, max_shard_size="300KB")  # several shards
     return folder
 
 

@@ -10,18 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("qerl_exp", "analysis")
 MAX_LINES = 700
 
-# Cycles that exist today, each as the import edge (importer, imported) that closes it. The list may
-# only shrink: an entry whose edge is gone fails the test until it is removed here.
-KNOWN_CYCLE_EDGES = {
-    # eval -> warmup -> eval and eval -> model -> warmup -> eval: the warm-up calls eval.complete
-    # (issue 24: one HF generation path in rollout.py)
-    ("qerl_exp.warmup", "qerl_exp.eval"),
-    # model -> warmup -> model: the warm-up reads the tiny model's config and cache key from model.py
-    # (issue 24: they move to the warm-up)
-    ("qerl_exp.warmup", "qerl_exp.model"),
-}
-
-
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of PACKAGES (a package by its __init__.py)."""
     mods = {}
@@ -110,13 +98,8 @@ def test_cycle_finder_sees_function_level_relative_and_package_imports():
     assert cycles(graph) == [["p.a", "p.b", "p.c"]]
 
 
-def test_no_import_cycles_beyond_the_known_ones():
-    graph = import_graph()
-    stale = [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())]
-    assert not stale, f"{stale} no longer import each other: remove them from KNOWN_CYCLE_EDGES"
-    for a, b in KNOWN_CYCLE_EDGES:
-        graph[a] = graph[a] - {b}
-    assert cycles(graph) == [], "import cycles (function-level imports count; break them, do not hide them)"
+def test_no_import_cycles():
+    assert cycles(import_graph()) == [], "import cycles (function-level imports count; break them, do not hide them)"
 
 
 def test_no_source_file_in_qerl_exp_is_over_700_lines():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from qerl_exp.config import QuantConfig
+from qerl_exp.quant import fp4
 
 
 class _NF4:
@@ -75,8 +76,6 @@ def _handler(cfg: QuantConfig, compute_dtype: torch.dtype):
     if cfg.format == "nf4":
         return _NF4(cfg.double_quant, compute_dtype)
     if cfg.format in ("nvfp4", "mxfp4"):
-        from qerl_exp.quant import fp4
-
         return fp4.Handler(cfg.format, compute_dtype)
     raise ValueError(f"quant.format={cfg.format!r} has no handler; valid: none, nf4, nvfp4, mxfp4")
 

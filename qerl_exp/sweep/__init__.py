@@ -30,6 +30,8 @@ __all__ = ["Objective", "Param", "Plan", "load_plan", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep command with `argv` (`[SPEC, key=value, ...]`); returns its exit status."""
+    # Imported on call: at the package's top, `python -m qerl_exp.sweep` would import the command
+    # module twice (as qerl_exp.sweep.__main__ and as __main__).
     from qerl_exp.sweep.__main__ import main as _main
 
     return _main(argv)

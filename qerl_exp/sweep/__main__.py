@@ -17,6 +17,7 @@ from pathlib import Path
 
 from qerl_exp.cli import UsageError, fail
 from qerl_exp.sweep import dashboard
+from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
 from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, worker_main
 
@@ -57,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", code=130)
-
-    from qerl_exp.sweep.report import summary_lines, write_reports
 
     if finished(counts(study)) < plan.n_trials:
         code = _run_workers(plan, study, spec_path, rest)

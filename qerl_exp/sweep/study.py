@@ -32,8 +32,9 @@ import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from qerl_exp.cli import UsageError
-from qerl_exp.sweep.spec import (Plan, grid_points, host, make_pruner, make_sampler, override_key, suggest,
+from qerl_exp.cli import CONF_DIR, UsageError
+from qerl_exp.config import GROUPS, register_configs, to_config
+from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
                                   trial_overrides, trial_seeds)
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
@@ -341,8 +342,6 @@ def compose_trial(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
-    from qerl_exp.cli import CONF_DIR
-    from qerl_exp.config import GROUPS, register_configs, to_config
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -368,7 +367,7 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
         The trial's final state. Raises KeyboardInterrupt after recording an interrupted trial
         (FAIL, re-enqueued), and UsageError for a spec fault no trial can survive.
     """
-    from qerl_exp.train import run
+    from qerl_exp.train import run  # torch and the models: only trial processes need them, not the coordinator
 
     heartbeat = Heartbeat(storage, _trial_id(trial), plan.heartbeat_interval)
     t0 = time.time()
@@ -541,8 +540,6 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
 
 def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
     """Entry of a worker process started by the sweep command."""
-    from qerl_exp.sweep.spec import load_plan
-
     try:
         plan = load_plan(Path(spec_path), argv, check_config=False)
     except UsageError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks import Problem
+from qerl_exp.tasks.base import Problem
 from qerl_exp.tasks.rewards import default_rewards
 
 _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream

@@ -12,9 +12,8 @@ A bad line is never skipped silently: loading fails with one line that names eve
 held-out question is also a training question. The held-out split is fixed by the file's content
 and `task.eval_size` alone, never by the run's seed.
 
-This module imports only the standard library and numpy at import time: `build_task` treats an
-ImportError here as "no file-backed tasks", so optional readers (`datasets`, `pyarrow`) are
-imported where they are used.
+This module imports only the standard library and numpy at import time: the optional readers
+(`datasets`, `pyarrow`) are imported where they are used, so every task is available without them.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks import Problem
+from qerl_exp.tasks.base import Problem
 from qerl_exp.tasks.answer import last_boxed, parse_number
 from qerl_exp.tasks.rewards import default_rewards
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks import Problem, RewardFn
+from qerl_exp.tasks.base import Problem, RewardFn
 from qerl_exp.tasks.answer import answers_equal, last_boxed
 
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks import Problem
+from qerl_exp.tasks.base import Problem
 from qerl_exp.tasks.rewards import default_rewards
 
 _EVAL_SEED = 2_718_281  # fixed: the held-out problems never move with the run's seed

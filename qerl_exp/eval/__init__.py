@@ -1,0 +1,183 @@
+"""Held-out evaluation with the trained LoRA applied: greedy pass@1 and sampled pass@k.
+
+Two ways in:
+- `evaluate(policy, tokenizer, task, k=...)` scores a live policy on the task's held-out problems
+  and returns `eval/...` metrics; the run loop calls it every `eval.every` steps, and the embedded
+  model's warm-up measures its progress with `greedy_pass_at_1`.
+- `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...` (`__main__.py` here) rebuilds a
+  finished run's policy from `RUN/config.json` (the same base, for the embedded model its cached
+  warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
+  the run's held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`); a later
+  evaluation of the same run writes `RUN/eval-2.json`, and so on: none replaces another.
+
+The paper's released evaluation compared only the first character of the answer and never applied
+the trained LoRA (DESIGN.md 2.3). Here an answer is judged by the task's own correctness reward
+(`answers_equal`: whole answers, exactly), and `load_adapter` refuses an adapter file that does not
+cover every LoRA weight of the rebuilt policy.
+
+Metrics (all over the held-out problems):
+
+| name                  | meaning                                                                   |
+|-----------------------|---------------------------------------------------------------------------|
+| `eval/pass@1`         | fraction answered correctly by the greedy completion                      |
+| `eval/pass@{k}`       | unbiased pass@k (Chen et al. 2021) from `n >= k` samples per problem      |
+| `eval/mean@{n}`       | fraction of all sampled completions that are correct (sampled pass@1)    |
+| `eval/format`         | fraction of greedy completions in the `<think>..</think><answer>..</answer>` format |
+| `eval/reward`         | mean total reward (all of the task's reward functions) of greedy completions |
+| `eval/clipped_ratio`  | fraction of greedy completions cut at `max_new_tokens` without EOS        |
+| `eval/solution_logp`  | mean per-token log-prob of each problem's reference completion (teacher-forced) |
+| `eval/problems`       | number of problems scored                                                  |
+| `eval/seconds`        | wall time of the evaluation                                               |
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from qerl_exp import metrics as M
+from qerl_exp.loss import score_completions
+from qerl_exp.rollout import Sequences, complete, encode_prompts
+from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
+
+
+def _device(policy) -> torch.device:
+    return next(policy.parameters()).device
+
+
+@torch.no_grad()
+def greedy_pass_at_1(policy, tokenizer, task, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
+                     batch_size: int, on_batch=None) -> tuple[list[str], list[bool], list[bool]]:
+    """Greedy completions of `problems` and their verdicts: what `eval/pass@1` counts.
+
+    Args:
+        policy: the model (eval mode is the caller's business).
+        tokenizer: the policy's tokenizer.
+        task: its `correct` reward judges the answers.
+        problems: the problems to answer.
+        system_prompt: passed to `tokenizer.render_prompt`.
+        max_new_tokens: completion length cap.
+        batch_size: sequences per `generate` call.
+        on_batch: called with the number of rows after each generated batch.
+
+    Returns:
+        `(texts, terminated, correct)`, one entry per problem.
+    """
+    prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
+    texts, terminated = complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)
+    correct = task.rewards["correct"]
+    return texts, terminated, [correct(t, p) > 0 for t, p in zip(texts, problems)]
+
+
+@torch.no_grad()
+def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prompt: str = SYSTEM_PROMPT,
+                      batch_size: int = 64) -> torch.Tensor:
+    """Mean per-token log-prob `[N]` of each problem's reference completion under `policy`.
+
+    The reference completion is the warm-up's target (`tasks.reference_completion`), teacher-forced
+    after the rendered prompt by the learner's scorer (`loss.score_completions`, temperature 1). A
+    smooth, sampling-free score: any change of the adapter moves it, which makes it the sharpest
+    check that an adapter is applied.
+
+    Args:
+        policy: the model to score (eval mode is the caller's business).
+        tokenizer: the policy's tokenizer.
+        problems: the problems to score.
+        system_prompt: passed to `tokenizer.render_prompt`.
+        batch_size: problems per forward pass.
+
+    Returns:
+        A float32 CPU tensor, one value per problem.
+    """
+    out = []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start:start + batch_size]
+        ids, mask = encode_prompts([tokenizer.render_prompt(p.question, system_prompt) for p in chunk], tokenizer, _device(policy))
+        targets = [tokenizer.encode(reference_completion(p)) for p in chunk]
+        width = max(map(len, targets))
+        tgt = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long, device=ids.device)
+        tmask = torch.zeros_like(tgt)
+        for i, t in enumerate(targets):
+            tgt[i, : len(t)] = torch.tensor(t)
+            tmask[i, : len(t)] = 1
+        logp, _ = score_completions(policy, Sequences(ids, mask, tgt, tmask), temperature=1.0)
+        out.append((logp.sum(dim=1) / tmask.sum(dim=1).clamp(min=1)).cpu())
+    return torch.cat(out)
+
+
+def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
+          top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
+          on_batch=None) -> tuple[dict[str, float], list[dict]]:
+    """`evaluate`'s metrics and one row per problem (question, reference, greedy completion,
+    verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
+    if k < 0:
+        raise ValueError(f"k={k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
+    k = 0 if k == 1 else k  # pass@1 is the greedy one, always reported
+    n = n or k
+    if k and n < k:
+        raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
+    problems = list(task.eval_problems() if problems is None else problems)
+    prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
+    start, was_training = time.perf_counter(), policy.training
+    device = _device(policy)
+    policy.eval()
+    try:
+        # A private RNG stream: evaluating mid-run must not change the run's later random draws,
+        # and the same seed gives the same samples.
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            greedy, terminated, is_correct = greedy_pass_at_1(
+                policy, tokenizer, task, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+                batch_size=batch_size, on_batch=on_batch)
+            sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)[0] if k else []
+            logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
+    finally:
+        policy.train(was_training)
+
+    correct = task.rewards["correct"]
+    in_format = [task.rewards["format"](t, p) > 0 for t, p in zip(greedy, problems)] if "format" in task.rewards else []
+    rewards = [sum(fn(t, p) for fn in task.rewards.values()) for t, p in zip(greedy, problems)]
+    rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": ok, "solution_logp": float(lp)}
+            for p, t, ok, lp in zip(problems, greedy, is_correct, logp)]
+    counts = [sum(correct(t, p) > 0 for t in sampled[i * n:(i + 1) * n]) for i, p in enumerate(problems)] if k else []
+    for row, c in zip(rows, counts):
+        row["samples_correct"] = f"{c}/{n}"
+    metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - start)
+    return metrics, rows
+
+
+def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+             max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
+             problems: list[Problem] | None = None) -> dict[str, float]:
+    """Score `policy` on held-out problems: greedy pass@1, and pass@k from sampling.
+
+    Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
+    `aqn.applied(...)`). The policy's train/eval mode is restored afterwards, and the global RNG
+    state is left untouched (sampling uses its own stream, seeded by `seed`).
+
+    Args:
+        policy: the (peft-wrapped) model; its adapters are used as they are.
+        tokenizer: the policy's tokenizer (`CharTokenizer` or `HFTokenizer`).
+        task: the task; its `eval_problems()` are scored and its `correct` reward judges answers.
+        k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy metrics only).
+        n: samples per problem for the pass@k estimate; 0 means `k`.
+        temperature: sampling temperature of the pass@k samples (greedy ignores it).
+        top_p: nucleus threshold of the pass@k samples.
+        max_new_tokens: completion length cap.
+        batch_size: sequences per `generate` call.
+        seed: seed of the sampling stream.
+        system_prompt: the system prompt for chat-template tokenizers.
+        problems: score these instead of `task.eval_problems()`.
+
+    Returns:
+        The `eval/...` metrics listed in this module's docstring.
+
+    Example:
+        >>> metrics = evaluate(models.policy, models.tokenizer, task, k=8)  # doctest: +SKIP
+        >>> metrics["eval/pass@1"], metrics["eval/pass@8"]  # doctest: +SKIP
+    """
+    return score(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
+                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt)[0]

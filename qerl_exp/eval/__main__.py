@@ -1,0 +1,242 @@
+"""`python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...`: evaluate a finished run.
+
+Rebuilds the run's policy from `RUN/config.json` (the same base, for the embedded model its cached
+warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
+the run's held-out split with `qerl_exp.eval` and writes `RUN/eval.json` (and a W&B run of job
+type `eval`); a later evaluation of the same run writes `RUN/eval-2.json`, and so on: none
+replaces another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from qerl_exp import logs, progress
+from qerl_exp.checkpoint import load_adapter
+from qerl_exp.cli import UsageError, fail
+from qerl_exp.config import Config, ConfigError, EvalConfig, as_dict, to_config
+from qerl_exp.eval import score
+from qerl_exp.model import build_models, resolve_device
+from qerl_exp.rundir import write_atomic
+from qerl_exp.tasks import build_task
+from qerl_exp.tracking import run_tags
+
+
+def run_config(run_dir: str | Path):
+    """The validated `Config` a run was started with, read from `run_dir/config.json`."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run_dir must be a run directory made by `python -m qerl_exp`")
+    saved = json.loads(path.read_text())
+    saved.pop("choices", None)
+    saved.pop("world_size", None)  # how many processes trained it (torchrun), not a config field
+    return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
+
+
+def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True):
+    """Rebuild a run's policy: its base model and quantization, and (by default) its trained adapter.
+
+    Args:
+        run_dir: the run directory (`config.json`, `final/adapter`).
+        device: `auto`, `cpu` or `cuda`.
+        adapter: load `final/adapter`; False leaves the freshly initialized LoRA, which is the
+            identity (peft initializes B to zero), so the policy is the quantized base.
+
+    Returns:
+        `(cfg, task, models)`; `models.policy` is in eval mode.
+    """
+    cfg = run_config(run_dir)
+    # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.
+    cfg = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
+    task = build_task(cfg.task)
+    models = build_models(cfg, task, resolve_device(device))
+    if adapter:
+        load_adapter(models.policy, Path(run_dir) / "final" / "adapter")
+    models.policy.eval()
+    return cfg, task, models
+
+
+@dataclass
+class EvalCommand:
+    """`python -m qerl_exp.eval run_dir=RUN [key=value ...]`: which run to evaluate and how.
+
+    The keys k, n, max_new_tokens and batch_size set `EvalConfig` (the settings in-training
+    evaluation takes from `eval.*`); the others are these fields.
+
+    Args:
+        run_dir: the finished run's directory (holds `config.json` and `final/adapter`).
+        eval: k, n, max_new_tokens (0 uses the run's `algo.max_new_tokens`) and batch_size.
+        adapter: load the trained LoRA; false scores the quantized base alone (the baseline).
+        limit: score only the first `limit` held-out problems; 0 scores all. The split itself is
+            always the run's (`task.eval_size` from its config), so training problems never leak in.
+        temperature: temperature of the pass@k samples; 0 uses the run's `algo.temperature`.
+        top_p: nucleus threshold of the pass@k samples; 0 uses the run's `algo.top_p`.
+        device: `auto` (CUDA when present), `cpu` or `cuda`.
+        seed: seed of the sampling stream.
+        tracker: W&B mode for the results: `run` follows the run's `tracker.mode`; or `offline`,
+            `online`, `disabled`.
+        out: output file name inside run_dir, refused when it exists; empty means the first free
+            one of `eval.json`, `eval-2.json`, ... (`eval_base*.json` when adapter=false).
+        verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
+    """
+
+    run_dir: str = ""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    adapter: bool = True
+    limit: int = 0
+    temperature: float = 0.0
+    top_p: float = 0.0
+    device: str = "auto"
+    seed: int = 0
+    tracker: str = "run"
+    out: str = ""
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise UsageError(message)
+
+        check(bool(self.run_dir), "run_dir=<a run directory> is required")
+        for name in ("limit", "temperature", "top_p"):
+            check(getattr(self, name) >= 0, f"{name} must be >= 0")
+        check(self.top_p <= 1, "top_p must be <= 1")
+        check(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
+        check(self.tracker in ("run", "offline", "online", "disabled"),
+              f"tracker={self.tracker!r} is not valid; choose one of: run, offline, online, disabled")
+
+
+# The command-line keys that set EvalConfig (its `every` is for training runs only).
+_EVAL_KEYS = ("k", "n", "max_new_tokens", "batch_size")
+
+
+def parse_args(argv: list[str]) -> EvalCommand:
+    """`key=value` arguments into an `EvalCommand` and its `EvalConfig`; raises `UsageError` naming
+    the bad argument."""
+    eval_types = {f.name: f.type for f in fields(EvalConfig) if f.name in _EVAL_KEYS}
+    own_types = {f.name: f.type for f in fields(EvalCommand) if f.name != "eval"}
+    types = {"run_dir": "str", **eval_types, **own_types}
+    values = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        if not sep:
+            raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
+        if key not in types:
+            raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                values[key] = raw.lower() in ("true", "1", "yes")
+            else:
+                values[key] = {"int": int, "float": float, "str": str}[kind](raw)
+        except ValueError:
+            raise UsageError(f"bad value for {key!r}: {raw!r} is not a {kind}") from None
+    try:
+        settings = EvalConfig(**{k: values.pop(k) for k in _EVAL_KEYS if k in values})
+    except ConfigError as e:  # its messages name eval.KEY; here the key is KEY
+        raise UsageError(str(e).replace("eval.", "")) from None
+    return EvalCommand(eval=settings, **values)
+
+
+def _new_output(run_dir: Path, out: str, adapter: bool) -> Path:
+    """Create the empty output file of this evaluation (never one another evaluation wrote)."""
+    stem = "eval" if adapter else "eval_base"
+    names = [out] if out else (f"{stem}.json" if i == 1 else f"{stem}-{i}.json" for i in itertools.count(1))
+    for name in names:
+        try:
+            (run_dir / name).open("x").close()
+            return run_dir / name
+        except FileExistsError:
+            continue
+    raise ValueError(f"out={out}: {run_dir / out} holds another evaluation's results; choose another name")
+
+
+def evaluate_run(args: EvalCommand) -> dict[str, float]:
+    """Evaluate a finished run and write its results to a new file in `args.run_dir`.
+
+    Args:
+        args: the run directory and the evaluation settings (`EvalCommand`); `args.out` is set
+            to the name of the file written.
+
+    Returns:
+        The `eval/...` metrics, also written to the output file together with the settings and
+        one row per problem (question, reference, greedy completion, verdicts).
+
+    Example:
+        >>> evaluate_run(EvalCommand(run_dir="runs/my-run", eval=EvalConfig(k=8)))["eval/pass@8"]  # doctest: +SKIP
+    """
+    run_dir = Path(args.run_dir)
+    if args.out and (run_dir / args.out).exists():
+        raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
+    cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
+    algo = cfg.algo
+    problems = task.eval_problems()[: args.limit or None]
+    settings = args.eval
+    bar = progress.Progress(len(problems) * (1 + ((settings.n or settings.k) if settings.k else 0)), "eval", unit="seq",
+                            fields=())
+    metrics, rows = score(
+        models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
+        temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
+        max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
+        seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
+    )
+    adapter = str(run_dir / "final" / "adapter") if args.adapter else None
+    record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
+              "args": asdict(args), "metrics": metrics, "problems": rows}
+    out = _new_output(run_dir, args.out, args.adapter)
+    write_atomic(out, json.dumps(record, indent=2))
+    args.out = out.name
+    mode = cfg.tracker.mode if args.tracker == "run" else args.tracker
+    if mode != "disabled":
+        _log_wandb(run_dir, cfg, metrics, mode, adapter)
+    return metrics
+
+
+def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter: str | None) -> None:
+    """A W&B run of job type `eval` beside the training run (same project and task group)."""
+    import wandb  # only when the results go to W&B: importing it takes seconds
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    saved = json.loads((run_dir / "config.json").read_text())
+    run = wandb.init(
+        dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
+        name=f"{run_dir.name}-eval", group=cfg.task.name, job_type="eval",
+        tags=run_tags(saved.get("choices", {})) + (["adapter:none"] if adapter is None else []),
+        config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
+        settings=wandb.Settings(console="off", x_disable_stats=True),
+    )
+    run.log({"step": cfg.train.steps, **metrics})
+    run.summary.update(metrics)
+    run.finish()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m qerl_exp.eval`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: python -m qerl_exp.eval run_dir=RUN [key=value ...]\n\n{EvalCommand.__doc__}\n{EvalConfig.__doc__}")
+        return
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        fail(str(e))
+    try:
+        with logs.quiet(args.verbose):
+            metrics = evaluate_run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
+    shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))
+    print(f"{shown}\nwritten: {Path(args.run_dir) / args.out}")
+
+
+if __name__ == "__main__":
+    main()
