@@ -55,7 +55,7 @@ def test_a_prompt_samples_the_same_completions_in_any_batch(tiny_policy):
     cfg, task, models = tiny_policy
     tok, algo, cpu = models.tokenizer, cfg.algo, torch.device("cpu")
     prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in task.sample(4, np.random.default_rng(0))]
-    sampler = HFSampler(models.sampler, tok)
+    sampler = HFSampler(models.sampler.module, tok)
     G = algo.group_size
     whole = sample(sampler, tok, prompts, algo, cpu, seeds=row_seeds(5, 3, range(4), G))
     share = sample(sampler, tok, prompts[2:], algo, cpu, seeds=row_seeds(5, 3, range(2, 4), G))
