@@ -25,6 +25,10 @@ TINY_RUN = ["tracker.mode=disabled", "train.prompts_per_step=2", "algo.group_siz
 # runs spin against each other on 2 cores, and float sums over 1 and 2 threads differ in the last
 # bits on some CPUs, so runs compared bit for bit must use the same count.
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would
+# every run it starts (a Ctrl-C test would then see its run finish): give its processes the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel workers: one thread each, as the subprocesses
     import torch
 
