@@ -6,7 +6,9 @@
 Runs `qerl_exp.train.run` in this process with `torch.cuda.memory._record_memory_history` on, saves
 the snapshot (`snapshot.pickle`, readable at https://pytorch.org/memory_viz), then replays its
 allocation trace to find the moment of the highest allocated total and prints the blocks live then,
-summed by the innermost frame outside torch and the innermost project frame. The replay starts from the blocks live when recording began, so nothing is missed.
+summed by the innermost frame outside torch and the innermost project frame. Recording starts
+before the run allocates and keeps 2M events: "replayed peak" equals CUDA's max allocated unless the
+trace overflowed.
 """
 
 from __future__ import annotations
@@ -43,27 +45,27 @@ def owner(frames: list[dict]) -> str:
 
 
 def live_at_peak(snapshot: dict) -> tuple[int, list[tuple[int, str]]]:
-    """Replay the trace of device 0; return the peak allocated bytes and the (size, owner) blocks live then."""
-    live: dict[int, tuple[int, str]] = {}
-    # Blocks already allocated when recording started have no trace event: seed them from the
-    # segments, whose `frames` are empty for those (their owner is unknown: "before recording").
+    """Replay the trace of device 0; return the peak allocated bytes and the (size, owner) blocks live then.
+
+    Recording starts before the run allocates anything, so the trace holds every block's allocation.
+    """
     trace = snapshot["device_traces"][0] if snapshot["device_traces"] else []
-    traced = {e["addr"] for e in trace if e["action"] == "alloc"}
-    for seg in snapshot["segments"]:
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated" and block["address"] not in traced:
-                live[block["address"]] = (block["size"], "before recording / unknown")
-    total = sum(s for s, _ in live.values())
-    peak, at_peak = total, dict(live)
-    for e in trace:
+    sizes, total, peak, peak_at = {}, 0, 0, -1
+    for i, e in enumerate(trace):  # first pass: when the total was highest
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], owner(e.get("frames", [])))
+            sizes[e["addr"]] = e["size"]
             total += e["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
-        elif e["action"] in ("free_requested",) and e["addr"] in live:
-            total -= live.pop(e["addr"])[0]
-    return peak, list(at_peak.values())
+                peak, peak_at = total, i
+        elif e["action"] == "free_requested" and e["addr"] in sizes:
+            total -= sizes.pop(e["addr"])
+    live: dict[int, dict] = {}
+    for e in trace[: peak_at + 1]:  # second pass: which blocks were live then
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    return peak, [(e["size"], owner(e.get("frames", []))) for e in live.values()]
 
 
 def main() -> None:
