@@ -25,12 +25,19 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qerl_exp import distributed
 from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
 from qerl_exp.metrics import clip_metrics
 from qerl_exp.rollout import Rollout
+
+# Attention kernels of the learner's forward and backward. Not cuDNN's: on torch 2.11 with an H100/H200
+# its backward returns NaN dQ when the length is 64 mod 128 and a query row is fully masked, which every
+# left-padded prompt's padding rows are (pytorch/pytorch#196678; SmolLM2 runs skipped every step whose
+# micro-batch was 64 + 128 tokens long). The others are exact there.
+LEARNER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -83,7 +90,7 @@ def rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
     )
 
 
-def _micro_batches(index: torch.Tensor, size: int) -> list[torch.Tensor]:
+def micro_batches(index: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(index.split(size)) if size > 0 else [index]
 
 
@@ -94,7 +101,7 @@ def score_all(policy, rollout: Rollout, temperature: float, micro: int) -> tuple
     logp = rollout.sampler_logp.new_zeros(b, t)
     entropy = torch.zeros_like(logp)
     with torch.no_grad():
-        for idx in _micro_batches(torch.arange(b, device=logp.device), micro):
+        for idx in micro_batches(torch.arange(b, device=logp.device), micro):
             sub = rows(rollout, idx)
             lp, ent = score_completions(policy, sub, temperature)
             logp[idx, : lp.shape[1]] = lp
@@ -145,10 +152,12 @@ def update_policy(
             normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
             optimizer.zero_grad(set_to_none=True)
             loss, dev = 0.0, 0.0
-            for idx in _micro_batches(mini, train.micro_batch_size):
+            for idx in micro_batches(mini, train.micro_batch_size):
                 sub = rows(rollout, idx)
                 w = sub.completion_ids.shape[1]
-                logp, entropy = score_completions(policy, sub, algo.temperature, entropy_grad=algo.entropy_coef != 0)
+                with sdpa_kernel(LEARNER_ATTENTION):
+                    logp, entropy = score_completions(policy, sub, algo.temperature,
+                                                      entropy_grad=algo.entropy_coef != 0)
                 if not reuse:  # one update: the learner before it is the old policy
                     old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
                 per_token, ratio = policy_loss(
@@ -158,7 +167,8 @@ def update_policy(
                 )
                 mask = loss_mask[idx, :w]
                 part = aggregate(per_token, mask, algo.loss_agg, normalizer)
-                part.backward()
+                with sdpa_kernel(LEARNER_ATTENTION):  # checkpointed layers run their forward again here
+                    part.backward()
                 loss += part.item()
                 on = mask.bool()
                 ratios.append(ratio[on])

@@ -6,20 +6,22 @@ update, and the base is built one block at a time."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_models
+from conftest import tiny_models, tiny_qwen2, with_lora
+from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.config import ModelConfig, QuantConfig
 from qerl_exp.learner import rows, update_policy
 from qerl_exp.loss import completion_logits, score_completions, token_logp
 from qerl_exp.metrics import entropy_from_logits
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
-from qerl_exp.rollout import HFSampler, sample
+from qerl_exp.rollout import HFSampler, Rollout, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 from qerl_exp.warmup import build
 
@@ -137,8 +139,6 @@ def test_ratio_is_one_in_the_first_update_only(setup):
 
 
 def test_rows_drop_only_padding_no_row_uses():
-    from qerl_exp.rollout import Rollout
-
     pm = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
     cm = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
     ids = torch.arange(12).view(3, 4)
@@ -163,3 +163,40 @@ def test_blockwise_build_quantizes_each_block_before_the_next_exists():
     assert len(seen) == 3 and all(isinstance(b.self_attn.q_proj, FP4Linear) for b in model.model.layers)
     assert model.lm_head.weight.shape == (320, 128) and model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.isfinite(model(input_ids=torch.randint(0, 320, (2, 6))).logits).all()
+
+
+def test_monitor_in_parts_equals_the_whole_batch(setup):
+    """The noise monitor scored `micro` completions at a time gives the whole batch's token means."""
+    from qerl_exp.noise import AQN
+    from qerl_exp.train import _monitor
+
+    cfg, policy, rollout = setup
+    noise = dataclasses.replace(cfg.noise, schedule="fixed", sigma=0.05)
+    _, _, models = tiny_models("model.warmup.max_steps=0", "quant=nvfp4", "lora.r=8", "train.device=cpu")
+    reference, sampler = models.reference, models.sampler.module
+    aqn = AQN(sampler, noise, seed=3)
+    aqn.draw(0.05)
+    whole = _monitor(policy, sampler, reference, aqn, rollout, 1.0, 0)
+    parts = _monitor(policy, sampler, reference, aqn, rollout, 1.0, 3)
+    assert set(whole) == {"entropy_gain", "quant/kl"} and whole["quant/kl"] > 0
+    assert parts == pytest.approx(whole, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_learner_gradient_is_finite_where_cudnn_attention_backward_is_not():
+    """pytorch#196678 (torch 2.11, H100/H200): cuDNN's SDPA backward gives NaN dQ for lengths 64 mod 128
+    when a query row is fully masked, as a left-padded prompt's padding rows are. The learner's update
+    on such a batch (64 prompt + 128 completion tokens, head dim 64) takes a finite step."""
+    policy = with_lora(tiny_qwen2(hidden=128, heads=2, kv=2, max_positions=256)).cuda().to(torch.bfloat16)
+    b, p, t = 8, 64, 128
+    g = torch.Generator().manual_seed(0)
+    prompt_mask = (torch.arange(p)[None, :] >= 4 * torch.arange(b)[:, None]).long()  # row i: 4 i pads on the left
+    ids = torch.randint(0, 96, (b, p + t), generator=g)
+    rollout = Rollout(ids[:, :p].cuda(), prompt_mask.cuda(), ids[:, p:].cuda(), torch.ones(b, t, dtype=torch.long).cuda(),
+                      torch.zeros(b, t).cuda(), torch.zeros(b, t).cuda(), torch.zeros(b, dtype=torch.bool).cuda(),
+                      [""] * b)
+    params = [q for q in policy.parameters() if q.requires_grad]
+    update = update_policy(policy, torch.optim.SGD(params, lr=0.0), params, rollout, torch.linspace(-1, 1, b).cuda(),
+                           rollout.completion_mask, AlgoConfig(), TrainConfig(micro_batch_size=0))
+    assert update.skipped == 0 and math.isfinite(update.grad_norm) and update.grad_norm > 0
