@@ -90,6 +90,7 @@ def run(
     choices: dict[str, str] | None = None,
     group: str = "",
     on_step: StepCallback | None = None,
+    stop: rundir.StopSignals | None = None,
 ) -> dict[str, float]:
     """Train one policy with GRPO/DAPO from quantized rollouts and return its summary.
 
@@ -105,6 +106,9 @@ def run(
         group: the W&B group (a multirun or a sweep).
         on_step: called with `(step, metrics)` after each step; it may raise to stop the run
             (e.g. an Optuna pruner).
+        stop: where stop requests come from: once its `signum` is set, the run finishes the step,
+            checkpoints it and raises `rundir.Interrupted`. None: this process's SIGINT and SIGTERM
+            (`rundir.StopSignals`); a sweep worker passes its own.
 
     Returns:
         The summary also written to `summary.json`.
@@ -119,7 +123,7 @@ def run(
     choices = choices or {}
     config = run_config(cfg, choices)
     with distributed.claim(run_dir, config):
-        return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step)
+        return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step, stop)
 
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
@@ -128,7 +132,7 @@ def run_config(cfg: Config, choices: dict[str, str]) -> dict:
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
-           group: str, on_step: StepCallback | None) -> dict[str, float]:
+           group: str, on_step: StepCallback | None, stop: rundir.StopSignals | None) -> dict[str, float]:
     """The body of `run`, in a run directory this process owns."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
@@ -184,7 +188,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id) if distributed.is_main() else NoTracker()
     bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
-    stop = rundir.StopSignals()
+    stop = rundir.StopSignals() if stop is None else stop
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()

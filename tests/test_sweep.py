@@ -94,6 +94,8 @@ def test_shipped_specs_validate_against_the_config():
     multi = load_plan(ROOT / "sweeps" / "multi_objective.yaml", [])
     assert multi.directions == ["maximize", "maximize"] and multi.pruner["name"] == "none"
     assert multi.params[-1].when == {"noise": ["exp"]}
+    smol = load_plan(ROOT / "sweeps" / "smollm2.yaml", [])
+    assert smol.grid and smol.n_trials == 12 and "model=smollm2-135m" in smol.overrides
 
 
 def test_objective_reads_the_tail_or_the_area():
@@ -251,14 +253,22 @@ def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
     for f in failed:  # each retried exactly once, with its parameters, and finished
         retries = [t for t in trials if t.system_attrs.get("failed_trial") == f.number]
         assert len(retries) == 1 and retries[0] in done and retries[0].params == f.params
-    for t in done:  # every finished trial is one ordinary run directory with its summary
+    for t in done:  # every finished trial is one ordinary run directory with its summary; a retry's is
+        owner = t.system_attrs.get("failed_trial", t.number)  # the one of the trial it repeats
         run_dir = Path(t.user_attrs["run_dirs"][0])
         finished = "summary.json" if t.state == TrialState.COMPLETE else "metrics.jsonl"  # pruned: stopped early
-        assert run_dir.name == f"trial{t.number:04d}_s0" and (run_dir / finished).exists()
+        assert run_dir.name == f"trial{owner:04d}_s0" and (run_dir / finished).exists()
         config = json.loads((run_dir / "config.json").read_text())
-        assert config["choices"]["study"] == "noise_schedule" and config["choices"]["trial"] == str(t.number)
+        assert config["choices"]["study"] == "noise_schedule" and config["choices"]["trial"] == str(owner)
         assert config["seed"] == 0 and config["train"]["steps"] == 10
-    assert not (Path(failed[0].user_attrs["run_dirs"][0]) / "summary.json").exists()
+    # The Ctrl-C'd trial's run checkpointed its step; its retry continued that run rather than
+    # starting over, and logged each step once.
+    victim_dir = Path(interrupted.user_attrs["run_dirs"][0])
+    logs = "".join(p.read_text() for p in (sweep_dir / "logs").glob("*.log"))
+    assert f"resuming {victim_dir} at step " in logs, logs[-3000:]
+    steps = [json.loads(line)["step"] for line in (victim_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(steps) == list(range(10)) and (victim_dir / "summary.json").exists()
+    assert not list((sweep_dir / "trials").glob(f"trial{retry[0].number:04d}_s*"))
 
     # Reports: best overrides (ready to rerun), trials.csv, plots; a progress bar ran on stderr.
     best = yaml.safe_load((sweep_dir / "best_overrides.yaml").read_text())

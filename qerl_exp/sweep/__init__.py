@@ -6,8 +6,8 @@ objective(s), the sampler and the pruner, and the command line adds settings and
 
     python -m qerl_exp.sweep sweeps/noise_schedule.yaml n_trials=6 train.steps=6
 
-Each trial is an ordinary run directory (`SWEEP_DIR/trials/trialNNNN_sS`) and W&B run, grouped
-under the study name; workers on one machine (`n_jobs`) or many (`storage=postgresql://...`) share
+Each trial is an ordinary run directory (`SWEEP_DIR/trials/trialNNNN_sS`; a retry of an interrupted
+or dead trial continues that trial's) and W&B run, grouped under the study name; workers on one machine (`n_jobs`) or many (`storage=postgresql://...`) share
 one study. Modules: `spec` (the YAML and its validation), `study` (storage, claim lock, worker
 loop), `report` (best overrides, trials.csv, plots). See docs/sweeps.md.
 

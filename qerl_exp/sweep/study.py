@@ -236,17 +236,26 @@ def finished(c: dict[TrialState, int]) -> int:
 
 class Signals:
     """SIGINT/SIGTERM request a stop; inside `interruptible()` they also raise KeyboardInterrupt
-    at once, except within `deferred()` (storage writes), after which it is raised."""
+    at once, except within `deferred()` (storage writes), after which it is raised, and within
+    `graceful()` (a training run), where the first one lets the run checkpoint its step first.
+
+    Passed to `train.run` as its `stop` (`signum`, `restore`), so that a trial's retry continues
+    the run from that checkpoint."""
 
     def __init__(self) -> None:
         self.stop = False
+        self.signum = 0
         self._armed = False
+        self._graceful = False
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.stop = True
-        if self._armed:
+        first = not self.stop
+        self.stop, self.signum = True, self.signum or signum
+        if self._graceful and first:
+            return  # the run stops after this step (train.run reads `signum`)
+        if self._armed or self._graceful:
             self._armed = False
             raise KeyboardInterrupt
 
@@ -261,13 +270,28 @@ class Signals:
             self._armed = False
 
     @contextmanager
+    def graceful(self):
+        """Around `train.run(..., stop=signals)`: a first signal ends the run after its step, which it
+        checkpoints (raising `rundir.Interrupted`, a KeyboardInterrupt); a second one at once."""
+        if self.stop:
+            raise KeyboardInterrupt
+        self._graceful = True
+        try:
+            yield self
+        finally:
+            self._graceful = False
+
+    def restore(self) -> None:
+        """`train.run` gives its `stop` back at the end: the worker's handlers stay."""
+
+    @contextmanager
     def deferred(self):
         armed, self._armed = self._armed, False
         try:
             yield
         finally:
             self._armed = armed and not self.stop
-        if armed and self.stop:
+        if armed and self.stop and not self._graceful:
             raise KeyboardInterrupt
 
     def sleep(self, seconds: float) -> None:
@@ -359,6 +383,10 @@ def _objective_values(plan: Plan, run_dir: Path, steps: int) -> list[float]:
             for o in plan.objectives]
 
 
+def _run_dir(plan: Plan, trial_number: int, seed: int) -> Path:
+    return plan.sweep_dir / "trials" / f"trial{trial_number:04d}_s{seed}"
+
+
 def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optuna.Trial, signals: Signals,
               log=print) -> TrialState:
     """Run one trial (one run per seed) and tell the study how it ended.
@@ -382,19 +410,24 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
             trial.set_user_attr("worker", f"{host()}:{os.getpid()}")
             trial.set_user_attr("worker_pid", os.getpid())
             seeds = trial_seeds(plan, values)
-            trial.set_user_attr("run_dirs", [str(plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{s}") for s in seeds])
+            # A retry (of an interrupted or dead trial) continues the runs of the trial it repeats, from
+            # their last checkpoints: GPU hours already spent are not spent again.
+            owner = storage.get_trial(_trial_id(trial)).system_attrs.get("failed_trial", trial.number)
+            trial.set_user_attr("run_dirs", [str(_run_dir(plan, owner, s)) for s in seeds])
         shown_values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         log(f"trial {trial.number} started: {shown_values}")
         per_seed: list[list[float]] = []
         with signals.interruptible():
             for i, seed in enumerate(seeds):
-                run_dir = plan.sweep_dir / "trials" / f"trial{trial.number:04d}_s{seed}"
+                run_dir = _run_dir(plan, owner, seed)
                 run_dirs.append(str(run_dir))
                 cfg, choices = compose_trial(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
-                choices.update({"study": plan.study_name, "trial": str(trial.number)})
+                choices.update({"study": plan.study_name, "trial": str(owner)})
                 choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
                 reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
-                run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter)
+                if not (run_dir / "summary.json").exists():  # finished before the trial was cut: kept
+                    with signals.graceful():
+                        run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter, stop=signals)
                 per_seed.append(_objective_values(plan, run_dir, cfg.train.steps))
         result = [sum(v[j] for v in per_seed) / len(per_seed) for j in range(len(plan.objectives))]
         heartbeat.stop()
