@@ -109,6 +109,7 @@ def score_all(policy, rollout: Rollout, temperature: float, micro: int) -> tuple
     return logp, entropy
 
 
+@sdpa_kernel(LEARNER_ATTENTION)  # forward, backward, and the forwards that checkpointing reruns in backward
 def update_policy(
     policy,
     optimizer: torch.optim.Optimizer,
@@ -155,9 +156,7 @@ def update_policy(
             for idx in micro_batches(mini, train.micro_batch_size):
                 sub = rows(rollout, idx)
                 w = sub.completion_ids.shape[1]
-                with sdpa_kernel(LEARNER_ATTENTION):
-                    logp, entropy = score_completions(policy, sub, algo.temperature,
-                                                      entropy_grad=algo.entropy_coef != 0)
+                logp, entropy = score_completions(policy, sub, algo.temperature, entropy_grad=algo.entropy_coef != 0)
                 if not reuse:  # one update: the learner before it is the old policy
                     old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
                 per_token, ratio = policy_loss(
@@ -167,8 +166,7 @@ def update_policy(
                 )
                 mask = loss_mask[idx, :w]
                 part = aggregate(per_token, mask, algo.loss_agg, normalizer)
-                with sdpa_kernel(LEARNER_ATTENTION):  # checkpointed layers run their forward again here
-                    part.backward()
+                part.backward()
                 loss += part.item()
                 on = mask.bool()
                 ratios.append(ratio[on])

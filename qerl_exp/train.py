@@ -18,7 +18,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,12 @@ from qerl_exp.tasks import build_task
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class StopRequest(Protocol):
+    """Where a run's stop requests come from: nonzero `signum` once one came."""
+
+    signum: int
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -90,7 +96,7 @@ def run(
     choices: dict[str, str] | None = None,
     group: str = "",
     on_step: StepCallback | None = None,
-    stop: rundir.StopSignals | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, float]:
     """Train one policy with GRPO/DAPO from quantized rollouts and return its summary.
 
@@ -107,8 +113,8 @@ def run(
         on_step: called with `(step, metrics)` after each step; it may raise to stop the run
             (e.g. an Optuna pruner).
         stop: where stop requests come from: once its `signum` is set, the run finishes the step,
-            checkpoints it and raises `rundir.Interrupted`. None: this process's SIGINT and SIGTERM
-            (`rundir.StopSignals`); a sweep worker passes its own.
+            checkpoints it and raises `rundir.Interrupted`. None: this process's SIGINT and SIGTERM,
+            caught for the run (`rundir.StopSignals`); a sweep worker passes its own signals.
 
     Returns:
         The summary also written to `summary.json`.
@@ -132,7 +138,7 @@ def run_config(cfg: Config, choices: dict[str, str]) -> dict:
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
-           group: str, on_step: StepCallback | None, stop: rundir.StopSignals | None) -> dict[str, float]:
+           group: str, on_step: StepCallback | None, stop: StopRequest | None) -> dict[str, float]:
     """The body of `run`, in a run directory this process owns."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
@@ -188,7 +194,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id) if distributed.is_main() else NoTracker()
     bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
-    stop = rundir.StopSignals() if stop is None else stop
+    signals = rundir.StopSignals() if stop is None else None
+    stop = signals if signals is not None else stop
     try:
         for step in range(start, cfg.train.steps):
             t_step = time.perf_counter()
@@ -305,7 +312,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         tracker.abort()
         raise
     finally:
-        stop.restore()
+        if signals is not None:
+            signals.restore()
 
 
 def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:
@@ -320,7 +328,7 @@ def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> N
 def _monitor(policy, sampler, reference, aqn: AQN, rollout, temperature: float, micro: int) -> dict[str, float]:
     """Reference (full-precision base + the same LoRA) vs the sampler, on the rollout batch, `micro`
     completions at a time (0: all at once): the full-vocabulary logits of a whole batch are several
-    GiB (64 x 128 tokens x 49k fp32 is 1.6 GiB a copy). Token means of the parts, weighted by their
+    GiB (64 x 128 tokens x 49k fp32 is 1.5 GiB a copy). Token means of the parts, weighted by their
     tokens, are the batch's."""
     sync_lora(policy, reference)
     reference.eval()
@@ -344,7 +352,8 @@ class OutOfMemory(RuntimeError):
 _LOWER = {
     M.Phase.ROLLOUT: "lower train.prompts_per_step, algo.group_size or algo.max_new_tokens",
     M.Phase.REFERENCE: "set train.micro_batch_size (e.g. 1) or turn on train.gradient_checkpointing=true",
-    M.Phase.MONITOR: "set monitor.every=0 (the full-precision reference doubles the weights)",
+    M.Phase.MONITOR: "set train.micro_batch_size (the monitor scores that many completions at a time) or "
+                     "monitor.every=0 (the full-precision reference doubles the weights)",
     M.Phase.LEARNER: "set train.micro_batch_size (e.g. 1), train.gradient_checkpointing=true, or lower algo.max_new_tokens",
 }
 

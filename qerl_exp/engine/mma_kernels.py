@@ -14,19 +14,21 @@ and applies the tensor scale, bias, LoRA expand, GLU, residual, next shrink and 
 RMSNorm and the LoRA shrink run before it in one `norm_shrink` launch (on load, every program would
 renormalise its whole [BLOCK_M, K] activation slice).
 
-The fallback dequantizes each segment with `triton_kernels._nvfp4_dequant_kernel` (scaled by 2^-10
+The fallback dequantizes each segment with `layout.weight_of` (its tensor scale replaced by 2^-10
 so the epilogue's output scale, which undoes the kernels' 2^-6 and 1/16, applies unchanged), has
 cuBLAS multiply in the model dtype, and copies the product into the workspace for that epilogue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
 from qerl_exp.engine import triton_kernels as tk
+from qerl_exp.engine.layout import weight_of
 
 try:  # CPU builds of torch ship without Triton (the engine then runs its torch twins)
     import triton
@@ -145,10 +147,7 @@ def launch_dequant(plan, x: Tensor) -> int:
     ws = plan.workspace
     col = 0
     for w in plan.packed:
-        deq = torch.empty(w.n, w.k, dtype=x.dtype, device=x.device)
-        bn = math.gcd(w.n, 64)
-        tk._nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, deq, w.k, 2.0**-10,
-                                                         ASM=not tk.interpreting(), BLOCK_N=bn)
+        deq = weight_of(dataclasses.replace(w, out_scale=2.0**-10), x.dtype)
         ws[0, :m, col:col + w.n].copy_(torch.mm(x, deq.t()))
         col += w.n
     return 1

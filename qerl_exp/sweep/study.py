@@ -239,8 +239,8 @@ class Signals:
     at once, except within `deferred()` (storage writes), after which it is raised, and within
     `graceful()` (a training run), where the first one lets the run checkpoint its step first.
 
-    Passed to `train.run` as its `stop` (`signum`, `restore`), so that a trial's retry continues
-    the run from that checkpoint."""
+    Passed to `train.run` as its `stop` (`signum`), so that a trial's retry continues the run from
+    that checkpoint."""
 
     def __init__(self) -> None:
         self.stop = False
@@ -277,12 +277,9 @@ class Signals:
             raise KeyboardInterrupt
         self._graceful = True
         try:
-            yield self
+            yield
         finally:
             self._graceful = False
-
-    def restore(self) -> None:
-        """`train.run` gives its `stop` back at the end: the worker's handlers stay."""
 
     @contextmanager
     def deferred(self):
