@@ -24,7 +24,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
 | perf/rollout_tok_s | completion tokens generated per second of rollout wall time (data-parallel: all ranks' tokens over the slowest rank's time) |
 | perf/step_s | wall time of the whole step |
-| timing_s/rollout, timing_s/reference, timing_s/learner, timing_s/optimizer | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run; each the slowest rank's) |
+| timing_s/rollout, timing_s/reference, timing_s/monitor, timing_s/learner, timing_s/optimizer, timing_s/sync | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the noise monitor (0 on steps it skips), in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run), in re-quantizing a separate sampler (`rollout.quant`; 0 without one); each the slowest rank's |
 | mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |
@@ -67,6 +67,7 @@ class Phase:
     MONITOR = "monitor"
     LEARNER = "learner"
     OPTIMIZER = "optimizer"
+    SYNC = "sync"  # bringing a separate sampler up to the updated policy (re-quantization)
 
 
 # Prefixes of the metrics that measure the machine rather than the run (wall times, process and

@@ -16,6 +16,7 @@ from torch import nn
 from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.pretrained import load_pretrained
 from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize_linear, quantize_model
+from qerl_exp.quant.fp4 import FP4Linear
 from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
 from qerl_exp.warmup import build, load_or_warm_up
 
@@ -140,7 +141,8 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
 
 @torch.no_grad()
 def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig, dtype: torch.dtype) -> None:
-    """Quantize the policy's current weights (base + LoRA, merged) into the sampler's linears.
+    """Quantize the policy's current weights (base + LoRA, merged) into the sampler's linears:
+    an NVFP4/MXFP4 layer already there is updated in place, anything else is replaced.
 
     Args:
         policy: the peft-wrapped learner (its base may itself be quantized).
@@ -158,6 +160,10 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         if isinstance(src, LoraLayer):
             for adapter in src.active_adapters:
                 weight = weight + src.get_delta_weight(adapter).float()
+        current = getattr(parent, attr)
+        if isinstance(current, FP4Linear) and current.format == quant.format:
+            current.requantize_(weight.to(dtype))  # in place: the rollout engine keeps its buffers and graphs
+            continue
         # skip_init: nn.Linear's random init would draw from torch's RNG, which a resumed run has
         # just restored (its rollouts would then differ from the uninterrupted run's)
         merged = torch.nn.utils.skip_init(nn.Linear, weight.shape[1], weight.shape[0], bias=base.bias is not None,

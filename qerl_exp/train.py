@@ -246,11 +246,13 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
 
             # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}
+            t_mon = learner.clock(device)
             if reference is not None and step % cfg.monitor.every == 0:
                 with _phase(M.Phase.MONITOR):
                     step_metrics.update(distributed.weighted_mean(
                         _monitor(policy, sampling, reference, aqn, rollout, algo.temperature, cfg.train.micro_batch_size),
                         float(mask.sum())))
+            monitor_s = learner.clock(device) - t_mon
 
             # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
             policy.train()
@@ -263,8 +265,10 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             finite = update.skipped == 0
             nonfinite = 0 if finite else nonfinite + 1
             lr_sched.step()
+            t_sync = learner.clock(device)
             if finite:
                 models.sampler.sync()
+            sync_s = learner.clock(device) - t_sync
 
             if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
                 step_metrics.update(evaluate(
@@ -273,7 +277,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                     batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
             # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
             phases = distributed.maximum({M.Phase.ROLLOUT: rollout_s, M.Phase.REFERENCE: reference_s,
-                                          M.Phase.LEARNER: update.learner_s, M.Phase.OPTIMIZER: update.optimizer_s,
+                                          M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
+                                          M.Phase.OPTIMIZER: update.optimizer_s, M.Phase.SYNC: sync_s,
                                           "step": time.perf_counter() - t_step})
             gather = distributed.gather
             step_metrics.update(M.step_metrics(

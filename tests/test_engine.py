@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import import_or_skip, tiny_qwen2, with_lora
 from qerl_exp.engine import launch, layout, reference
@@ -289,6 +290,33 @@ def test_engine_sees_inplace_lora_and_norm_updates_and_rebuilds_on_realloc():
     lin = base.model.layers[0].self_attn.q_proj.lora_A["default"]
     lin.weight.data = lin.weight.data * 3  # re-allocated: the engine must notice
     with pytest.warns(UserWarning, match="re-allocated"):
+        out = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert torch.equal(out, hf_greedy(model, ids, mask, 8))
+
+
+def _requantize_every_fp4_layer(model, factor):
+    """`FP4Linear.requantize_` each base with its own weight times `factor` (a negative one flips
+    the codes' signs; 2 moves only the NVFP4 tensor scale), as the nvfp4_rollout sampler's sync does."""
+    layers = [m for m in model.modules() if isinstance(m, FP4Linear)]
+    for layer in layers:
+        layer.requantize_(layer.dequantize() * factor)
+    return layers
+
+
+def test_engine_follows_fp4_layers_requantized_in_place_or_replaced():
+    # the nvfp4_rollout sampler is re-quantized after every update: the engine must sample the new
+    # weights (it once kept the first ones), whether a layer changed in place or was replaced
+    model = tiny_model(quant="nvfp4")
+    ids, mask = prompts()
+    eng = FastEngine(model, 4, 32, backend="torch")
+    before = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    _requantize_every_fp4_layer(model, -1.5)
+    after = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert not torch.equal(before, after)
+    assert torch.equal(after, hf_greedy(model, ids, mask, 8))
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    q.base_layer = FP4Linear.from_linear(nn.Linear(64, 64), "nvfp4")
+    with pytest.warns(UserWarning, match="layer replaced"):
         out = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
     assert torch.equal(out, hf_greedy(model, ids, mask, 8))
 
@@ -591,7 +619,8 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
         ws = [(torch.randn(n, 256, device="cuda") * 0.05).bfloat16() for n in segs]
         a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
         b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
-        lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu)
+        lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
+                      [None] * len(segs))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
         ref = _linear_torch(lin, x) + (res if res is not None else 0)
         out = _prefill_linear(lin, x, None, residual=res)
@@ -688,6 +717,32 @@ def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
     assert {k: v[0] for k, v in eng._prefills.items()} == prefills
     assert not torch.equal(before, after)
     assert_greedy_like_hf(model, ids, mask, after, hf_greedy(model, ids, mask, 12))
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp4_layers_requantized_in_place_are_seen_without_recapture():
+    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
+    eng = FastEngine(model, 8, 64)
+    eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0)
+    before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill captured
+    graphs, prefills = dict(eng._graphs), {k: v[0] for k, v in eng._prefills.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # in place: no rebuild
+        first = next(m for m in model.modules() if isinstance(m, FP4Linear))
+        want = quantize_nvfp4(first.dequantize() * 2.0).dequantize()  # the storage layout's decode
+        layers = _requantize_every_fp4_layer(model, 2.0)  # the same codes, twice the tensor scale
+        assert torch.equal(first.dequantize(), want)  # requantize_ wrote the kernel layout right
+        doubled = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+        assert not torch.equal(before, doubled)  # the tensor scales were re-read
+        assert_greedy_like_hf(model, ids, mask, doubled, hf_greedy(model, ids, mask, 12))
+        _requantize_every_fp4_layer(model, -0.75)
+        flipped = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert eng._graphs == graphs and {k: v[0] for k, v in eng._prefills.items()} == prefills
+    assert all(layer.updates == 2 for layer in layers)
+    assert not torch.equal(doubled, flipped)
+    assert_greedy_like_hf(model, ids, mask, flipped, hf_greedy(model, ids, mask, 12))
 
 
 @gpu

@@ -143,7 +143,7 @@ def test_the_learner_weights_each_token_by_its_tis_weight(tiny_policy):
 
 
 def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp_path):
-    keep, checked = {}, []
+    keep, checked, layers = {}, [], set()
 
     def check(step, metrics):
         # the sampler holds quantize(base + B A * alpha / r) of the policy as it stands after the update
@@ -151,6 +151,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
         learner = dict(policy.named_modules())
         changed = 0
         for path, _, _, module in decoder_linears(sampler, cfg.quant.targets):
+            layers.add(id(module))  # re-quantized in place, so a rollout engine keeps reading it
             lora = learner["base_model.model." + path]
             base = lora.base_layer.weight.detach().float()
             delta = lora.lora_B["default"].weight @ lora.lora_A["default"].weight * (cfg.lora.alpha / cfg.lora.r)
@@ -162,6 +163,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
     cfg = to_config(compose_config([*LOOP, *SAMPLER_NVFP4]))
     rows = _run(tmp_path / "run", *SAMPLER_NVFP4, on_step=check, keep=keep)
     assert len(checked) == 3 and checked[-1] > 0, checked  # the LoRA moved the quantized weights
+    assert len(layers) == len(decoder_linears(keep["models"].sampler.module, cfg.quant.targets))
     assert all(math.isfinite(r["loss"]) and r["train/skipped"] == 0 for r in rows)
     assert all(g > 1e-4 for g in _series(rows, "sampling/logp_gap"))  # an NVFP4 sampler, a bf16 learner
 

@@ -338,6 +338,22 @@ def test_fp4_linear_keeps_its_format_under_dtype_casts():
     assert torch.equal(layer.dequantize(), before)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_requantize_in_place_equals_a_fresh_layer_at_the_same_addresses(fmt):
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(128, 48), fmt)
+    addresses = [t.data_ptr() for t in (layer.codes, layer.block_scales, layer.tensor_scale)]
+    new = nn.Linear(128, 48)
+    with torch.no_grad():
+        new.weight.mul_(7.0)  # another tensor scale
+    layer.requantize_(new.weight)
+    assert torch.equal(layer.dequantize(), _independent_dequant(FP4Linear.from_linear(new, fmt)))
+    assert [t.data_ptr() for t in (layer.codes, layer.block_scales, layer.tensor_scale)] == addresses
+    assert layer.updates == 1
+    with pytest.raises(ValueError, match=r"\[48, 128\] weight"):
+        layer.requantize_(new.weight.t())
+
+
 # ---------------------------------------------------------------- LoRA through peft
 
 

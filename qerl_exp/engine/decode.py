@@ -68,6 +68,8 @@ class _Linear:
     scale: list
     r: int
     glu: bool
+    sources: list  # the base layers the weights were read from (an in-place requantize_ is seen)
+    updates: list  # each source's `updates` count when read (None: not an FP4Linear)
     plan: LinearPlan | None = None
     a_tab: Tensor | None = None
 
@@ -138,7 +140,10 @@ def _base_weight(base: nn.Module):
 
 
 def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
-    parts = [(_base_weight(b), lora) for b, lora in map(_split_lora, mods)]
+    split = [_split_lora(m) for m in mods]
+    sources = [base for base, _ in split]
+    updates = [getattr(base, "updates", None) for base in sources]
+    parts = [(_base_weight(b), lora) for b, lora in split]
     fmts = {p[0][0] for p in parts}
     if len(fmts) != 1:
         raise NotImplementedError(f"mixed weight formats in one projection group: {sorted(fmts)}")
@@ -162,7 +167,7 @@ def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
             lora_a.append(lo[0])
             lora_b.append(lo[1])
         scale = [lo[2] if lo is not None else 0.0 for lo in loras]
-    return _Linear(next(iter(fmts)), weights, biases, lora_a, lora_b, scale, r, glu)
+    return _Linear(next(iter(fmts)), weights, biases, lora_a, lora_b, scale, r, glu, sources, updates)
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -170,6 +175,20 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     if not (hasattr(m, "model") and hasattr(m.model, "layers") and hasattr(m, "lm_head")):
         raise TypeError(f"{type(m).__name__} is not a Llama/Qwen2-style causal LM (model.layers, lm_head)")
     return m
+
+
+def _projections(blk: nn.Module) -> dict[str, list[nn.Module]]:
+    """A decoder block's projections, grouped as the engine launches them (`_Layer`'s fields)."""
+    at, mlp = blk.self_attn, blk.mlp
+    return {"qkv": [at.q_proj, at.k_proj, at.v_proj], "o": [at.o_proj],
+            "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+
+
+def base_layers(model: nn.Module) -> list[nn.Module]:
+    """The base layer of every projection, in the order `build_model` reads them: the engine
+    compares it with what it read to notice a replaced layer."""
+    return [_split_lora(mod)[0] for blk in _causal_lm(model).model.layers
+            for mods in _projections(blk).values() for mod in mods]
 
 
 def build_model(model: nn.Module, max_seq_len: int) -> _Model:
@@ -180,17 +199,9 @@ def build_model(model: nn.Module, max_seq_len: int) -> _Model:
     head, _ = _split_lora(lm.lm_head)
     if _ is not None:
         raise NotImplementedError("LoRA on lm_head is not supported by FastEngine")
-    layers = []
-    for blk in dec.layers:
-        at, mlp = blk.self_attn, blk.mlp
-        layers.append(_Layer(
-            ln1=blk.input_layernorm.weight,
-            ln2=blk.post_attention_layernorm.weight,
-            qkv=_group([at.q_proj, at.k_proj, at.v_proj]),
-            o=_group([at.o_proj]),
-            gate_up=_group([mlp.gate_proj, mlp.up_proj], glu=True),
-            down=_group([mlp.down_proj]),
-        ))
+    layers = [_Layer(ln1=blk.input_layernorm.weight, ln2=blk.post_attention_layernorm.weight,
+                     **{name: _group(mods, glu=name == "gate_up") for name, mods in _projections(blk).items()})
+              for blk in dec.layers]
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     emb = dec.embed_tokens.weight
     pos = torch.arange(max_seq_len, device=emb.device)[None]

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _advance, _Cache, _State, _tracked,
-                                    build_model, decode_n_tokens, decode_one_token, prefill, sample, setup_caches)
-from qerl_exp.engine.launch import SPLIT_MAX, make_plan
+                                    base_layers, build_model, decode_n_tokens, decode_one_token, prefill, sample, setup_caches)
+from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
 
@@ -204,10 +204,26 @@ class FastEngine:
         self._pool = None
 
     def _check_refs(self) -> None:
-        if any(t.data_ptr() != p for t, p in self._refs):
-            warnings.warn("FastEngine: a model tensor was re-allocated (not updated in place); rebuilding "
-                          "the engine and its CUDA graphs", stacklevel=3)
+        """Rebuild when a tensor the engine reads was re-allocated or a projection replaced; re-read
+        the tensor scales of FP4 layers re-quantized in place (`FP4Linear.requantize_`)."""
+        lins = [lin for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        read = [src for lin in lins for src in lin.sources]
+        if any(t.data_ptr() != p for t, p in self._refs) or any(a is not b for a, b in zip(read, base_layers(self.model))):
+            warnings.warn("FastEngine: a model tensor was re-allocated or a layer replaced (not updated in "
+                          "place); rebuilding the engine and its CUDA graphs", stacklevel=3)
             self._build()
+            return
+        for lin in lins:
+            for s, src in enumerate(lin.sources):
+                if lin.updates[s] is None or src.updates == lin.updates[s]:
+                    continue
+                pw = src.kernel_weight()
+                if pw.codes is not lin.weights[s].codes:  # the engine holds a converted copy (CPU)
+                    self._build()
+                    return
+                lin.weights[s], lin.updates[s] = pw, src.updates
+                if lin.plan is not None:
+                    set_out_scale(lin.plan, s, pw.out_scale)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,

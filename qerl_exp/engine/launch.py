@@ -385,6 +385,20 @@ def prefill_epilogue(y: Tensor, out: Tensor, *, t: Tensor | None = None, b: Tens
     return out
 
 
+def _output_scale(fmt: str, out_scale: float) -> float:
+    """A packed segment's entry in `LinearPlan.fsc`: NVFP4 split-K products are in units of
+    2^-6 / 16 (see `_splitk_kernel`), so its tensor scale is stored times 1024."""
+    return out_scale * 1024.0 if fmt == "nvfp4" else out_scale
+
+
+def set_out_scale(plan: LinearPlan, s: int, out_scale: float) -> None:
+    """Write segment `s`'s new output scale (an NVFP4 tensor scale after an in-place
+    re-quantization) into the plan's device tables in place: captured graphs read them by address."""
+    value = _output_scale(plan.fmt, out_scale)
+    plan.fsc[s, 1] = value
+    plan.fsc_f16[s, 1] = value * 16.0
+
+
 def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_scale: list,
               r: int, glu: bool, device: torch.device, raw: list | None = None,
               workspace: Tensor | None = None) -> LinearPlan:
@@ -413,7 +427,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         elif isinstance(w, PackedWeight):
             tab[s, 0] = w.codes.data_ptr()
             tab[s, 1] = w.scales.data_ptr()
-            fsc[s, 1] = w.out_scale
+            fsc[s, 1] = _output_scale(fmt, w.out_scale)
             lut = w.lut
         else:
             tab[s, 0] = w.data_ptr()
@@ -436,8 +450,6 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     splitk = fmt in ("dense", "nvfp4", "nf4") and raw is None
     if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes)):
         raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
-    if fmt == "nvfp4":  # the split-K products are in units of 2^-6 / 16 (see `_splitk_kernel`)
-        fsc[:, 1] *= 1024.0
     plan = LinearPlan(
         fmt="raw" if raw is not None else fmt, nseg=nseg, glu=glu, n=n, k=k,
         n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,

@@ -285,6 +285,7 @@ class FP4Linear(nn.Linear):
         self.register_buffer("kernel_scales", None)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._out_scale = 1.0  # the tensor scale as a float, read once at conversion
+        self.updates = 0  # requantize_ calls: a rollout engine that read the layer checks it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, bias_dtype: torch.dtype | None = None) -> FP4Linear:
@@ -332,6 +333,28 @@ class FP4Linear(nn.Linear):
             self.kernel_codes, self.kernel_scales, self._out_scale = pw.codes, pw.scales, pw.out_scale
             self.codes = self.block_scales = None
         return pw
+
+    @torch.no_grad()
+    def requantize_(self, weight: torch.Tensor) -> None:
+        """Quantize a new dense `weight` [out, in] into this layer's own buffers, in place.
+
+        The buffers keep their addresses, so a rollout engine that reads them (CUDA graphs
+        included) sees the new weight; it re-reads the tensor scale when `updates` moves.
+        """
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"requantize_ needs a [{self.out_features}, {self.in_features}] weight, "
+                             f"got {list(weight.shape)}")
+        new = QUANTIZERS[self.format](weight)
+        if self.kernel_codes is not None:
+            pw = relayout_nvfp4(new.codes, new.block_scales, new.tensor_scale, self.format)
+            self.kernel_codes.copy_(pw.codes)
+            self.kernel_scales.copy_(pw.scales)
+            self._out_scale = pw.out_scale
+        else:
+            self.codes.copy_(new.codes)
+            self.block_scales.copy_(new.block_scales)
+        self.tensor_scale.copy_(new.tensor_scale)
+        self.updates += 1
 
     def _kernel_layout_fits(self) -> bool:
         rows, cols = _KERNEL_BLOCK[self.format]
