@@ -213,6 +213,7 @@ class FastEngine:
                           "place); rebuilding the engine and its CUDA graphs", stacklevel=3)
             self._build()
             return
+        rescaled = False
         for lin in lins:
             for s, src in enumerate(lin.sources):
                 if lin.updates[s] is None or src.updates == lin.updates[s]:
@@ -224,6 +225,11 @@ class FastEngine:
                 lin.weights[s], lin.updates[s] = pw, src.updates
                 if lin.plan is not None:
                     set_out_scale(lin.plan, s, pw.out_scale)
+                rescaled = True
+        if rescaled:  # graphs of the torch path (the prefill's, all of the torch backend's) baked the
+            self._prefills.clear()  # tensor scale into a dequant launch: captured again on next use
+            if self.backend != "triton":
+                self._graphs.clear()
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
