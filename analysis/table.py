@@ -11,10 +11,11 @@ One row per strategy preset (`conf/strategy/`), averaged over seeds. Per run (de
 | sampler entropy | mean of `sampler/entropy` over all steps |
 | entropy gain | mean of `entropy_gain` over the steps that logged it (monitor steps) |
 | final reward | mean of `reward` over the last max(1, steps // 10) steps (as `summary.json`) |
+| held-out pass@1 | the last `eval/pass@1` logged (`eval.every`; n/a for runs without one) |
 
 Per strategy: the mean over seeds; memory, tokens/s and step time also as the ratio of that mean
-to the full_precision mean; sampler entropy, entropy gain and final reward with a 95% Student
-t-interval across seeds. Only runs whose settings, apart from the strategy's own keys
+to the full_precision mean; sampler entropy, entropy gain, final reward and held-out pass@1 with a
+95% Student t-interval across seeds. Only runs whose settings, apart from the strategy's own keys
 (`runs.STRATEGY_KEYS`), equal those of the full_precision runs enter the table.
 """
 
@@ -99,6 +100,7 @@ class Row:
     sampler_entropy: Interval
     entropy_gain: Interval
     final_reward: Interval
+    heldout_pass1: Interval
     weights_ratio: float = math.nan
     peak_ratio: float = math.nan
     tok_s_ratio: float = math.nan
@@ -139,6 +141,7 @@ def run_values(run: Run) -> dict[str, float]:
     timed = h[1:] if len(h) > 1 else h
     gains = [r["entropy_gain"] for r in h if r.get("entropy_gain") is not None]
     rewards = [r["reward"] for r in h]
+    evals = [r["eval/pass@1"] for r in h if r.get("eval/pass@1") is not None]
     return {
         "weights_bytes": max(r["mem/weights_bytes"] for r in h),
         "peak_bytes": max(r["mem/peak_bytes"] for r in h),
@@ -147,6 +150,7 @@ def run_values(run: Run) -> dict[str, float]:
         "sampler_entropy": mean([r["sampler/entropy"] for r in h]),
         "entropy_gain": mean(gains),
         "final_reward": mean(rewards[-max(1, len(rewards) // 10):]),
+        "heldout_pass1": evals[-1] if evals else math.nan,
     }
 
 
@@ -213,6 +217,7 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
             sampler_entropy=t_interval(col["sampler_entropy"]),
             entropy_gain=t_interval(col["entropy_gain"]),
             final_reward=t_interval(col["final_reward"]),
+            heldout_pass1=t_interval(col["heldout_pass1"]),
             claim=CLAIMS.get(name, Claim()),
         ))
     base = next((r for r in rows if r.strategy == BASELINE), None)
@@ -242,6 +247,7 @@ COLUMNS = [
     "sampler_entropy", "sampler_entropy_ci_low", "sampler_entropy_ci_high",
     "entropy_gain", "entropy_gain_ci_low", "entropy_gain_ci_high", "exploration_claim", "exploration_holds",
     "final_reward", "final_reward_ci_low", "final_reward_ci_high",
+    "heldout_pass1", "heldout_pass1_ci_low", "heldout_pass1_ci_high",
 ]
 
 
@@ -263,6 +269,8 @@ def _record(r: Row) -> dict:
         "exploration_claim": _exploration(c), "exploration_holds": r.exploration_holds,
         "final_reward": r.final_reward.mean, "final_reward_ci_low": r.final_reward.low,
         "final_reward_ci_high": r.final_reward.high,
+        "heldout_pass1": r.heldout_pass1.mean, "heldout_pass1_ci_low": r.heldout_pass1.low,
+        "heldout_pass1_ci_high": r.heldout_pass1.high,
     }
 
 
@@ -327,14 +335,14 @@ def _cells(r: Row) -> list[str]:
         r.strategy, str(r.seeds),
         _x(r.weights_ratio), memory, _x(r.peak_ratio),
         _x(r.tok_s_ratio), speed, _x(r.step_s_ratio),
-        _ci(r.sampler_entropy), _ci(r.entropy_gain, 4), explore, _ci(r.final_reward), paper,
+        _ci(r.sampler_entropy), _ci(r.entropy_gain, 4), explore, _ci(r.final_reward), _ci(r.heldout_pass1), paper,
     ]
 
 
 HEADERS = [
     "strategy", "seeds", "weight mem. / FP", "claimed", "peak mem. / FP", "rollout tok/s / FP", "claimed",
     "step time / FP", "sampler entropy [95% CI]", "entropy gain [95% CI]", "claimed", "final reward [95% CI]",
-    "paper 7B",
+    "held-out pass@1 [95% CI]", "paper 7B",
 ]
 
 

@@ -74,6 +74,8 @@ def _metrics(strategy: str, seed: int, steps: int = 20, every: int = 2) -> list[
         }
         if s % every == 0:
             row["entropy_gain"] = float(rng.normal(0.01, 0.02))
+        if s % 7 == 6:  # eval.every=7: steps 6 and 13, not the last
+            row["eval/pass@1"] = float(rng.uniform(0, 1))
         rows.append(row)
     return rows
 
@@ -139,10 +141,14 @@ def _expected(good: dict[str, list[Path]]) -> dict[str, dict]:
                 "sampler_entropy": statistics.fmean(r["sampler/entropy"] for r in rows),
                 "gain": statistics.fmean(r["entropy_gain"] for r in rows if "entropy_gain" in r),
                 "final": statistics.fmean(r["reward"] for r in rows[-k:]),
+                "pass1": ([r["eval/pass@1"] for r in rows if "eval/pass@1" in r] or [math.nan])[-1],
             })
         cell = {"seeds": len(per_run)}
         for name in per_run[0]:
             values = [p[name] for p in per_run]
+            if any(math.isnan(v) for v in values):  # held-out pass@1 of runs that never evaluated
+                cell[name] = (math.nan, math.nan, math.nan)
+                continue
             m = statistics.fmean(values)
             half = T975[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
             cell[name] = (m, m - half, m + half)
@@ -167,12 +173,19 @@ def _check_csv(out: Path, expected: dict[str, dict]) -> list[dict]:
             "step_s": e["step_s"][0], "weights_ratio": e["weights_ratio"], "peak_ratio": e["peak_ratio"],
             "tok_s_ratio": e["tok_s_ratio"], "step_s_ratio": e["step_s_ratio"],
             "sampler_entropy": e["sampler_entropy"][0], "entropy_gain": e["gain"][0], "final_reward": e["final"][0],
+            "heldout_pass1": e["pass1"][0],
         }
         for col, want in pairs.items():
+            if math.isnan(want):  # no held-out evaluation in these runs
+                assert row[col] == "", (row["strategy"], col, row[col])
+                continue
             assert math.isclose(float(row[col]), want, rel_tol=1e-9), (row["strategy"], col, row[col], want)
         # Interval ends: the printed t-table has 4-5 significant digits.
         for col, (_, lo, hi) in (("sampler_entropy", e["sampler_entropy"]), ("entropy_gain", e["gain"]),
-                                 ("final_reward", e["final"])):
+                                 ("final_reward", e["final"]), ("heldout_pass1", e["pass1"])):
+            if math.isnan(lo):
+                assert row[f"{col}_ci_low"] == row[f"{col}_ci_high"] == ""
+                continue
             assert math.isclose(float(row[f"{col}_ci_low"]), lo, rel_tol=1e-4, abs_tol=1e-4)
             assert math.isclose(float(row[f"{col}_ci_high"]), hi, rel_tol=1e-4, abs_tol=1e-4)
         memory, speed, explore = claims.get(row["strategy"], (None, None, None))
@@ -306,7 +319,7 @@ def _row(strategy: str, weights_ratio=math.nan, tok_s_ratio=math.nan, gain=(math
     """A table row with only the fields the verdicts read; `gain` and `peer` are (mean, low, high)."""
     iv = stats.Interval(*gain, n=2)
     row = table.Row(strategy=strategy, seeds=2, weights_bytes=1.0, peak_bytes=1.0, rollout_tok_s=1.0, step_s=1.0,
-                    sampler_entropy=iv, entropy_gain=iv, final_reward=iv, weights_ratio=weights_ratio,
+                    sampler_entropy=iv, entropy_gain=iv, final_reward=iv, heldout_pass1=iv, weights_ratio=weights_ratio,
                     tok_s_ratio=tok_s_ratio, claim=table.CLAIMS[strategy])
     if peer is not None:
         row.peer_gain = stats.Interval(*peer, n=2)
