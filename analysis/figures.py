@@ -2,7 +2,7 @@
 
 | file stem | what | paper |
 | --- | --- | --- |
-| fig4_reward | reward vs step, one curve per strategy of the table | Fig. 4 |
+| fig4_reward | reward vs step, one curve per strategy of the table (and held-out pass@1 beside it, for runs that evaluated) | Fig. 4 |
 | fig5_entropy | sampler entropy vs step, one curve per strategy | Fig. 5 |
 | fig8_aqn | reward vs step with AQN (the anchor's schedule) and without, per anchor | Fig. 8 |
 | fig9_15_schedules | reward vs step per noise schedule, and each schedule's sigma | Figs. 9, 15 |
@@ -184,9 +184,13 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
     plt = _plt()
     groups, _ = select(runs)
     groups = {name: groups[name] for name in table_order(groups)}
-    fig, ax = plt.subplots(figsize=(8.4, 4.2))
-    _draw(ax, [curve(n, m, "reward", smooth) for n, m in groups.items()], _metric_label("reward", smooth),
+    heldout = [curve(n, m, "eval/pass@1") for n, m in groups.items()]
+    evaluated = any(c.steps for c in heldout)
+    fig, axes = plt.subplots(1, 2 if evaluated else 1, figsize=(14 if evaluated else 8.4, 4.2), squeeze=False)
+    _draw(axes[0, 0], [curve(n, m, "reward", smooth) for n, m in groups.items()], _metric_label("reward", smooth),
           "reward per strategy")
+    if evaluated:  # runs with eval.every: the held-out accuracy beside the training reward
+        _draw(axes[0, 1], heldout, "held-out greedy pass@1", "held-out pass@1 per strategy (eval.every)")
     paths = _save(fig, out_dir, "fig4_reward", "Reward vs step by strategy (paper Fig. 4)")
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.2))
     _draw(left, [curve(n, m, "sampler/entropy", smooth) for n, m in groups.items()],

@@ -143,9 +143,9 @@ def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
-             max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None
-             ) -> tuple[list[str], list[bool]]:
-    """Completion texts of prompt texts, through `hf_generate` in batches.
+             max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None,
+             engine: str = "hf") -> tuple[list[str], list[bool]]:
+    """Completion texts of prompt texts, in batches.
 
     Args:
         model: an HF causal LM (its train/eval mode is the caller's business).
@@ -157,6 +157,9 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
         max_new_tokens: completion length cap.
         batch_size: sequences per `generate` call.
         on_batch: called with the number of rows after each generated batch.
+        engine: `hf` (transformers `generate`) or `fast` (a `FastEngine` over `model` for this
+            call, released at its end: on CUDA it decodes from 4-bit weights directly, where
+            `generate` dequantizes every weight at every token).
 
     Returns:
         `(texts, terminated)`: each completion up to (without) its EOS, and whether EOS came.
@@ -164,16 +167,28 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
     rows = [p for p in prompts for _ in range(samples)]
     device = next(model.parameters()).device
     texts, terminated = [], []
-    for start in range(0, len(rows), batch_size):
-        ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
-        out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
-                          pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p).sequences
-        for row in out[:, ids.shape[1]:].tolist():
-            done = tokenizer.eos_id in row
-            texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
-            terminated.append(done)
-        if on_batch is not None:
-            on_batch(len(out))
+    fast: FastEngine | None = None
+    try:
+        for start in range(0, len(rows), batch_size):
+            ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
+            if engine == "fast":
+                if fast is None:  # sized by the first batch (the largest); a longer prompt grows it
+                    fast = FastEngine(model, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + 64 + max_new_tokens)
+                stream = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))  # from the caller's RNG
+                out = fast.generate(ids, mask, max_new_tokens, temperature=temperature, top_p=top_p,
+                                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, generator=stream).completion_ids
+            else:
+                out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
+                                  pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p).sequences[:, ids.shape[1]:]
+            for row in out.tolist():
+                done = tokenizer.eos_id in row
+                texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
+                terminated.append(done)
+            if on_batch is not None:
+                on_batch(len(out))
+    finally:
+        if fast is not None:
+            fast.release()
     return texts, terminated
 
 
@@ -224,13 +239,18 @@ class FastSampler:
             self.engine.release()
 
 
+def engine_for(engine: str, device: torch.device) -> str:
+    """`rollout.engine` resolved for `device`: `fast` or `hf` (`auto`: fast on CUDA, HF elsewhere)."""
+    if engine == "auto":
+        return "fast" if device.type == "cuda" else "hf"
+    if engine == "fast" and device.type != "cuda":
+        raise ValueError("rollout.engine=fast needs a CUDA device; use rollout.engine=hf (or auto) on CPU")
+    return engine
+
+
 def make_sampler(engine: str, model, tokenizer, device: torch.device):
     """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere)."""
-    if engine == "auto":
-        engine = "fast" if device.type == "cuda" else "hf"
-    if engine == "fast":
-        if device.type != "cuda":
-            raise ValueError("rollout.engine=fast needs a CUDA device; use rollout.engine=hf (or auto) on CPU")
+    if engine_for(engine, device) == "fast":
         return FastSampler(model, tokenizer)
     return HFSampler(model, tokenizer)
 

@@ -32,7 +32,7 @@ from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
+from qerl_exp.rollout import NonFiniteLogitsError, engine_for, make_sampler, row_seeds, sample
 from qerl_exp.tasks import build_task
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
@@ -274,7 +274,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 step_metrics.update(evaluate(
                     policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
                     max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt))
+                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt,
+                    engine=engine_for(cfg.rollout.engine, device)))
             # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
             phases = distributed.maximum({M.Phase.ROLLOUT: rollout_s, M.Phase.REFERENCE: reference_s,
                                           M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,

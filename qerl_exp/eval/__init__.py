@@ -48,7 +48,7 @@ def _device(policy) -> torch.device:
 
 @torch.no_grad()
 def greedy_pass_at_1(policy, tokenizer, task, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
-                     batch_size: int, on_batch=None) -> tuple[list[str], list[bool], list[bool]]:
+                     batch_size: int, on_batch=None, engine: str = "hf") -> tuple[list[str], list[bool], list[bool]]:
     """Greedy completions of `problems` and their verdicts: what `eval/pass@1` counts.
 
     Args:
@@ -60,13 +60,14 @@ def greedy_pass_at_1(policy, tokenizer, task, problems: list[Problem], *, system
         max_new_tokens: completion length cap.
         batch_size: sequences per `generate` call.
         on_batch: called with the number of rows after each generated batch.
+        engine: `hf` or `fast`, as `rollout.complete` takes it.
 
     Returns:
         `(texts, terminated, correct)`, one entry per problem.
     """
     prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
     texts, terminated = complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch, engine=engine)
     correct = task.rewards["correct"]
     return texts, terminated, [correct(t, p) > 0 for t, p in zip(texts, problems)]
 
@@ -109,7 +110,7 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
 
 def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
-          on_batch=None) -> tuple[dict[str, float], list[dict]]:
+          on_batch=None, engine: str = "hf") -> tuple[dict[str, float], list[dict]]:
     """`evaluate`'s metrics and one row per problem (question, reference, greedy completion,
     verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
     if k < 0:
@@ -130,9 +131,10 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
             torch.manual_seed(seed)
             greedy, terminated, is_correct = greedy_pass_at_1(
                 policy, tokenizer, task, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
-                batch_size=batch_size, on_batch=on_batch)
+                batch_size=batch_size, on_batch=on_batch, engine=engine)
             sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch)[0] if k else []
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch,
+                               engine=engine)[0] if k else []
             logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
     finally:
         policy.train(was_training)
@@ -151,7 +153,7 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
 
 def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
-             problems: list[Problem] | None = None) -> dict[str, float]:
+             problems: list[Problem] | None = None, engine: str = "hf") -> dict[str, float]:
     """Score `policy` on held-out problems: greedy pass@1, and pass@k from sampling.
 
     Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
@@ -171,6 +173,8 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         seed: seed of the sampling stream.
         system_prompt: the system prompt for chat-template tokenizers.
         problems: score these instead of `task.eval_problems()`.
+        engine: `hf` (transformers `generate`) or `fast` (the CUDA-graph rollout engine; the run
+            loop and `python -m qerl_exp.eval` pass `rollout.engine`, so `auto` is fast on CUDA).
 
     Returns:
         The `eval/...` metrics listed in this module's docstring.
@@ -180,4 +184,5 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         >>> metrics["eval/pass@1"], metrics["eval/pass@8"]  # doctest: +SKIP
     """
     return score(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
-                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt)[0]
+                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt,
+                 engine=engine)[0]

@@ -24,6 +24,7 @@ from qerl_exp.cli import UsageError, fail
 from qerl_exp.config import Config, ConfigError, EvalConfig, as_dict, to_config
 from qerl_exp.eval import score
 from qerl_exp.model import build_models, resolve_device
+from qerl_exp.rollout import engine_for
 from qerl_exp.rundir import write_atomic
 from qerl_exp.tasks import build_task
 from qerl_exp.tracking import run_tags
@@ -178,6 +179,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     if args.out and (run_dir / args.out).exists():
         raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
+    device = next(models.policy.parameters()).device
     algo = cfg.algo
     problems = task.eval_problems()[: args.limit or None]
     settings = args.eval
@@ -188,6 +190,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
         temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
         max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
         seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
+        engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
     )
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
