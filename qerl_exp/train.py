@@ -313,9 +313,12 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                                          "world_size": distributed.world_size()} if distributed.is_main() else None)
         tracker.finish(summary)
         return summary
-    except BaseException:
+    except BaseException as e:
         bar.close()
         tracker.abort()
+        if isinstance(e, distributed.CollectiveError) and stop.signum:
+            # torchrun (or the user) is stopping this rank: its peers' silence is that, not a hang
+            raise rundir.Interrupted(stop.signum) from e
         raise
     finally:
         if signals is not None:

@@ -167,6 +167,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _pending(pid: int, sig: int) -> bool:
+    """`sig` is queued for the process (its thread's or the process's pending mask)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return True  # gone: nothing is left to wait for
+    return any(int(status[k], 16) >> (sig - 1) & 1 for k in ("SigPnd", "ShdPnd"))
+
+
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
     proc = torchrun("train.steps=40", "train.prompts_per_step=2", "algo.group_size=4", "tracker.mode=disabled",
@@ -182,7 +191,10 @@ def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
     while _alive(rank0):
         assert time.time() - stopped < 60, "rank 0 still waits for the hung rank"
         time.sleep(0.1)
-    os.kill(rank1, signal.SIGCONT)  # torchrun's SIGTERM reaches it now; it must end too, silently
+    while not _pending(rank1, signal.SIGTERM):  # torchrun's teardown, queued while rank 1 is stopped
+        assert time.time() - stopped < 60, "torchrun sent the hung rank no SIGTERM"
+        time.sleep(0.02)
+    os.kill(rank1, signal.SIGCONT)  # the SIGTERM reaches it now; it must end too, silently
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0
     ours = [line for line in out.splitlines() if line.startswith("error: ")]
