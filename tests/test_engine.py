@@ -695,12 +695,17 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref, tol=0.05 if quant is None else 0.08)
 
 
+def _gpu_nvfp4_engine():
+    """A 2-layer NVFP4 model with LoRA on CUDA, 4 prompts and its engine (graphs captured on use)."""
+    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
+    return model, ids, mask, FastEngine(model, 8, 64)
+
+
 @gpu
 @needs_cuda
 def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
-    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
-    ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
-    eng = FastEngine(model, 8, 64)
+    model, ids, mask, eng = _gpu_nvfp4_engine()
     before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill eager
     again = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill captured
     assert len(eng._prefills) == 1 and torch.equal(again, before)
@@ -722,9 +727,7 @@ def test_gpu_inplace_updates_are_seen_by_graph_replays_without_recapture():
 @gpu
 @needs_cuda
 def test_gpu_fp4_layers_requantized_in_place_are_seen_without_recapture():
-    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2, vocab=512)
-    ids, mask = prompts(b=4, p=9, vocab=512, device="cuda")
-    eng = FastEngine(model, 8, 64)
+    model, ids, mask, eng = _gpu_nvfp4_engine()
     eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0)
     before = eng.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids  # prefill captured
     graphs = dict(eng._graphs)
