@@ -246,6 +246,7 @@ def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
     # 3. The same command again: the dead trial goes stale, fails, is retried; the study completes.
     out = sweep(*args)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 failed and retried or replaced, 1 interrupted and resumed" in out.stdout + out.stderr, out.stdout[-2000:]
     trials = load(db, "noise_schedule").get_trials()
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     failed = [t for t in trials if t.state == TrialState.FAIL]

@@ -19,7 +19,7 @@ from qerl_exp.cli import UsageError, fail
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
-from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, worker_main
+from qerl_exp.sweep.study import counts, finished, interrupted, open_storage, open_study, quiet_optuna, worker_main
 
 USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
        python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [port=8080] [host=127.0.0.1]
@@ -110,7 +110,7 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
     seen = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
     gone: set[int] = set()
     shown: tuple = ()
-    interrupted = False
+    stopped = False
     try:
         while True:
             alive = [w for w in workers if w[1].poll() is None]
@@ -118,14 +118,17 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
             for t in trials:
                 if t.state.is_finished() and t.number not in seen:
                     seen.add(t.number)
-                    if t.state == TrialState.FAIL:
-                        reason = t.user_attrs.get("error") or ("interrupted" if t.user_attrs.get("interrupted") else "its worker stopped (no heartbeat)")
+                    if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") is True:
+                        bar.write(f"trial {t.number} interrupted: its retry resumes its run", file=sys.stderr)
+                    elif t.state == TrialState.FAIL:
+                        reason = t.user_attrs.get("error") or "its worker stopped (no heartbeat)"
                         bar.write(f"trial {t.number} failed: {reason}", file=sys.stderr)
                     elif t.state == TrialState.PRUNED:
                         bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}", file=sys.stderr)
-            c = counts(study)
+            c, resumed = counts(study), interrupted(study)
             status = (f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
-                      f"failed={c[TrialState.FAIL]}{_best_text(plan, study, c)}")
+                      f"failed={c[TrialState.FAIL] - resumed}{f' resumed={resumed}' if resumed else ''}"
+                      f"{_best_text(plan, study, c)}")
             if (finished(c), status) != shown or tty:  # in a log, a line per change only
                 bar.n = min(finished(c), plan.n_trials)
                 bar.set_postfix_str(status, refresh=False)
@@ -140,12 +143,12 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
                 break
             time.sleep(1.0)
     except KeyboardInterrupt:
-        interrupted = True
+        stopped = True
         _stop(workers, bar)
     finally:
         bar.close()
     c = counts(study)
-    if interrupted:
+    if stopped:
         fail(f"interrupted with {finished(c)} of {plan.n_trials} trials finished; running trials were marked failed "
              f"and re-enqueued: rerun the same command to resume", code=130)
     if finished(c) >= plan.n_trials:

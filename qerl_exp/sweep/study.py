@@ -226,6 +226,12 @@ def counts(study: optuna.Study) -> dict[TrialState, int]:
     return out
 
 
+def interrupted(study: optuna.Study) -> int:
+    """Failed trials that were interrupted (Ctrl-C, a time limit's SIGINT), not broken: their retries
+    resume their runs, so a summary counts them apart from failures."""
+    return sum(t.state == TrialState.FAIL and t.user_attrs.get("interrupted") is True for t in study.get_trials(deepcopy=False))
+
+
 def finished(c: dict[TrialState, int]) -> int:
     return c[TrialState.COMPLETE] + c[TrialState.PRUNED]
 
