@@ -35,8 +35,9 @@ from qerl_exp.tokenizer import CharTokenizer
 WARMUP_SEED = 1234  # the base model is a fixed artifact, independent of the run's seed
 
 # Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
-# cached warm-ups made by older code are not reused.
-TINY_RECIPE_VERSION = 1
+# cached warm-ups made by older code are not reused. 2: the warm-up runs on one thread (version 1's
+# cache held whatever the machine's thread count made).
+TINY_RECIPE_VERSION = 2
 
 
 def tiny_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | LlamaConfig:
@@ -105,9 +106,17 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     with open(root / f"tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "warmup.json").exists():
-            with torch.random.fork_rng(devices=[]):  # a cache miss must not move the run's RNG
-                model = build(cfg, len(tokenizer))
-                info = _warm_up(model, cfg, task, tokenizer)
+            # A cache miss must not move the run's RNG; and one thread, since the model is cached by
+            # config alone: other thread counts split float sums differently, and the warm-up's
+            # trajectory (its stopping step, 1000 or over 3000) with them.
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                with torch.random.fork_rng(devices=[]):
+                    model = build(cfg, len(tokenizer))
+                    info = _warm_up(model, cfg, task, tokenizer)
+            finally:
+                torch.set_num_threads(threads)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
             model.save_pretrained(tmp)
             (tmp / "warmup.json").write_text(json.dumps(info, indent=2))
