@@ -19,7 +19,7 @@ from qerl_exp.cli import UsageError, fail
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
-from qerl_exp.sweep.study import counts, finished, interrupted, open_storage, open_study, quiet_optuna, worker_main
+from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, was_interrupted, worker_main
 
 USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
        python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [port=8080] [host=127.0.0.1]
@@ -118,14 +118,14 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
             for t in trials:
                 if t.state.is_finished() and t.number not in seen:
                     seen.add(t.number)
-                    if t.state == TrialState.FAIL and t.user_attrs.get("interrupted") is True:
+                    if was_interrupted(t):
                         bar.write(f"trial {t.number} interrupted: its retry resumes its run", file=sys.stderr)
                     elif t.state == TrialState.FAIL:
                         reason = t.user_attrs.get("error") or "its worker stopped (no heartbeat)"
                         bar.write(f"trial {t.number} failed: {reason}", file=sys.stderr)
                     elif t.state == TrialState.PRUNED:
                         bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}", file=sys.stderr)
-            c, resumed = counts(study), interrupted(study)
+            c, resumed = counts(study), sum(map(was_interrupted, trials))
             status = (f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
                       f"failed={c[TrialState.FAIL] - resumed}{f' resumed={resumed}' if resumed else ''}"
                       f"{_best_text(plan, study, c)}")

@@ -32,7 +32,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from qerl_exp.sweep.spec import Plan, override_key
-from qerl_exp.sweep.study import interrupted, shown
+from qerl_exp.sweep.study import shown, was_interrupted
 
 
 def write_reports(plan: Plan, study: optuna.Study) -> list[Path]:
@@ -251,7 +251,7 @@ def summary_lines(plan: Plan, study: optuna.Study) -> list[str]:
     """What the command prints at the end."""
     trials = study.get_trials(deepcopy=False)
     n = {s: sum(t.state == s for t in trials) for s in TrialState}
-    resumed = interrupted(study)
+    resumed = sum(map(was_interrupted, trials))
     lines = [f"study '{plan.study_name}': {n[TrialState.COMPLETE] + n[TrialState.PRUNED]} trials finished "
              f"({n[TrialState.COMPLETE]} complete, {n[TrialState.PRUNED]} pruned), {n[TrialState.FAIL] - resumed} failed "
              f"and retried or replaced, {resumed} interrupted and resumed, in {shown(plan.storage)}"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from qerl_exp.cli import CONF_DIR, UsageError
 from qerl_exp.config import GROUPS, register_configs, to_config
@@ -226,10 +226,10 @@ def counts(study: optuna.Study) -> dict[TrialState, int]:
     return out
 
 
-def interrupted(study: optuna.Study) -> int:
-    """Failed trials that were interrupted (Ctrl-C, a time limit's SIGINT), not broken: their retries
-    resume their runs, so a summary counts them apart from failures."""
-    return sum(t.state == TrialState.FAIL and t.user_attrs.get("interrupted") is True for t in study.get_trials(deepcopy=False))
+def was_interrupted(trial: FrozenTrial) -> bool:
+    """A failed trial that was interrupted (Ctrl-C, a time limit's SIGINT), not broken: its retry
+    resumes its run, so summaries count it apart from failures."""
+    return trial.state == TrialState.FAIL and trial.user_attrs.get("interrupted") is True
 
 
 def finished(c: dict[TrialState, int]) -> int:
