@@ -121,10 +121,12 @@ def test_the_warm_up_gives_the_same_model_whatever_the_thread_count(tmp_path):
 
     tok, task, before = CharTokenizer(), build_task(TaskConfig()), torch.get_num_threads()
     models = []
-    for threads in (1, 3):
-        torch.set_num_threads(threads)
-        cfg = ModelConfig(cache_dir=str(tmp_path / f"t{threads}"), warmup=WarmupConfig(max_steps=20, eval_every=100))
-        models.append(load_or_warm_up(cfg, TaskConfig(), task, tok)[0])
-        assert torch.get_num_threads() == threads  # the run's own setting is left as it was
-    torch.set_num_threads(before)
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            cfg = ModelConfig(cache_dir=str(tmp_path / f"t{threads}"), warmup=WarmupConfig(max_steps=20, eval_every=100))
+            models.append(load_or_warm_up(cfg, TaskConfig(), task, tok)[0])
+            assert torch.get_num_threads() == threads  # the run's own setting is left as it was
+    finally:
+        torch.set_num_threads(before)
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
