@@ -90,9 +90,10 @@ def ablation(runs: list[Run], anchor: str, vary: tuple[str, ...]) -> dict[str, l
     for r in runs:
         if {k: repr(v) for k, v in settings(r, vary).items()} != ref:
             continue
-        flat = flatten(r.config)
-        key = tuple(sorted((k, repr(v)) for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in vary)))
-        groups.setdefault(key, []).append(r)
+        items = {k: repr(v) for k, v in flatten(r.config).items() if any(k == p or k.startswith(p + ".") for p in vary)}
+        if items.get("noise.schedule") == repr("none"):  # without AQN its sigmas are unused: one group
+            items = {k: v for k, v in items.items() if k == "noise.schedule" or not k.startswith("noise.")}
+        groups.setdefault(tuple(sorted(items.items())), []).append(r)
     return _labelled(groups)
 
 
@@ -102,10 +103,10 @@ def _labelled(groups: dict[tuple, list[Run]]) -> dict[str, list[Run]]:
         (key, members), = groups.items()
         return {_short(dict(key)): members}
     dicts = {key: dict(key) for key in groups}
-    varying = [k for k in sorted(set().union(*dicts.values())) if len({d.get(k) for d in dicts.values()}) > 1]
+    varying = [k for k in sorted(set().union(*dicts.values())) if len({d[k] for d in dicts.values() if k in d}) > 1]
     out = {}
     for key, members in groups.items():
-        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={dicts[key].get(k, 'n/a').strip(chr(39))}" for k in varying)
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={dicts[key][k].strip(chr(39))}" for k in varying if k in dicts[key])
         out[label] = members
     return dict(sorted(out.items()))
 

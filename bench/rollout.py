@@ -35,7 +35,9 @@ SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
-ROWS = ("hf_bf16", "hf_nf4", "engine_bf16", "engine_bf16_cublas", "engine_bf16_torch", "engine_nvfp4", "engine_nf4")
+# engine_bf16: dense products as the harness runs them (dense_gemm="auto"); _triton and _cublas force one
+ROWS = ("hf_bf16", "hf_nf4", "engine_bf16", "engine_bf16_triton", "engine_bf16_cublas", "engine_bf16_torch",
+        "engine_nvfp4", "engine_nf4")
 
 
 def build(shape: str, rank: int):
@@ -138,7 +140,7 @@ def bench_shape(shape: str, a) -> list[dict]:
         mask = torch.ones_like(ids)
         for row in rows:
             kind, fmt = row.split("_", 1)
-            fmt_key = fmt.replace("_torch", "").replace("_cublas", "")
+            fmt_key, _, variant = fmt.partition("_")
             swap(model, variants[fmt_key])
             gc.collect()
             torch.cuda.empty_cache()
@@ -149,8 +151,9 @@ def bench_shape(shape: str, a) -> list[dict]:
                     secs = run_hf(model, ids, mask, a.hf_new)
                     new, build_s = a.hf_new, 0.0
                 else:
-                    engine = FastEngine(model, b, a.prompt + a.new, backend="torch" if "torch" in fmt else "auto",
-                                        f16_dot=not a.bf16_dot, dense_gemm="cublas" if "cublas" in fmt else "triton")
+                    engine = FastEngine(model, b, a.prompt + a.new, backend="torch" if variant == "torch" else "auto",
+                                        f16_dot=not a.bf16_dot,
+                                        dense_gemm=variant if variant in ("triton", "cublas") else "auto")
                     build_s = engine.build_s
                     warm = run_engine(engine, ids, mask, 4)
                     secs = min(run_engine(engine, ids, mask, a.new) for _ in range(a.repeats))

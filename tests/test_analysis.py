@@ -415,6 +415,21 @@ def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monke
             assert p.read_bytes()[:5] == b"%PDF-"
 
 
+def test_noise_ablation_labels_name_sigma_only_where_aqn_is_on(synthetic, tmp_path):
+    root, _, _, _ = synthetic
+    extra = tmp_path / "extra"
+    for seed in (0, 1):  # AQN at a tenth of the preset's sigmas, beside the preset and AQN off
+        _write_run(extra / f"s{seed}", _config("nvfp4_lora", seed, ("noise.sigma_start=1e-3", "noise.sigma_end=5e-5")),
+                   _metrics("nvfp4_lora", seed))
+    groups = figures.ablation(R.load([str(root), str(extra)]).runs, "nvfp4_lora", ("noise",))
+    assert {label: len(members) for label, members in groups.items()} == {
+        "schedule=exp, sigma_end=0.0005, sigma_start=0.01": 2,
+        "schedule=exp, sigma_end=5e-05, sigma_start=0.001": 2,
+        "schedule=linear, sigma_end=0.0005, sigma_start=0.01": 2,
+        "schedule=none": 2,  # nvfp4_lora_noaqn: its unused sigmas neither split nor label it
+    }
+
+
 def test_optuna_history_and_importance(tmp_path):
     import optuna
 

@@ -557,6 +557,10 @@ def _interp_main() -> None:
         ids, mask = prompts()
         a = FastEngine(model, 4, 32, backend="triton").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
         assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), (quant, family)
+    model = tiny_model()  # dense products by torch.mm (cuBLAS on CUDA) into the epilogue's "raw" input
+    a = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas").generate(ids, mask, 6, temperature=0, eos_id=-1,
+                                                                               pad_id=0)
+    assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), "dense_gemm=cublas"
     print("INTERPRETER CHECKS OK")
 
 
@@ -693,6 +697,18 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     # rounding, the engine's kernels the exact value; with the llama preset's larger weights that
     # moved a near-tie by 5.4 % of the spread (H200, 2026-12-01).
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref, tol=0.05 if quant is None else 0.08)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("max_batch", [8, 64])
+def test_gpu_dense_engine_takes_cublas_from_64_rows_and_matches_hf_generate(max_batch):
+    model = tiny_model(torch.bfloat16, "cuda", layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
+    ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
+    eng = FastEngine(model, max_batch, 64)
+    assert eng.dense_gemm == ("cublas" if max_batch >= 64 else "triton")
+    out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
+    assert_greedy_like_hf(model, ids, mask, out.completion_ids, hf_greedy(model, ids, mask, 16), tol=0.05)
 
 
 def _gpu_nvfp4_engine():

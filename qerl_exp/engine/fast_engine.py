@@ -19,6 +19,11 @@ from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
 
+# dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B decode step
+# (bench/step_profile.py, H200) took 4.91 ms with the Triton split-K kernel against 6.10 with
+# cuBLAS at 8 rows, 6.84 against 6.86 at 64, and 11.08 against 8.14 at 128.
+DENSE_CUBLAS_MIN_BATCH = 64
+
 
 class FastEngine:
     """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
@@ -34,9 +39,9 @@ class FastEngine:
         cuda_graph: capture the decode step (CUDA only).
         f16_dot: NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16). NVFP4
             always does (exact for its weights).
-        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel) or
-            "cublas" (cuBLAS into a buffer); both finish with the Triton epilogue (bias, LoRA,
-            residual, GLU).
+        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel),
+            "cublas" (cuBLAS into a buffer; both finish with the Triton epilogue: bias, LoRA,
+            residual, GLU), or "auto": cuBLAS from `DENSE_CUBLAS_MIN_BATCH` rows, Triton below.
 
     Example:
         >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
@@ -46,7 +51,7 @@ class FastEngine:
     """
 
     def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
-                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "triton"):
+                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "auto"):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
         self.model = model
@@ -61,8 +66,10 @@ class FastEngine:
         self.backend = backend
         self.use_graph = cuda_graph and dev.type == "cuda"
         self.f16_dot = f16_dot
-        if dense_gemm not in ("cublas", "triton"):
-            raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: cublas, triton")
+        if dense_gemm not in ("auto", "cublas", "triton"):
+            raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: auto, cublas, triton")
+        if dense_gemm == "auto":
+            dense_gemm = "cublas" if max_batch_size >= DENSE_CUBLAS_MIN_BATCH else "triton"
         self.dense_gemm = dense_gemm
         self.cache: _Cache | None = None
         self.build_s = 0.0
