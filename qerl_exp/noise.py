@@ -65,6 +65,22 @@ def sigma_at(cfg: NoiseConfig, step: int, total_steps: int) -> tuple[float, int]
     return decay(cfg, (stage - 1) / denominator), stage
 
 
+# AQN's sigma is absolute, its effect relative to the norm scale (z / gamma). On SmolLM2-135M the
+# paper's sigma_start, 45 % of its smallest median |gamma|, stopped learning; 4.5 % learned
+# (docs/results.md). Above this ratio a run starts with a warning.
+SCALE_WARNING = 0.1
+
+
+def planned_sigma(cfg: NoiseConfig) -> tuple[float, str]:
+    """The largest sigma the schedule plans (adaptive: its start; the controller then follows the
+    entropy), and the option that sets it."""
+    if cfg.schedule == "none":
+        return 0.0, "noise.schedule"
+    if cfg.schedule in ("fixed", "adaptive"):
+        return cfg.sigma, "noise.sigma"
+    return max(cfg.sigma_start, cfg.sigma_end), "noise.sigma_start"
+
+
 class Schedule:
     """The sigma of each step; for `adaptive`, also the controller state (`state_dict`)."""
 
@@ -125,6 +141,22 @@ class AQN:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.sigma = 0.0
         self.draws: list[torch.Tensor] = []
+
+    def relative_scale(self, sigma: float) -> tuple[float, str, float]:
+        """`(sigma / gamma, name, gamma)` for the noised norm with the smallest median |gamma|,
+        where the same sigma perturbs its linears' inputs the most."""
+        gamma, name = min((m.weight.detach().float().abs().median().item(), n) for n, m in self.norms)
+        return sigma / max(gamma, 1e-12), name, gamma
+
+    def scale_warning(self) -> str | None:
+        """One line when the schedule's planned sigma exceeds `SCALE_WARNING` of a norm's scale."""
+        sigma, option = planned_sigma(self.cfg)
+        ratio, name, gamma = self.relative_scale(sigma)
+        if ratio <= SCALE_WARNING:
+            return None
+        return (f"warning: AQN's sigma ({sigma:g}) is {ratio:.0%} of the median |gamma| of {name} ({gamma:.3g}): "
+                f"noise that large stopped learning on SmolLM2-135M (docs/results.md); lower {option} "
+                "(and the schedule's other sigmas)")
 
     def draw(self, sigma: float) -> None:
         """A fresh noise vector per norm, shared by every completion of the rollout step."""

@@ -151,6 +151,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     if cfg.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
+    if distributed.is_main() and (warning := aqn.scale_warning()):
+        print(warning, file=sys.stderr)
     schedule = Schedule(cfg.noise, cfg.train.steps)
     params = [p for p in policy.parameters() if p.requires_grad]
     # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)

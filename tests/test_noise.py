@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_qwen2
 from qerl_exp.config import NoiseConfig
-from qerl_exp.noise import AQN, Schedule, noisy_norms, sigma_at, stage_of
+from qerl_exp.noise import AQN, SCALE_WARNING, Schedule, noisy_norms, sigma_at, stage_of
 
 
 def test_exp_schedule_matches_paper_eq8():
@@ -165,3 +165,19 @@ def test_sampler_sees_noise_and_learner_does_not(tiny_policy):
     assert not torch.allclose(noisy.sampler_entropy.sum(), clean.sampler_entropy.sum())
     assert torch.equal(completion_logits(policy, clean, algo.temperature), learner_before)
     assert math.isfinite(float(noisy.sampler_logp.sum()))
+
+
+def test_a_sigma_large_against_a_norm_scale_is_named_in_one_warning():
+    model = _tiny_model()
+    paper = NoiseConfig(schedule="exp", sigma_start=1e-2, sigma_end=5e-4)
+    gammas = [m.weight.abs().median().item() for _, m in noisy_norms(model, False)]
+    assert 1e-2 / min(gammas) <= SCALE_WARNING and AQN(model, paper, seed=0).scale_warning() is None
+    with torch.no_grad():  # layer 1's input norm at SmolLM2's layer-0 scale
+        dict(noisy_norms(model, False))["model.layers.1.input_layernorm"].weight.fill_(0.02)
+    warning = AQN(model, paper, seed=0).scale_warning()
+    assert warning.startswith("warning: AQN's sigma (0.01) is 50% of the median |gamma| of model.layers.1.input_layernorm "
+                              "(0.02): ") and warning.endswith("lower noise.sigma_start (and the schedule's other sigmas)")
+    assert "\n" not in warning
+    assert AQN(model, NoiseConfig(schedule="none"), seed=0).scale_warning() is None
+    assert "lower noise.sigma " in AQN(model, NoiseConfig(schedule="fixed", sigma=5e-3), seed=0).scale_warning()
+    assert AQN(model, NoiseConfig(schedule="fixed", sigma=1e-3), seed=0).scale_warning() is None  # 5 %

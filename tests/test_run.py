@@ -28,15 +28,17 @@ REQUIRED = [
 
 def test_single_run_writes_metrics_summary_wandb_and_adapter(tmp_path):
     run_dir = tmp_path / "run"
-    out = qerl(*TINY_RUN, "tracker.mode=offline", "train.steps=3", f"run_dir={run_dir}", "noise=fixed")
+    out = qerl(*TINY_RUN, "tracker.mode=offline", "train.steps=3", f"run_dir={run_dir}", "noise=fixed",
+               "noise.sigma=0.3")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "warning: AQN's sigma (0.3) is " in out.stderr  # about a third of the tiny model's norm scales
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in REQUIRED:
         assert all(name in r for r in rows), name
     for name in set().union(*rows) - {"step"}:  # metrics.py's table names everything logged
         check_logged(name)
-    assert all(r["noise/sigma"] == pytest.approx(1e-2) for r in rows)
+    assert all(r["noise/sigma"] == pytest.approx(0.3) for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["reward/final"] == pytest.approx(rows[-1]["reward"])
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run file"
