@@ -19,9 +19,9 @@ from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
 
-# dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B decode step
-# (bench/step_profile.py, H200) took 4.91 ms with the Triton split-K kernel against 6.10 with
-# cuBLAS at 8 rows, 6.84 against 6.86 at 64, and 11.08 against 8.14 at 128.
+# dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
+# (bench/rollout.py, H200, ms a decode step) took 4.8 with the Triton split-K kernel against 6.0
+# with cuBLAS at 8 rows, 7.9 against 7.9 at 64, 13.2 against 10.2 at 128, 23.3 against 15.3 at 256.
 DENSE_CUBLAS_MIN_BATCH = 64
 
 
