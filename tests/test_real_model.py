@@ -136,6 +136,7 @@ def test_two_rl_steps_and_the_held_out_eval_from_the_command_line(smollm2, tmp_p
                          "max_new_tokens=16", "tracker=disabled"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "eval seq 4/4 |" in ev.stderr, ev.stderr[-2000:]  # k=1 decodes the greedy replies only
     record = json.loads((run_dir / "eval.json").read_text())
     assert record["metrics"]["eval/problems"] == 4 and "eval/pass@1" in record["metrics"]
     assert [p["question"] for p in record["problems"]] == [p.question for p in smollm2[1].eval_problems()[:4]]

@@ -183,7 +183,8 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     algo = cfg.algo
     problems = task.eval_problems()[: args.limit or None]
     settings = args.eval
-    bar = progress.Progress(len(problems) * (1 + ((settings.n or settings.k) if settings.k else 0)), "eval", unit="seq",
+    sampled = (settings.n or settings.k) if settings.k > 1 else 0  # k = 1 is the greedy pass@1 alone
+    bar = progress.Progress(len(problems) * (1 + sampled), "eval", unit="seq",
                             fields=())
     metrics, rows = score(
         models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
