@@ -142,16 +142,12 @@ class AQN:
         self.sigma = 0.0
         self.draws: list[torch.Tensor] = []
 
-    def relative_scale(self, sigma: float) -> tuple[float, str, float]:
-        """`(sigma / gamma, name, gamma)` for the noised norm with the smallest median |gamma|,
-        where the same sigma perturbs its linears' inputs the most."""
-        gamma, name = min((m.weight.detach().float().abs().median().item(), n) for n, m in self.norms)
-        return sigma / max(gamma, 1e-12), name, gamma
-
     def scale_warning(self) -> str | None:
-        """One line when the schedule's planned sigma exceeds `SCALE_WARNING` of a norm's scale."""
+        """One line when the schedule's planned sigma exceeds `SCALE_WARNING` of the smallest median
+        |gamma| of the noised norms (where the same sigma perturbs its linears' inputs the most)."""
         sigma, option = planned_sigma(self.cfg)
-        ratio, name, gamma = self.relative_scale(sigma)
+        gamma, name = min((m.weight.detach().float().abs().median().item(), n) for n, m in self.norms)
+        ratio = sigma / max(gamma, 1e-12)
         if ratio <= SCALE_WARNING:
             return None
         return (f"warning: AQN's sigma ({sigma:g}) is {ratio:.0%} of the median |gamma| of {name} ({gamma:.3g}): "

@@ -18,7 +18,7 @@ from torch import nn
 from conftest import import_or_skip, tiny_qwen2, with_lora
 from qerl_exp.engine import launch, layout, reference
 from qerl_exp.engine.decode import sample
-from qerl_exp.engine.fast_engine import FastEngine
+from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
 CUDA = torch.cuda.is_available()
@@ -706,7 +706,7 @@ def test_gpu_dense_engine_takes_cublas_from_64_rows_and_matches_hf_generate(max_
     model = tiny_model(torch.bfloat16, "cuda", layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     eng = FastEngine(model, max_batch, 64)
-    assert eng.dense_gemm == ("cublas" if max_batch >= 64 else "triton")
+    assert eng.dense_gemm == ("cublas" if max_batch >= DENSE_CUBLAS_MIN_BATCH else "triton")
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, hf_greedy(model, ids, mask, 16), tol=0.05)
 

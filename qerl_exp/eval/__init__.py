@@ -108,6 +108,12 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     return torch.cat(out)
 
 
+def samples_per_problem(k: int, n: int) -> int:
+    """Sampled completions per problem for pass@k: `n`, or `k` when n is 0; none at k = 0 or 1,
+    whose pass@1 is the greedy one."""
+    return (n or k) if k > 1 else 0
+
+
 def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
           on_batch=None, engine: str = "hf") -> tuple[dict[str, float], list[dict]]:
@@ -115,8 +121,8 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
     if k < 0:
         raise ValueError(f"k={k}: use k >= 2 for sampled pass@k, or k=0 or 1 for the greedy pass@1 alone")
+    n = samples_per_problem(k, n)
     k = 0 if k == 1 else k  # pass@1 is the greedy one, always reported
-    n = n or k
     if k and n < k:
         raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
     problems = list(task.eval_problems() if problems is None else problems)

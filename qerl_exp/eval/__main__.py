@@ -22,7 +22,7 @@ from qerl_exp import logs, progress
 from qerl_exp.checkpoint import load_adapter
 from qerl_exp.cli import UsageError, fail
 from qerl_exp.config import Config, ConfigError, EvalConfig, as_dict, to_config
-from qerl_exp.eval import score
+from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.model import build_models, resolve_device
 from qerl_exp.rollout import engine_for
 from qerl_exp.rundir import write_atomic
@@ -183,8 +183,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     algo = cfg.algo
     problems = task.eval_problems()[: args.limit or None]
     settings = args.eval
-    sampled = (settings.n or settings.k) if settings.k > 1 else 0  # k = 1 is the greedy pass@1 alone
-    bar = progress.Progress(len(problems) * (1 + sampled), "eval", unit="seq",
+    bar = progress.Progress(len(problems) * (1 + samples_per_problem(settings.k, settings.n)), "eval", unit="seq",
                             fields=())
     metrics, rows = score(
         models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         fail("interrupted", code=130)
 
-    if finished(counts(study)) < plan.n_trials:
+    if finished(counts(study.get_trials(deepcopy=False))) < plan.n_trials:
         code = _run_workers(plan, study, spec_path, rest)
         if code:
             return code
@@ -103,11 +103,12 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
                                  start_new_session=True, preexec_fn=_die_with_parent)
         workers.append((i, p, log))
 
-    c = counts(study)
+    trials = study.get_trials(deepcopy=False)
+    c = counts(trials)
     tty = sys.stderr.isatty()
     bar = tqdm(total=plan.n_trials, initial=min(finished(c), plan.n_trials), desc=plan.study_name, unit="trial",
                dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-    seen = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()}
+    seen = {t.number for t in trials if t.state.is_finished()}
     gone: set[int] = set()
     shown: tuple = ()
     stopped = False
@@ -125,7 +126,7 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
                         bar.write(f"trial {t.number} failed: {reason}", file=sys.stderr)
                     elif t.state == TrialState.PRUNED:
                         bar.write(f"trial {t.number} pruned at step {t.user_attrs.get('pruned_at_step')}", file=sys.stderr)
-            c, resumed = counts(study), sum(map(was_interrupted, trials))
+            c, resumed = counts(trials), sum(map(was_interrupted, trials))
             status = (f"running={c[TrialState.RUNNING]} pruned={c[TrialState.PRUNED]} "
                       f"failed={c[TrialState.FAIL] - resumed}{f' resumed={resumed}' if resumed else ''}"
                       f"{_best_text(plan, study, c)}")
@@ -147,7 +148,7 @@ def _run_workers(plan, study, spec_path: str, rest: list[str]) -> int:
         _stop(workers, bar)
     finally:
         bar.close()
-    c = counts(study)
+    c = counts(study.get_trials(deepcopy=False))
     if stopped:
         fail(f"interrupted with {finished(c)} of {plan.n_trials} trials finished; running trials were marked failed "
              f"and re-enqueued: rerun the same command to resume", code=130)

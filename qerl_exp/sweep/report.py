@@ -32,7 +32,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from qerl_exp.sweep.spec import Plan, override_key
-from qerl_exp.sweep.study import shown, was_interrupted
+from qerl_exp.sweep.study import counts, shown, was_interrupted
 
 
 def write_reports(plan: Plan, study: optuna.Study) -> list[Path]:
@@ -250,7 +250,7 @@ def _declutter(fig, n_params: int) -> None:
 def summary_lines(plan: Plan, study: optuna.Study) -> list[str]:
     """What the command prints at the end."""
     trials = study.get_trials(deepcopy=False)
-    n = {s: sum(t.state == s for t in trials) for s in TrialState}
+    n = counts(trials)
     resumed = sum(map(was_interrupted, trials))
     lines = [f"study '{plan.study_name}': {n[TrialState.COMPLETE] + n[TrialState.PRUNED]} trials finished "
              f"({n[TrialState.COMPLETE]} complete, {n[TrialState.PRUNED]} pruned), {n[TrialState.FAIL] - resumed} failed "

@@ -219,9 +219,10 @@ def _short(value) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def counts(study: optuna.Study) -> dict[TrialState, int]:
+def counts(trials: list[FrozenTrial]) -> dict[TrialState, int]:
+    """Trials per state (every state present, 0 where none)."""
     out = {s: 0 for s in TrialState}
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         out[t.state] += 1
     return out
 
@@ -547,7 +548,7 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
     while not signals.stop:
         with claim_lock(plan):
             optuna.storages.fail_stale_trials(study)
-            c = counts(study)
+            c = counts(study.get_trials(deepcopy=False))
             if finished(c) >= plan.n_trials:
                 log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
                 return 0
