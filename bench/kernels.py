@@ -35,6 +35,17 @@ SWEEP_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MMA_TILES = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
              dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
              dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
+
+
+def wgmma_tiles(m: int) -> list[dict]:
+    """`nvfp4_wgmma` variants tried beside its `TILES` row for m rows: two programs an SM (80
+    registers a thread fit tiles of up to 64 rows) with its ring or a shallower one, and deeper rings."""
+    bm = min(64, 1 << (m - 1).bit_length())
+    if m <= 64:
+        return [dict(BLOCK_M=bm, maxnreg=80), dict(BLOCK_M=bm, maxnreg=80, STAGES=4), dict(STAGES=10)]
+    return [dict(BLOCK_M=64, maxnreg=80), dict(STAGES=6)]
+
+
 L2_BYTES = 60 * 2**20
 
 
@@ -179,12 +190,12 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool
 
 
 def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) -> dict:
-    """Time cuBLAS bf16, dequantize + cuBLAS, the decode kernels and `_nvfp4_mma_kernel` (its tile
-    table and `MMA_TILES`) for every launch shape and M; print them side by side and write the
+    """Time cuBLAS bf16, dequantize + cuBLAS, the decode kernels, `nvfp4_wgmma` and `_nvfp4_mma_kernel`
+    (its tile table and `MMA_TILES`) for every launch shape and M; print them side by side and write the
     fastest per (shape, M) as the dispatch table."""
     dev = torch.device("cuda")
     rows = []
-    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'dequant':>8} {'mma':>7}  best "
+    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'dequant':>8} {'mma':>7} {'wgmma':>7}  best "
           "(x cuBLAS bf16: higher is faster)")
     for name, k, n in launches:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -196,6 +207,9 @@ def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) 
             t_ref = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense])
             cands = {"small": dict(kernel="small"), "dequant": dict(kernel="dequant")}
             if m >= 16:
+                cands["wgmma"] = dict(kernel="wgmma")
+                for tiles in wgmma_tiles(m):
+                    cands["wgmma " + json.dumps(tiles)] = dict(kernel="wgmma", config=tiles)
                 cands["mma"] = dict(kernel="mma")
                 for tiles in MMA_TILES:
                     cands["mma " + json.dumps(tiles)] = dict(kernel="mma", config=tiles)
@@ -209,9 +223,11 @@ def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) 
             rows.append(dict(shape=f"{n}x{k}", m=m, us=us, cublas_us=t_ref * 1e6))
             best = min((c for c in us if us[c] == us[c]), key=us.get)
             mma_best = min([us[c] for c in us if c.startswith("mma") and us[c] == us[c]], default=float("nan"))
+            wg_best = min([us[c] for c in us if c.startswith("wgmma") and us[c] == us[c]], default=float("nan"))
             ref = t_ref * 1e6
             print(f"{name + f' {n}x{k}':22} {m:>4} {ref:>10.1f} {ref / us['small']:>6.2f}x {ref / us['dequant']:>7.2f}x "
-                  f"{ref / mma_best:>6.2f}x  {best} ({ref / us[best]:.2f}x)", flush=True)
+                  f"{ref / mma_best:>6.2f}x {ref / wg_best:>6.2f}x  {best} ({ref / us[best]:.2f}x)",
+                  flush=True)
         del plans, dense, w
         torch.cuda.empty_cache()
     header = dict(device=torch.cuda.get_device_name(), command=command)

@@ -67,7 +67,30 @@ def _interp_main() -> None:
              [(17, "mma", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT=4, num_warps=4, num_stages=3)),
               (100, "mma", None), (17, "dequant", None)]]
     _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, cases)
+    _check_h16()
     print("MMA INTERPRETER CHECKS OK")
+
+
+def _check_h16() -> None:
+    # `nvfp4_wgmma`'s activations: norm_shrink writes x' / 16 in fp16, x' being what it writes without
+    # h16 (RMSNorm(x) * gamma), or x itself without gamma; the shrink is the same either way. fp32 x
+    # here, as the interpreter checks above (its bf16 -> fp16 cast overflows)
+    torch.manual_seed(1)
+    m, k = 5, 256
+    x = torch.randn(m, k) * 3
+    gamma = 1 + 0.1 * torch.randn(k)
+    ss = x.pow(2).sum(-1)[None]
+    a = torch.randn(8, k)
+    a_tab = torch.tensor([a.data_ptr()], dtype=torch.int64)
+    for g in (gamma, None):
+        h16, h = torch.full((m, k), float("nan"), dtype=torch.float16), torch.full((m, k), float("nan"))
+        t16, t = torch.zeros(m, 8), torch.zeros(m, 8)
+        launch.norm_shrink(x, g, 1e-6, h16, a_tab, 1, 8, t16, ss=ss if g is not None else None, h16=True)
+        launch.norm_shrink(x, g, 1e-6, h if g is not None else None, a_tab, 1, 8, t, ss=ss if g is not None else None)
+        xp = h if g is not None else x
+        assert torch.equal(h16, (xp / 16).half()), g
+        assert torch.equal(t16, t)
+        torch.testing.assert_close(xp, reference.rms_norm_ref(x, g, 1e-6) if g is not None else x)
 
 
 def test_nvfp4_mma_kernel_and_dequant_fallback_in_the_interpreter():
@@ -114,14 +137,14 @@ def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
 def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
     plan = launch.make_plan("dense", [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device("cpu"),
                             workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))
-    with pytest.raises(ValueError, match=r"^kernel='mma' is not one of .* \(mma and dequant take NVFP4 only\)$"):
+    with pytest.raises(ValueError, match=r"^kernel='mma' is not one of .* \(mma, wgmma and dequant take NVFP4 only\)$"):
         launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64), kernel="mma")
 
 
 @gpu
 @needs_cuda
 def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
-    tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "dequant")]
+    tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "wgmma", "dequant")]
     tiles += [(m, None, None) for m in (1, 8, 16, 64, 256)]  # as the dispatch table picks
     _check_paths("cuda", torch.bfloat16, 1.5e-2, SHAPES_7B, [tiles] * len(SHAPES_7B), torch.float32)
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("small", "mma", "dequant")
+KINDS = ("small", "mma", "wgmma", "dequant")
 TABLE_PATH = Path(__file__).with_name("dispatch.json")
 
 
@@ -32,8 +32,8 @@ class Choice:
 
     Args:
         kind: one of `KINDS`.
-        tiles: measured `_nvfp4_mma_kernel` tiles for "mma" (see `mma_kernels.mma_config`), or None
-            for its `TILES` table.
+        tiles: measured tiles for "mma" (`mma_kernels.mma_config`) or "wgmma" (`nvfp4_wgmma.config`),
+            or None for the kernel's own `TILES` table.
     """
 
     kind: str
@@ -86,7 +86,7 @@ def choose(total_n: int, k: int, m: int, table: dict | None = None) -> Choice:
         key = min(shapes, key=lambda s: abs(math.log(math.prod(int(v) for v in s.split("x"))) - size))
     entries = shapes[key]
     e = next((e for e in entries if e["m"] >= m), entries[-1])
-    return Choice(e["kernel"], e.get("tiles") if e["kernel"] == "mma" else None)
+    return Choice(e["kernel"], e.get("tiles"))
 
 
 def write_table(path: Path, rows: list[dict], header: dict) -> dict:
@@ -95,7 +95,8 @@ def write_table(path: Path, rows: list[dict], header: dict) -> dict:
     Args:
         path: where (normally `TABLE_PATH`).
         rows: one dict per (shape, m): "shape" ("NxK"), "m", "us", a dict of candidate name ->
-            microseconds ("small", "dequant", "mma" or "mma <tiles as JSON>"; NaN marks a failure),
+            microseconds (a kind of `KINDS`, or "mma <tiles as JSON>" / "wgmma <tiles as JSON>"; NaN
+            marks a failure),
             and "cublas_us", bf16 cuBLAS's time (kept beside the entry, never chosen).
         header: "device", "command" and the like, stored beside the table.
 
@@ -108,7 +109,7 @@ def write_table(path: Path, rows: list[dict], header: dict) -> dict:
         best = min(timed, key=timed.get)
         entry = {"m": r["m"], "kernel": best.split(" ", 1)[0], "us": {c: round(t, 2) for c, t in r["us"].items()},
                  "cublas_us": round(r["cublas_us"], 2)}
-        if best.startswith("mma "):
+        if " " in best:  # "mma {...}" / "wgmma {...}": a tile variant
             entry["tiles"] = json.loads(best.split(" ", 1)[1])
         shapes.setdefault(r["shape"], []).append(entry)
     content = {**header, "measured": True, "shapes": shapes}

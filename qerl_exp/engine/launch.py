@@ -26,20 +26,21 @@ try:  # CPU builds of torch ship without Triton (the engine then runs its torch 
     import triton
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
-try:  # the mma.sync NVFP4 kernel, where this Triton has Gluon
-    from qerl_exp.engine import nvfp4_mma
+try:  # the NVFP4 Gluon kernels (mma.sync for decode shapes, wgmma for 16-256 rows), where Triton has Gluon
+    from qerl_exp.engine import nvfp4_mma, nvfp4_wgmma
 except ImportError:  # pragma: no cover - depends on the install
-    nvfp4_mma = None
+    nvfp4_mma = nvfp4_wgmma = None
 
 
 def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,
                 a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None,
-                lora_dtype: torch.dtype | None = None, ss: Tensor | None = None) -> None:
+                lora_dtype: torch.dtype | None = None, ss: Tensor | None = None, h16: bool = False) -> None:
     """Triton: h_out = RMSNorm(x) * gamma (if gamma given) and t_out += h @ A_s^T per segment.
 
     Args:
         x: [M, K] activations. gamma: [K] norm scale or None (no norm: the shrink reads x).
-        h_out: [M, K] output of the norm (None when gamma is None).
+        h_out: [M, K] output of the norm (None when gamma is None and not h16).
+        h16: h_out is fp16 and gets h / 16 (x / 16 without gamma): `nvfp4_wgmma`'s activations.
         a_tab: int64 [nseg] addresses of the LoRA A matrices ([r, K] each), or None (no LoRA).
         lora_dtype: dtype of those matrices (peft keeps adapters in fp32 under a bf16 base);
             the dot runs in x's dtype.
@@ -72,7 +73,7 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         m, k, r, eps, (chunks // split) * block_k, ss.shape[0] if ss is not None else 1,
         NORM=gamma is not None, LORA=a_tab is not None, NSEG=nseg, R=R, RT=RT,
         LDT=tl_dtype(lora_dtype or x.dtype), T_PAD=pow2(ss.shape[0] if ss is not None else 1, 1),
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_K=block_k, H16=h16, num_warps=4,
     )
 
 
@@ -167,7 +168,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     Dense, NVFP4 and NF4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load`
     says so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the
     rest. NVFP4 on CUDA: the base product as `dispatch.choose` says for the shape and M ("mma":
-    `mma_kernels`, "dequant": dequantize + cuBLAS, both after a `norm_shrink` launch). Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
+    `mma_kernels`, "wgmma": `nvfp4_wgmma`, "dequant": dequantize + cuBLAS, all after a `norm_shrink`
+    launch; wgmma's writes x' / 16 in fp16). Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
     linear (MXFP4, cuBLAS: one `_linear_kernel` launch).
 
     Args:
@@ -186,9 +188,9 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         norm: (gamma [K], eps, ss fp32 [T, >= M] partial sums of squares of x's rows): x is a
             residual row and the linear reads RMSNorm(x) * gamma (HF's rounding) instead.
         shrink: int64 [nseg] addresses of the group's LoRA A matrices ([r, K] each): compute t.
-        config: tile sizes (`linear_config`'s keys; "mma": `mma_kernels.mma_config`'s) instead of
-            the heuristic.
-        kernel: NVFP4: "small", "mma" or "dequant" instead of the dispatch table's choice (on CPU,
+        config: tile sizes (`linear_config`'s keys; "mma": `mma_kernels.mma_config`'s; "wgmma":
+            `nvfp4_wgmma.config`'s) instead of the heuristic.
+        kernel: NVFP4: "small", "mma", "wgmma" or "dequant" instead of the dispatch table's choice (on CPU,
             where there is no table to follow, "small" unless given).
     """
     m = x.shape[0]
@@ -202,6 +204,13 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     if kind == "small":
         cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
     on_load = kind == "small" and (nvfp4_mma.norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m))
+    x16 = None
+    if kind == "wgmma":  # its activations are x' / 16 in fp16, written with the norm and the shrink
+        gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
+        x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        norm_shrink(x, gamma, eps, x16, shrink, plan.nseg, plan.r, t if shrink is not None else None,
+                    plan.lora_dtype, ss=ss, h16=True)
+        norm = shrink = None
     if (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty_like(x) if norm is not None else None
@@ -211,7 +220,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         norm = shrink = None
     if plan.workspace is not None:
         _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                       "nvfp4_mma" if mma else kind, sms)
+                       "nvfp4_mma" if mma else kind, sms, x16)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -241,30 +250,39 @@ def _sm_count(device: torch.device) -> int:
 
 def _dispatch(plan: LinearPlan, x: Tensor, config: dict | None, kernel: str | None, sms: int) -> tuple:
     """(kind, config) of an NVFP4 launch's base product: `kernel`, else the dispatch table's choice on
-    CUDA, else "small"; "mma" with its tiles (`config` overrides the table's)."""
+    CUDA, else "small"; "mma" and "wgmma" with their tiles (`config` overrides the table's)."""
     if kernel is not None and (kernel not in dispatch.KINDS or (kernel != "small" and plan.fmt != "nvfp4")):
         raise ValueError(f"kernel={kernel!r} is not one of {dispatch.KINDS} for a {plan.fmt} linear "
-                         "(mma and dequant take NVFP4 only)")
+                         "(mma, wgmma and dequant take NVFP4 only)")
     if plan.fmt != "nvfp4" or plan.workspace is None:
         return "small", config
     total = plan.n * (2 if plan.glu else 1)
     choice = dispatch.Choice(kernel or "small")
     if kernel is None and x.is_cuda and config is None:
         choice = dispatch.choose(total, plan.k, x.shape[0])
+    if choice.kind == "wgmma" and not (x.is_cuda and nvfp4_wgmma is not None and nvfp4_wgmma.usable(plan, x.shape[0])):
+        if kernel is not None:
+            raise ValueError(f"kernel='wgmma' takes NVFP4 launches of 16-256 rows in whole 128-row tiles on CUDA, "
+                             f"not {x.shape[0]} rows of {total} columns on {x.device}")
+        choice = dispatch.Choice("small")
+    tiles = config if config is not None else choice.tiles
+    if choice.kind == "wgmma":
+        return "wgmma", tiles
     if choice.kind != "mma":
         return choice.kind, config
-    tiles = config if config is not None else choice.tiles
     return "mma", mma_kernels.mma_config(x.shape[0], total, plan.k, plan.seg_gcd, sms, SPLIT_MAX, tiles)
 
 
 def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                   kind: str, sms: int) -> None:
+                   kind: str, sms: int, x16: Tensor | None = None) -> None:
     m = x.shape[0]
     ws = plan.workspace
     if m > ws.shape[1]:
         raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
     if kind == "nvfp4_mma":  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
         split, ws = nvfp4_mma.launch(plan, x, t, norm, shrink, sms)
+    elif kind == "wgmma":
+        split, ws = nvfp4_wgmma.launch(plan, x16, sms, cfg)
     elif kind == "mma":
         split = mma_kernels.launch_mma(plan, x, cfg)
     elif kind == "dequant":

@@ -53,11 +53,13 @@ if HAS_TRITON:
         M, K, r, eps, KCHUNK, T,
         NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        H16: tl.constexpr,
     ):
         # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
         # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
         # has to read whole rows); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk
-        # (split-K with fp32 atomics; t is zeroed once per decode step).
+        # (split-K with fp32 atomics; t is zeroed once per decode step). H16: h holds h / 16 in
+        # fp16 instead (the wgmma kernel's operand), also without the norm (then h = x / 16).
         ACT = x_ptr.dtype.element_ty
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -80,6 +82,10 @@ if HAS_TRITON:
                 hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
                 gam = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0)
                 x = (gam[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
+            if H16:
+                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], _f16_div16(x),
+                         mask=m_ok[:, None] & k_ok[None, :])
+            elif NORM:
                 tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
                          mask=m_ok[:, None] & k_ok[None, :])
             if LORA:

@@ -1,0 +1,238 @@
+"""The NVFP4 tensor-core kernel for 16-256 rows on Hopper: a TMA ring fed by a producer warp, the
+weights decoded in registers into wgmma's A operand (Gluon, sm_90).
+
+Why this shape (issue 22, docs/engine.md): from 64 rows on, cuBLAS bf16 stops being bound by weight
+bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while it decodes. Here
+- one producer warp (`_load`) streams each K chunk's codes, block scales and activations into a
+  `STAGES`-deep shared-memory ring by TMA, as far ahead as the ring allows; the consumers never wait
+  on HBM latency, only on the ring;
+- two consumer warpgroups (`_consume`, 128 weight rows: 16 a warp) read their codes from the ring
+  into registers (they are stored in the A fragments' order, `layout.relayout_nvfp4`, so each
+  thread's 16 bytes are one contiguous read and become its fragment by relabelling), decode them
+  with the same E2M1 x E4M3 inline PTX as `nvfp4_mma` (exact in fp16), and issue asynchronous
+  wgmmas against the activation tile in shared memory; the wgmma of chunk i runs while chunk i + 1
+  is decoded, and a ring slot goes back to the producer once the wgmma that read it has retired;
+- the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
+  norm and the LoRA shrink), so TMA puts them where wgmma reads them with no pass over registers.
+
+Same contract as the other NVFP4 paths: K slice `pid_k` of x' @ W^T in units of 2^-6 / 16, fp32,
+into ws[pid_k]; the raw `_linear_kernel` launch finishes the tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from qerl_exp.engine.nvfp4_mma import _ASM, _segment
+
+WARPS = gl.constexpr(8)  # consumer warps: two warpgroups
+BLOCK_N = gl.constexpr(16 * WARPS.value)  # weight rows a program
+RB = gl.constexpr(WARPS.value)  # 16-row blocks a program
+# rows up to -> BLOCK_M (more rows: m blocks of 128), ring stages, registers a thread (ptxas' cap
+# over all 12 warps; the consumers take the producer's spare ones)
+TILES = ((16, dict(BLOCK_M=16, STAGES=8, maxnreg=128)), (32, dict(BLOCK_M=32, STAGES=8, maxnreg=128)),
+         (64, dict(BLOCK_M=64, STAGES=6, maxnreg=128)), (128, dict(BLOCK_M=128, STAGES=4, maxnreg=168)))
+MIN_CPS = 4  # chunks of 64 inputs a K slice takes at least
+
+
+@gluon.jit
+def _load(cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg, rb0, c0, m0, n_chunks,
+          NSEG: gl.constexpr):
+    # producer: chunk i's codes [RB, 1, 128] and scales [RB, 1, 16] (int32) and x' [BM, 64] (two
+    # 32-input halves) into ring slot i % S, once the consumers have released it
+    S: gl.constexpr = codes.shape[0]
+    nbytes: gl.constexpr = cd0.block_type.nbytes + sd0.block_type.nbytes + 2 * xd.block_type.nbytes
+    for i in range(n_chunks):
+        s = i % S
+        mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        g = c0 + i
+        if NSEG == 1:
+            tma.async_copy_global_to_shared(cd0, [rb0, g, 0], bar, codes.index(s))
+            tma.async_copy_global_to_shared(sd0, [rb0, g, 0], bar, scales.index(s))
+        else:
+            if seg == 0:
+                tma.async_copy_global_to_shared(cd0, [rb0, g, 0], bar, codes.index(s))
+                tma.async_copy_global_to_shared(sd0, [rb0, g, 0], bar, scales.index(s))
+            elif seg == 1:
+                tma.async_copy_global_to_shared(cd1, [rb0, g, 0], bar, codes.index(s))
+                tma.async_copy_global_to_shared(sd1, [rb0, g, 0], bar, scales.index(s))
+            else:
+                tma.async_copy_global_to_shared(cd2, [rb0, g, 0], bar, codes.index(s))
+                tma.async_copy_global_to_shared(sd2, [rb0, g, 0], bar, scales.index(s))
+        tma.async_copy_global_to_shared(xd, [m0, g * 64], bar, xs.index(2 * s))
+        tma.async_copy_global_to_shared(xd, [m0, g * 64 + 32], bar, xs.index(2 * s + 1))
+
+
+@gluon.jit
+def _fragment(v, A: gl.constexpr):
+    # [32 RB threads, 16 registers] -> the [16 RB, 32] A fragments: row 16 w + 8 b1 + r, k 16 b3 +
+    # 8 b2 + 2 c + b0 for thread 32 w + 4 r + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
+    v = gl.reshape(v, [RB, 8, 4, 2, 2, 2, 2])
+    v = gl.permute(v, (0, 5, 1, 3, 4, 2, 6))
+    return gl.convert_layout(gl.reshape(v, [BLOCK_N, 32]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.constexpr):
+    # ring slot i % S -> registers -> decoded A fragments -> two async wgmmas (32 inputs each)
+    S: gl.constexpr = codes.shape[0]
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    L3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
+    CW: gl.constexpr = gl.SliceLayout(2, L3)  # [32 RB threads, 4 code words]: 16 bytes a thread
+    L5: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))  # [32 RB, b3]: scale words
+    # scale entry 2 r + b3 of row block w, read by the four threads 32 w + 4 r + c
+    PS: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [WARPS, 1, 1], [2, 1, 0])  # [8 RB, c, b3]
+    s = i % S
+    mbarrier.wait(ready.index(s), (i // S) & 1)
+    cw = codes.index(s).reshape([32 * RB, 4]).load(CW)
+    sw = scales.index(s).reshape([8 * RB, 2]).load(gl.SliceLayout(1, PS))
+    word = gl.broadcast(gl.expand_dims(sw, 1), gl.full([8 * RB, 4, 2], 0, gl.int32, PS))[0]
+    word = gl.convert_layout(gl.reshape(word, [32 * RB, 2]), SW, assert_trivial=True)
+    # each code word broadcast over its four bytes and each scale word over the (b2, b1, b0) it
+    # scales: the asm takes both registers as loaded
+    c5 = gl.broadcast(gl.expand_dims(cw, 2), gl.full([32 * RB, 4, 4], 0, gl.int32, L3))[0]
+    c5 = gl.convert_layout(gl.reshape(c5, [32 * RB, 2, 2, 2, 2]), L5, assert_trivial=True)
+    s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4),
+                      gl.full([32 * RB, 2, 2, 2, 2], 0, gl.int32, L5))[0]
+    a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    acc = warpgroup_mma(_fragment(gl.reshape(a_lo, [32 * RB, 16]), A), xs.index(2 * s).permute((1, 0)), acc,
+                        use_acc=USE_ACC, is_async=True)
+    acc = warpgroup_mma(_fragment(gl.reshape(a_hi, [32 * RB, 16]), A), xs.index(2 * s + 1).permute((1, 0)), acc,
+                        is_async=True)
+    return acc
+
+
+@gluon.jit
+def _consume(codes, scales, xs, ready, empty, n_chunks, BLOCK_M: gl.constexpr):
+    # consumers: chunk i's wgmmas run while chunk i + 1 is decoded; a ring slot goes back to the
+    # producer once the wgmmas that read it have retired. Chunk 0 is peeled (use_acc=False), so no
+    # path reaches the last wait with an accumulator that a wgmma did not write (ptxas would then
+    # serialise every wgmma, C7515)
+    S: gl.constexpr = codes.shape[0]
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    acc = _chunk(0, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), codes, scales, xs, ready, ACC, False)
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # waits for nothing: a tensor to carry
+    for i in range(1, n_chunks):
+        acc = _chunk(i, acc, codes, scales, xs, ready, ACC, True)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+        fence_async_shared()
+        mbarrier.arrive(empty.index((i - 1) % S))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (acc,)
+
+
+@gluon.jit
+def nvfp4_wgmma_kernel(cd0, cd1, cd2, sd0, sd1, sd2, xd, ws_ptr, stride_wm, stride_ws,
+                       M, K, N1, N2, CPS, NT,
+                       NSEG: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    # program q: m block q % MB (BLOCK_M rows), weight tile q // MB % NT (BLOCK_N rows), K slice
+    # q // (MB NT) of CPS chunks (the last may be shorter). The m blocks of a weight tile run side
+    # by side, so only the first reads it from HBM
+    q = gl.program_id(0)
+    mb = gl.cdiv(M, BLOCK_M)
+    pid_m = q % mb
+    pid_n = (q // mb) % NT
+    pid_k = q // (mb * NT)
+    n0 = pid_n * BLOCK_N
+    c0 = pid_k * CPS
+    n_chunks = gl.minimum(CPS, K // 64 - c0)
+    seg, start = _segment(n0, N1, N2, NSEG)
+    rb0 = (n0 - start) // 16
+
+    codes = gl.allocate_shared_memory(gl.int32, [STAGES, RB, 1, 128], cd0.layout)
+    scales = gl.allocate_shared_memory(gl.int32, [STAGES, RB, 1, 16], sd0.layout)
+    xs = gl.allocate_shared_memory(gl.float16, [2 * STAGES, BLOCK_M, 32], xd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+    (acc,) = gl.warp_specialize([
+        (_consume, (codes, scales, xs, ready, empty, n_chunks, BLOCK_M)),
+        (_load, (cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg, rb0, c0,
+                 pid_m * BLOCK_M, n_chunks, NSEG)),
+    ], [1], [40])
+
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+    gl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
+             mask=(offs_m < M)[None, :])
+
+
+def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dict | None = None) -> dict:
+    """BLOCK_M, STAGES, maxnreg and the K split (SPLIT, CPS) for m rows of a launch of `tiles` weight
+    tiles and `chunks` chunks of 64 inputs.
+
+    `TILES`' row for m (the first whose bound is >= m, else the last), updated with `over` (a
+    `dispatch.json` entry's measured tiles); K is split into as many slices as keep the programs
+    within one wave (as many an SM as its registers hold), each at least `MIN_CPS` chunks, at most
+    `max_slices`, unless `over` gives SPLIT."""
+    cfg = dict(next((t for bound, t in TILES if m <= bound), TILES[-1][1]))
+    cfg.update(over or {})
+    programs = tiles * -(-m // cfg["BLOCK_M"])
+    resident = 65536 // (cfg["maxnreg"] * 32 * (WARPS.value + 4))  # programs an SM holds (registers)
+    split = cfg.get("SPLIT") or max(1, min(resident * sms // programs, chunks // MIN_CPS, max_slices))
+    cps = -(-chunks // split)
+    cfg["SPLIT"], cfg["CPS"] = -(-chunks // cps), cps
+    return cfg
+
+
+def usable(plan, m: int) -> bool:
+    """Whether the kernel takes this launch: NVFP4 in whole 128-row tiles, at least 16 rows."""
+    return plan.fmt == "nvfp4" and m >= 16 and plan.seg_gcd % BLOCK_N.value == 0
+
+
+def _descriptors(plan, bm: int, x16: Tensor) -> tuple:
+    # TMA descriptors of every segment's codes and scales (int32 views) and of x'; fewer than three
+    # segments repeat the first (never read)
+    cl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    cds, sds = [], []
+    for w in plan.packed:
+        cds.append(TensorDescriptor.from_tensor(w.codes.view(torch.int32), [RB.value, 1, 128], cl))
+        sds.append(TensorDescriptor.from_tensor(w.scales, [RB.value, 1, 16], cl))
+    cds += [cds[0]] * (3 - len(cds))
+    sds += [sds[0]] * (3 - len(sds))
+    xd = TensorDescriptor.from_tensor(x16, [bm, 32], gl.NVMMASharedLayout.get_default_for([bm, 32], gl.float16))
+    return (*cds, *sds, xd)
+
+
+def launch(plan, x16: Tensor, sms: int, tiles: dict | None = None) -> tuple[int, Tensor]:
+    """K slices of x' @ W^T into the workspace from fp16 x16 = x' / 16 [M, K] (contiguous).
+
+    Args:
+        tiles: `config`'s keys to use instead of its choice (a `dispatch.json` entry).
+
+    Returns (slices, ws): the slices as `triton_kernels._linear_kernel` sums them and the
+    [slices, m, n] view of plan.workspace they are in."""
+    m = x16.shape[0]
+    total = plan.n * (2 if plan.glu else 1)
+    nt = total // BLOCK_N.value
+    flat = plan.workspace.view(-1)
+    cfg = config(m, nt, plan.k // 64, sms, flat.numel() // (m * total), tiles)
+    ws = flat[: cfg["SPLIT"] * m * total].view(cfg["SPLIT"], m, total)
+    bm = cfg["BLOCK_M"]
+    nvfp4_wgmma_kernel[(nt * cfg["SPLIT"] * -(-m // bm),)](
+        *_descriptors(plan, bm, x16), ws, ws.stride(1), ws.stride(0),
+        m, plan.k, plan.n1, plan.n2, cfg["CPS"], nt,
+        NSEG=plan.nseg, BLOCK_M=bm, STAGES=cfg["STAGES"], num_warps=WARPS.value, maxnreg=cfg["maxnreg"],
+    )
+    return cfg["SPLIT"], ws
