@@ -113,6 +113,27 @@ def test_mma_config_fills_the_gpu_and_fits_the_segments():
     assert mma_kernels.mma_config(16, 4608, 3584 + 64, 512, 132, 8)["BLOCK_K"] == 64
 
 
+@pytest.mark.skipif(launch.nvfp4_wgmma is None, reason="this Triton has no Gluon")
+def test_wgmma_config_fills_one_wave_and_takes_whole_128_row_tiles():
+    wg = launch.nvfp4_wgmma
+    # 7B down at 64 rows: 28 tiles, one program an SM at 128 registers -> 4 K slices of 74 chunks;
+    # two an SM at 80 registers -> 9 would fit, the workspace holds 8 -> 8 slices of 37
+    cfg = wg.config(64, 28, 296, 132, 8)
+    assert (cfg["BLOCK_M"], cfg["SPLIT"], cfg["CPS"]) == (64, 4, 74)
+    assert (wg.config(64, 28, 296, 132, 8, dict(maxnreg=80))["SPLIT"], wg.config(64, 28, 296, 132, 8)["STAGES"]) == (8, 6)
+    # gate/up (296 tiles) is more than a wave already; 256 rows go in two m blocks of 128; q/k/v at
+    # 16 rows: 36 tiles -> 3 slices; 7 chunks of a short K are never cut below MIN_CPS
+    assert wg.config(128, 296, 56, 132, 8)["SPLIT"] == 1
+    assert wg.config(256, 36, 56, 132, 8)["BLOCK_M"] == 128 and wg.config(256, 36, 56, 132, 8)["SPLIT"] == 1
+    assert wg.config(16, 36, 56, 132, 8)["SPLIT"] == 3 and wg.config(16, 1, 7, 132, 8)["SPLIT"] == 1
+    # whole 128-row tiles of NVFP4, 16 rows and more
+    plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, 64)) for n in (256, 128)], [None, None], None,
+                            [0.0, 0.0], 0, False, torch.device("cpu"), workspace=torch.zeros(8, 16, 384))
+    assert wg.usable(plan, 16) and not wg.usable(plan, 8)
+    assert not wg.usable(launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(48, 64))], [None], None, [0.0], 0,
+                                          False, torch.device("cpu"), workspace=torch.zeros(8, 16, 48)), 64)
+
+
 def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
     rows = [dict(shape="4608x3584", m=m, us=us, cublas_us=20.0) for m, us in
             [(8, {"small": 9.0, "dequant": 30.0, "mma": float("nan")}),

@@ -1,9 +1,10 @@
 """Which base-product path an NVFP4 linear takes for M rows, from measured crossovers.
 
-Three candidates compute the same product into the split-K workspace, all finished by the same raw
+Four candidates compute the same product into the split-K workspace, all finished by the same raw
 epilogue launch: "small" (the decode kernels: `nvfp4_mma` up to 8 rows, else `_splitk_kernel`, norm
-and shrink on load), "mma" (`mma_kernels._nvfp4_mma_kernel`, tensor-core tiles of 16-128 rows) and
-"dequant" (dequantize + cuBLAS). `bench/kernels.py --sweep` times them for every 7B projection
+and shrink on load), "mma" (`mma_kernels._nvfp4_mma_kernel`, tensor-core tiles of 16-128 rows),
+"wgmma" (`nvfp4_wgmma`: a TMA ring and asynchronous wgmma, 16 rows and more) and "dequant"
+(dequantize + cuBLAS). `bench/kernels.py --sweep` times them for every 7B projection
 shape at M in 1-256 against cuBLAS bf16 and writes `dispatch.json` beside this module:
 
     {"device": ..., "command": ..., "measured": true,
