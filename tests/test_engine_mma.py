@@ -160,6 +160,11 @@ def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
                             workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))
     with pytest.raises(ValueError, match=r"^kernel='mma' is not one of .* \(mma, wgmma and dequant take NVFP4 only\)$"):
         launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64), kernel="mma")
+    nv = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
+                          torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 16, 128))
+    with pytest.raises(ValueError, match=r"^kernel='wgmma' takes NVFP4 launches of 16 rows or more .* not 2 rows "
+                                         r"of 128 columns on cpu$"):
+        launch.fused_linear(nv, torch.randn(2, 64), torch.empty(2, 128), kernel="wgmma")
 
 
 @gpu

@@ -170,8 +170,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     says so, fp32 K slices), then a raw `_linear_kernel` launch sums the slices and applies the
     rest. NVFP4 on CUDA: the base product as `dispatch.choose` says for the shape and M ("mma":
     `mma_kernels`, "wgmma": `nvfp4_wgmma`, "dequant": dequantize + cuBLAS, all after a `norm_shrink`
-    launch; wgmma's writes x' / 16 in fp16). Otherwise a `norm_shrink` launch first when `norm` or `shrink` asks for it, then the
-    linear (MXFP4, cuBLAS: one `_linear_kernel` launch).
+    launch; wgmma's writes x' / 16 in fp16). Otherwise a `norm_shrink` launch first when `norm` or
+    `shrink` asks for it, then the linear (MXFP4, cuBLAS: one `_linear_kernel` launch).
 
     Args:
         plan: the group's device tables (`make_plan`).
@@ -263,8 +263,8 @@ def _dispatch(plan: LinearPlan, x: Tensor, config: dict | None, kernel: str | No
         choice = dispatch.choose(total, plan.k, x.shape[0])
     if choice.kind == "wgmma" and not (x.is_cuda and nvfp4_wgmma is not None and nvfp4_wgmma.usable(plan, x.shape[0])):
         if kernel is not None:
-            raise ValueError(f"kernel='wgmma' takes NVFP4 launches of 16-256 rows in whole 128-row tiles on CUDA, "
-                             f"not {x.shape[0]} rows of {total} columns on {x.device}")
+            raise ValueError(f"kernel='wgmma' takes NVFP4 launches of 16 rows or more in whole 128-row tiles on "
+                             f"CUDA, not {x.shape[0]} rows of {total} columns on {x.device}")
         choice = dispatch.Choice("small")
     tiles = config if config is not None else choice.tiles
     if choice.kind == "wgmma":
