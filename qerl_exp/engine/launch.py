@@ -205,19 +205,18 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     if kind == "small":
         cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
     on_load = kind == "small" and (nvfp4_mma.norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m))
+    h16 = kind == "wgmma"  # its activations are x' / 16 in fp16, written with the norm and the shrink
     x16 = None
-    if kind == "wgmma":  # its activations are x' / 16 in fp16, written with the norm and the shrink
+    if h16 or (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
-        x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        norm_shrink(x, gamma, eps, x16, shrink, plan.nseg, plan.r, t if shrink is not None else None,
-                    plan.lora_dtype, ss=ss, h16=True)
-        norm = shrink = None
-    if (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
-        gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
-        h = torch.empty_like(x) if norm is not None else None
+        h = torch.empty(x.shape, dtype=torch.float16 if h16 else x.dtype, device=x.device) \
+            if norm is not None or h16 else None
         norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
-                    plan.lora_dtype, ss=ss)
-        x = h if h is not None else x
+                    plan.lora_dtype, ss=ss, h16=h16)
+        if h16:
+            x16 = h
+        elif h is not None:
+            x = h
         norm = shrink = None
     if plan.workspace is not None:
         _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,

@@ -26,6 +26,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.runtime.jit import constexpr_function
 
 from qerl_exp.engine.ptx import e2m1x4_asm
 from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
@@ -76,13 +77,45 @@ def _x_norm(x, gamma, rstd):
     return (gamma[:, None].to(gl.float32) * hn.to(gl.float32)).to(x.dtype)
 
 
+@constexpr_function
+def code_layout(warps):
+    """[32 warps threads, 4 code words, 4] with each thread's 16 code bytes (its fragments of one
+    chunk) in its own registers: a slice over dim 2 is how the kernels load the codes."""
+    return gl.BlockedLayout([1, 4, 4], [32, 1, 1], [warps, 1, 1], [2, 1, 0])
+
+
+@constexpr_function
+def scale_layout(warps):
+    """[32 warps threads, b3, b2, b1, b0]: the decode's operand layout; a slice to [threads, b3] is
+    how the kernels load the scale words."""
+    return gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+
+
 @gluon.jit
-def _fragment(v, A: gl.constexpr):
-    # [128 threads, 16 registers] -> the [64, 32] A fragments: row 16 w + 8 b1 + r, k 16 b3 + 8 b2 +
-    # 2 c + b0 for thread 32 w + 4 r + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
-    v = gl.reshape(v, [4, 8, 4, 2, 2, 2, 2])
+def decode(cw, word, WARPS: gl.constexpr):
+    # a chunk's code words [32 WARPS threads, 4] (slice of `code_layout`) and scale words [32 WARPS,
+    # b3] (slice of `scale_layout`) -> the fp16 weights of its low and high 32 inputs, [32 WARPS
+    # threads, 16 registers] each. Each code word is broadcast over its four bytes and each scale
+    # word over the (b2, b1, b0) it scales: the asm takes both registers as loaded
+    L3: gl.constexpr = code_layout(WARPS)
+    L5: gl.constexpr = scale_layout(WARPS)
+    c5 = gl.broadcast(gl.expand_dims(cw, 2), gl.full([32 * WARPS, 4, 4], 0, gl.int32, L3))[0]
+    c5 = gl.convert_layout(gl.reshape(c5, [32 * WARPS, 2, 2, 2, 2]), L5, assert_trivial=True)
+    s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4),
+                      gl.full([32 * WARPS, 2, 2, 2, 2], 0, gl.int32, L5))[0]
+    a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    return gl.reshape(a_lo, [32 * WARPS, 16]), gl.reshape(a_hi, [32 * WARPS, 16])
+
+
+@gluon.jit
+def fragment(v, A: gl.constexpr, WARPS: gl.constexpr):
+    # [32 WARPS threads, 16 registers] -> the [16 WARPS, 32] A fragments: row 16 w + 8 b1 + r, k
+    # 16 b3 + 8 b2 + 2 c + b0 for thread 32 w + 4 r + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data
+    # moves; mma.sync's A and wgmma's register A place a warp's 16 rows alike)
+    v = gl.reshape(v, [WARPS, 8, 4, 2, 2, 2, 2])
     v = gl.permute(v, (0, 5, 1, 3, 4, 2, 6))
-    return gl.convert_layout(gl.reshape(v, [64, 32]), A, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(v, [16 * WARPS, 32]), A, assert_trivial=True)
 
 
 @gluon.jit
@@ -125,10 +158,8 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    L3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [4, 1, 1], [2, 1, 0])
-    CW: gl.constexpr = gl.SliceLayout(2, L3)  # [128 threads, 4 code words]: 16 bytes a thread
-    L5: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))  # [128, b3]: scale words
+    CW: gl.constexpr = gl.SliceLayout(2, code_layout(4))  # [128 threads, 4 code words]: 16 bytes a thread
+    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, scale_layout(4))))  # [128, b3]
     XT: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # [64 k, BM] activations
     XS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [0, 1])
 
@@ -157,8 +188,6 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     ts = gl.arange(0, 128, layout=gl.SliceLayout(1, SW))
     b3 = gl.arange(0, 2, layout=gl.SliceLayout(0, SW))
     sptr = s_ptr + ((rb0 + ts // 32) * G + c0)[:, None] * 16 + ((ts % 32) // 4 * 2)[:, None] + b3[None, :]
-    zero3 = gl.full([128, 4, 4], 0, gl.int32, L3)
-    zero5 = gl.full([128, 2, 2, 2, 2], 0, gl.int32, L5)
 
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
     # codes and scales of chunks i + 1 and i + 2 (HBM) and x, gamma of chunk i + 1 (L2) are in
@@ -190,15 +219,9 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
             g_1 = gl.load(g_ptr + k1)
         buf = xs.index(i % 2)
         buf.store((xv * 0.0625).to(gl.float16))  # scaled in x's dtype (exact), then one rounding
-        # each code word broadcast over its four bytes and each scale word over the (b2, b1, b0)
-        # it scales: the asm takes both registers as loaded
-        c5 = gl.broadcast(gl.expand_dims(cw, 2), zero3)[0]
-        c5 = gl.convert_layout(gl.reshape(c5, [128, 2, 2, 2, 2]), L5, assert_trivial=True)
-        s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4), zero5)[0]
-        a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        acc = mma_v2(_fragment(gl.reshape(a_lo, [128, 16]), A), buf.slice(0, 32).load(B), acc)
-        acc = mma_v2(_fragment(gl.reshape(a_hi, [128, 16]), A), buf.slice(32, 32).load(B), acc)
+        a_lo, a_hi = decode(cw, word, 4)
+        acc = mma_v2(fragment(a_lo, A, 4), buf.slice(0, 32).load(B), acc)
+        acc = mma_v2(fragment(a_hi, A, 4), buf.slice(32, 32).load(B), acc)
 
     offs_n = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))

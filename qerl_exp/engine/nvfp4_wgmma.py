@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qerl_exp.engine.nvfp4_mma import _ASM, _segment
+from qerl_exp.engine.nvfp4_mma import _segment, code_layout, decode, fragment, scale_layout
 
 WARPS = gl.constexpr(8)  # consumer warps: two warpgroups
 BLOCK_N = gl.constexpr(16 * WARPS.value)  # weight rows a program
@@ -77,23 +77,12 @@ def _load(cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg
 
 
 @gluon.jit
-def _fragment(v, A: gl.constexpr):
-    # [32 RB threads, 16 registers] -> the [16 RB, 32] A fragments: row 16 w + 8 b1 + r, k 16 b3 +
-    # 8 b2 + 2 c + b0 for thread 32 w + 4 r + c, register 8 b3 + 4 b2 + 2 b1 + b0 (no data moves)
-    v = gl.reshape(v, [RB, 8, 4, 2, 2, 2, 2])
-    v = gl.permute(v, (0, 5, 1, 3, 4, 2, 6))
-    return gl.convert_layout(gl.reshape(v, [BLOCK_N, 32]), A, assert_trivial=True)
-
-
-@gluon.jit
 def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.constexpr):
     # ring slot i % S -> registers -> decoded A fragments -> two async wgmmas (32 inputs each)
     S: gl.constexpr = codes.shape[0]
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    L3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [WARPS, 1, 1], [2, 1, 0])
-    CW: gl.constexpr = gl.SliceLayout(2, L3)  # [32 RB threads, 4 code words]: 16 bytes a thread
-    L5: gl.constexpr = gl.BlockedLayout([1, 2, 2, 2, 2], [32, 1, 1, 1, 1], [WARPS, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))  # [32 RB, b3]: scale words
+    CW: gl.constexpr = gl.SliceLayout(2, code_layout(WARPS))  # [32 RB threads, 4 code words]: 16 bytes a thread
+    SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, scale_layout(WARPS))))  # [32 RB, b3]
     # scale entry 2 r + b3 of row block w, read by the four threads 32 w + 4 r + c
     PS: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [WARPS, 1, 1], [2, 1, 0])  # [8 RB, c, b3]
     s = i % S
@@ -102,18 +91,10 @@ def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.cons
     sw = scales.index(s).reshape([8 * RB, 2]).load(gl.SliceLayout(1, PS))
     word = gl.broadcast(gl.expand_dims(sw, 1), gl.full([8 * RB, 4, 2], 0, gl.int32, PS))[0]
     word = gl.convert_layout(gl.reshape(word, [32 * RB, 2]), SW, assert_trivial=True)
-    # each code word broadcast over its four bytes and each scale word over the (b2, b1, b0) it
-    # scales: the asm takes both registers as loaded
-    c5 = gl.broadcast(gl.expand_dims(cw, 2), gl.full([32 * RB, 4, 4], 0, gl.int32, L3))[0]
-    c5 = gl.convert_layout(gl.reshape(c5, [32 * RB, 2, 2, 2, 2]), L5, assert_trivial=True)
-    s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4),
-                      gl.full([32 * RB, 2, 2, 2, 2], 0, gl.int32, L5))[0]
-    a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
-                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-    acc = warpgroup_mma(_fragment(gl.reshape(a_lo, [32 * RB, 16]), A), xs.index(2 * s).permute((1, 0)), acc,
-                        use_acc=USE_ACC, is_async=True)
-    acc = warpgroup_mma(_fragment(gl.reshape(a_hi, [32 * RB, 16]), A), xs.index(2 * s + 1).permute((1, 0)), acc,
+    a_lo, a_hi = decode(cw, word, WARPS)
+    acc = warpgroup_mma(fragment(a_lo, A, WARPS), xs.index(2 * s).permute((1, 0)), acc, use_acc=USE_ACC,
                         is_async=True)
+    acc = warpgroup_mma(fragment(a_hi, A, WARPS), xs.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
     return acc
 
 
