@@ -68,6 +68,7 @@ def _interp_main() -> None:
               (100, "mma", None), (17, "dequant", None)]]
     _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, cases)
     _check_h16()
+    _check_split_remainder_epilogue()
     print("MMA INTERPRETER CHECKS OK")
 
 
@@ -93,6 +94,30 @@ def _check_h16() -> None:
         torch.testing.assert_close(xp, reference.rms_norm_ref(x, g, 1e-6) if g is not None else x)
 
 
+def _check_split_remainder_epilogue() -> None:
+    # `nvfp4_wgmma` splits only the columns from sk_from on (GLU: of gate and up alike): the SK
+    # epilogue sums slice 0 elsewhere and never reads the other slices there (NaN here), and agrees
+    # with the plain epilogue over the same slices with zeros there
+    torch.manual_seed(2)
+    m, n, k = 5, 256, 64
+    plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, k)) for _ in range(2)], [None, None], None,
+                            [0.0, 0.0], 0, True, torch.device("cpu"), workspace=torch.zeros(8, 16, 2 * n))
+    ws = torch.randn(3, m, 2 * n)
+    sk_from = 128
+    for half in (0, n):
+        ws[1:, :, half:half + sk_from] = float("nan")
+    zeroed = ws.nan_to_num(0.0)
+    x = torch.randn(m, k)
+    epi = launch.linear_config(m, n, k, "raw", plan.seg_gcd, True)
+    outs = []
+    for part, sk in ((ws, True), (zeroed, False)):
+        out = torch.full((m, n), float("nan"))
+        launch._launch_linear(plan, x, out, None, None, None, None, 0, False, {**epi, "NSPLIT": 3, "SK": sk},
+                              None, part, sk_from if sk else 0)
+        outs.append(out)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
 def test_nvfp4_mma_kernel_and_dequant_fallback_in_the_interpreter():
     run_interpreted(__file__, "MMA INTERPRETER CHECKS OK", 600)
 
@@ -114,18 +139,30 @@ def test_mma_config_fills_the_gpu_and_fits_the_segments():
 
 
 @pytest.mark.skipif(launch.nvfp4_wgmma is None, reason="this Triton has no Gluon")
-def test_wgmma_config_fills_one_wave_and_takes_whole_128_row_tiles():
+def test_wgmma_config_fills_whole_waves_then_splits_the_rest_and_takes_whole_128_row_tiles():
     wg = launch.nvfp4_wgmma
-    # 7B down at 64 rows: 28 tiles, one program an SM at 128 registers -> 4 K slices of 74 chunks;
-    # two an SM at 80 registers -> 9 would fit, the workspace holds 8 -> 8 slices of 37
+    # 7B down at 64 rows: 28 tiles, less than a wave: one program an SM at 128 registers -> 4 K
+    # slices of 74 chunks; two an SM at 80 registers -> 9 would fit, the workspace holds 8 -> 8 of 37
     cfg = wg.config(64, 28, 296, 132, 8)
-    assert (cfg["BLOCK_M"], cfg["SPLIT"], cfg["CPS"]) == (64, 4, 74)
-    assert (wg.config(64, 28, 296, 132, 8, dict(maxnreg=80))["SPLIT"], wg.config(64, 28, 296, 132, 8)["STAGES"]) == (8, 6)
-    # gate/up (296 tiles) is more than a wave already; 256 rows go in two m blocks of 128; q/k/v at
-    # 16 rows: 36 tiles -> 3 slices; 7 chunks of a short K are never cut below MIN_CPS
-    assert wg.config(128, 296, 56, 132, 8)["SPLIT"] == 1
-    assert wg.config(256, 36, 56, 132, 8)["BLOCK_M"] == 128 and wg.config(256, 36, 56, 132, 8)["SPLIT"] == 1
+    assert (cfg["BLOCK_M"], cfg["DP"], cfg["SPLIT"], cfg["CPS"]) == (64, 0, 4, 74)
+    assert (wg.config(64, 28, 296, 132, 8, dict(maxnreg=80))["SPLIT"], cfg["STAGES"]) == (8, 6)
+    # gate/up (296 tiles) at 128 rows: two whole waves of 132 tiles, the 32 left split 4 ways (one
+    # more wave of a quarter tile each); at 64 rows, two programs an SM: one wave, 32 left, 8 ways;
+    # at 256 rows (two m blocks of 128): four waves, 32 tiles x 2 m blocks left, 2 ways
+    for m, over, want in ((128, None, (264, 4, 14)), (64, dict(BLOCK_M=64, maxnreg=80), (264, 8, 7)),
+                          (256, None, (264, 2, 28))):
+        got = wg.config(m, 296, 56, 132, 8, over, glu=True)
+        assert (got["DP"], got["SPLIT"], got["CPS"]) == want
+        slots = 65536 // (got["maxnreg"] * 32 * 12) * 132
+        mb = -(-m // got["BLOCK_M"])
+        assert got["DP"] * mb % slots == 0 and (296 - got["DP"]) * mb * got["SPLIT"] <= slots
+    # GLU splits gate and up tiles alike: an odd remainder gives one more tile to the split part
+    assert wg.config(128, 296, 56, 97, 8)["DP"] == 291 and wg.config(128, 296, 56, 97, 8, glu=True)["DP"] == 290
+    # q/k/v at 16 rows: 36 tiles -> 3 slices; 256 rows of q/k/v in m blocks of 128, still under a
+    # wave; 7 chunks of a short K are never cut below MIN_CPS; a fixed SPLIT splits every tile
     assert wg.config(16, 36, 56, 132, 8)["SPLIT"] == 3 and wg.config(16, 1, 7, 132, 8)["SPLIT"] == 1
+    assert wg.config(256, 36, 56, 132, 8)["BLOCK_M"] == 128 and wg.config(256, 36, 56, 132, 8)["SPLIT"] == 1
+    assert (wg.config(128, 296, 56, 132, 8, dict(SPLIT=2))["DP"], wg.config(128, 296, 56, 132, 8, dict(SPLIT=2))["CPS"]) == (0, 28)
     # whole 128-row tiles of NVFP4, 16 rows and more
     plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, 64)) for n in (256, 128)], [None, None], None,
                             [0.0, 0.0], 0, False, torch.device("cpu"), workspace=torch.zeros(8, 16, 384))
@@ -172,6 +209,8 @@ def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
 def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
     tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "wgmma", "dequant")]
     tiles += [(m, None, None) for m in (1, 8, 16, 64, 256)]  # as the dispatch table picks
+    # two wgmma programs an SM (gate/up: a whole wave, then 8 slices of the rest), a uniform split
+    tiles += [(64, "wgmma", dict(BLOCK_M=64, maxnreg=80)), (100, "wgmma", dict(SPLIT=2))]
     _check_paths("cuda", torch.bfloat16, 1.5e-2, SHAPES_7B, [tiles] * len(SHAPES_7B), torch.float32)
 
 

@@ -279,10 +279,11 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
     ws = plan.workspace
     if m > ws.shape[1]:
         raise ValueError(f"{m} rows do not fit the split-K workspace ({ws.shape[1]} rows)")
+    sk_from = 0  # the first output column with more than one slice
     if kind == "nvfp4_mma":  # NVFP4 on CUDA: the mma.sync kernel (`nvfp4_mma`), its slices in a view of ws
         split, ws = nvfp4_mma.launch(plan, x, t, norm, shrink, sms)
     elif kind == "wgmma":
-        split, ws = nvfp4_wgmma.launch(plan, x16, sms, cfg)
+        split, sk_from, ws = nvfp4_wgmma.launch(plan, x16, sms, cfg)
     elif kind == "mma":
         split = mma_kernels.launch_mma(plan, x, cfg)
     elif kind == "dequant":
@@ -290,7 +291,8 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
     else:
         split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
-    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**epi, "NSPLIT": split}, ss_out, ws)
+    _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16,
+                   {**epi, "NSPLIT": split, "SK": sk_from > 0 and split > 1}, ss_out, ws, sk_from)
 
 
 def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
@@ -314,7 +316,8 @@ def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
     return split
 
 
-def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None) -> None:
+def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None,
+                   sk_from: int = 0) -> None:
     m = x.shape[0]
     R = pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
@@ -329,7 +332,7 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         t_next.stride(0) if t_next is not None else 0,
         ss_out if ss_out is not None else fsc, ss_out.stride(0) if ss_out is not None else 0,
         part if part is not None else fsc, part.stride(1) if part is not None else 0,
-        part.stride(0) if part is not None else 0,
+        part.stride(0) if part is not None else 0, sk_from,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=tk.FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,

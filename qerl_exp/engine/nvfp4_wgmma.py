@@ -13,10 +13,14 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   wgmmas against the activation tile in shared memory; the wgmma of chunk i runs while chunk i + 1
   is decoded, and a ring slot goes back to the producer once the wgmma that read it has retired;
 - the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
-  norm and the LoRA shrink), so TMA puts them where wgmma reads them with no pass over registers.
+  norm and the LoRA shrink), so TMA puts them where wgmma reads them with no pass over registers;
+- the schedule fills whole waves: as many tiles as make whole waves of programs take all of K, and
+  only the tiles left over are split along K (`config`). At full rate a program's time is its
+  tile's, so 7B gate/up's 296 tiles on 132 SMs took 3 tile times as 2.24 waves; now 2.25.
 
 Same contract as the other NVFP4 paths: K slice `pid_k` of x' @ W^T in units of 2^-6 / 16, fp32,
-into ws[pid_k]; the raw `_linear_kernel` launch finishes the tile.
+into ws[pid_k]; the raw `_linear_kernel` launch finishes the tile (summing slices past 0 only in
+the columns that were split, `launch`'s sk_from).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -112,27 +115,36 @@ def _consume(codes, scales, xs, ready, empty, n_chunks, BLOCK_M: gl.constexpr):
     for i in range(1, n_chunks):
         acc = _chunk(i, acc, codes, scales, xs, ready, ACC, True)
         acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-        fence_async_shared()
-        mbarrier.arrive(empty.index((i - 1) % S))
+        mbarrier.arrive(empty.index((i - 1) % S))  # reads done: no proxy fence before TMA overwrites
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return (acc,)
 
 
 @gluon.jit
 def nvfp4_wgmma_kernel(cd0, cd1, cd2, sd0, sd1, sd2, xd, ws_ptr, stride_wm, stride_ws,
-                       M, K, N1, N2, CPS, NT,
-                       NSEG: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    # program q: m block q % MB (BLOCK_M rows), weight tile q // MB % NT (BLOCK_N rows), K slice
-    # q // (MB NT) of CPS chunks (the last may be shorter). The m blocks of a weight tile run side
-    # by side, so only the first reads it from HBM
+                       M, K, N1, N2, NT, DP, CPS,
+                       NSEG: gl.constexpr, GLU: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    # Work item j = q // MB (q = program id), m block q % MB (BLOCK_M rows): the m blocks of a weight
+    # tile run side by side, so only the first reads it from HBM. Items below DP are whole tiles
+    # (all of K, slice 0); the rest split the last NT - DP tiles' K into slices of CPS chunks (the
+    # last may be shorter), slice pid_k. Tiles are counted in `config`'s order: GLU interleaves gate
+    # and up tiles, so the split ones are gate's and up's last (NT - DP) / 2 alike
     q = gl.program_id(0)
     mb = gl.cdiv(M, BLOCK_M)
-    pid_m = q % mb
-    pid_n = (q // mb) % NT
-    pid_k = q // (mb * NT)
-    n0 = pid_n * BLOCK_N
-    c0 = pid_k * CPS
-    n_chunks = gl.minimum(CPS, K // 64 - c0)
+    j = q // mb
+    tile = j
+    pid_k = 0
+    c0 = 0
+    n_chunks = K // 64
+    if j >= DP:
+        tile = DP + (j - DP) % (NT - DP)
+        pid_k = (j - DP) // (NT - DP)
+        c0 = pid_k * CPS
+        n_chunks = gl.minimum(CPS, K // 64 - c0)
+    if GLU:
+        tile = tile // 2 + (tile % 2) * (NT // 2)
+    n0 = tile * BLOCK_N
+    m0 = (q % mb) * BLOCK_M
     seg, start = _segment(n0, N1, N2, NSEG)
     rb0 = (n0 - start) // 16
 
@@ -147,33 +159,41 @@ def nvfp4_wgmma_kernel(cd0, cd1, cd2, sd0, sd1, sd2, xd, ws_ptr, stride_wm, stri
 
     (acc,) = gl.warp_specialize([
         (_consume, (codes, scales, xs, ready, empty, n_chunks, BLOCK_M)),
-        (_load, (cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg, rb0, c0,
-                 pid_m * BLOCK_M, n_chunks, NSEG)),
+        (_load, (cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg, rb0, c0, m0,
+                 n_chunks, NSEG)),
     ], [1], [40])
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
     gl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,
              mask=(offs_m < M)[None, :])
 
 
-def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dict | None = None) -> dict:
-    """BLOCK_M, STAGES, maxnreg and the K split (SPLIT, CPS) for m rows of a launch of `tiles` weight
-    tiles and `chunks` chunks of 64 inputs.
+def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dict | None = None,
+           glu: bool = False) -> dict:
+    """BLOCK_M, STAGES, maxnreg and the schedule (DP, SPLIT, CPS) for m rows of a launch of `tiles`
+    weight tiles (gate and up interleaved when `glu`) and `chunks` chunks of 64 inputs.
 
     `TILES`' row for m (the first whose bound is >= m, else the last), updated with `over` (a
-    `dispatch.json` entry's measured tiles); K is split into as many slices as keep the programs
-    within one wave (as many an SM as its registers hold), each at least `MIN_CPS` chunks, at most
-    `max_slices`, unless `over` gives SPLIT."""
+    `dispatch.json` entry's measured tiles). As many whole waves of programs as the launch fills
+    take whole tiles (DP of them, all of K); the tiles left over, a part of a wave that would leave
+    SMs idle, have their K split into as many slices as fit in the SMs beside each other (each at
+    least `MIN_CPS` chunks, at most `max_slices`), so they take a fraction of a tile's time. Fewer
+    programs than a wave: DP = 0 and every tile is split that way. `over` may fix SPLIT (then DP =
+    0)."""
     cfg = dict(next((t for bound, t in TILES if m <= bound), TILES[-1][1]))
     cfg.update(over or {})
-    programs = tiles * -(-m // cfg["BLOCK_M"])
-    resident = 65536 // (cfg["maxnreg"] * 32 * (WARPS.value + 4))  # programs an SM holds (registers)
-    split = cfg.get("SPLIT") or max(1, min(resident * sms // programs, chunks // MIN_CPS, max_slices))
+    mb = -(-m // cfg["BLOCK_M"])
+    slots = 65536 // (cfg["maxnreg"] * 32 * 12) * sms  # programs resident at once (registers, 12 warps)
+    dp = 0 if cfg.get("SPLIT") else tiles * mb // slots * slots // mb
+    if glu:
+        dp -= (tiles - dp) % 2  # the split tiles are gate's and up's alike
+    rest = tiles - dp
+    split = cfg.get("SPLIT") or max(1, min(slots // max(rest * mb, 1), chunks // MIN_CPS, max_slices))
     cps = -(-chunks // split)
-    cfg["SPLIT"], cfg["CPS"] = -(-chunks // cps), cps
+    cfg["DP"], cfg["SPLIT"], cfg["CPS"] = dp, -(-chunks // cps), cps
     return cfg
 
 
@@ -196,24 +216,28 @@ def _descriptors(plan, bm: int, x16: Tensor) -> tuple:
     return (*cds, *sds, xd)
 
 
-def launch(plan, x16: Tensor, sms: int, tiles: dict | None = None) -> tuple[int, Tensor]:
+def launch(plan, x16: Tensor, sms: int, tiles: dict | None = None) -> tuple[int, int, Tensor]:
     """K slices of x' @ W^T into the workspace from fp16 x16 = x' / 16 [M, K] (contiguous).
 
     Args:
         tiles: `config`'s keys to use instead of its choice (a `dispatch.json` entry).
 
-    Returns (slices, ws): the slices as `triton_kernels._linear_kernel` sums them and the
-    [slices, m, n] view of plan.workspace they are in."""
+    Returns (slices, sk_from, ws): `triton_kernels._linear_kernel` sums slice 0 of every output
+    column and the other slices of the columns from sk_from on (GLU: of both gate and up), from
+    the [slices, m, n] view of plan.workspace they are in."""
     m = x16.shape[0]
     total = plan.n * (2 if plan.glu else 1)
     nt = total // BLOCK_N.value
     flat = plan.workspace.view(-1)
-    cfg = config(m, nt, plan.k // 64, sms, flat.numel() // (m * total), tiles)
+    cfg = config(m, nt, plan.k // 64, sms, flat.numel() // (m * total), tiles, plan.glu)
     ws = flat[: cfg["SPLIT"] * m * total].view(cfg["SPLIT"], m, total)
     bm = cfg["BLOCK_M"]
-    nvfp4_wgmma_kernel[(nt * cfg["SPLIT"] * -(-m // bm),)](
+    dp = cfg["DP"]
+    programs = (dp + (nt - dp) * cfg["SPLIT"]) * -(-m // bm)
+    nvfp4_wgmma_kernel[(programs,)](
         *_descriptors(plan, bm, x16), ws, ws.stride(1), ws.stride(0),
-        m, plan.k, plan.n1, plan.n2, cfg["CPS"], nt,
-        NSEG=plan.nseg, BLOCK_M=bm, STAGES=cfg["STAGES"], num_warps=WARPS.value, maxnreg=cfg["maxnreg"],
+        m, plan.k, plan.n1, plan.n2, nt, dp, cfg["CPS"],
+        NSEG=plan.nseg, GLU=plan.glu, BLOCK_M=bm, STAGES=cfg["STAGES"], num_warps=WARPS.value,
+        maxnreg=cfg["maxnreg"],
     )
-    return cfg["SPLIT"], ws
+    return cfg["SPLIT"], (dp // 2 if plan.glu else dp) * BLOCK_N.value, ws

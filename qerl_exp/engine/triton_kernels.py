@@ -384,20 +384,24 @@ if HAS_TRITON:
     def _linear_kernel(
         x_ptr, stride_xm, tab_ptr, fsc_ptr,
         out_ptr, stride_om, res_ptr, stride_rm, t_ptr, stride_tm,
-        an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss, ws_ptr, stride_wm, stride_ws,
+        an_ptr, tn_ptr, stride_tnm, ss_ptr, stride_ss, ws_ptr, stride_wm, stride_ws, sk_from,
         M, N, K, N1, N2, r, r_next,
         FMT: tl.constexpr, NSEG: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
+        SK: tl.constexpr = False,
     ):
         # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
         # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
-        # The base product: NSPLIT > 0: the sum of `_splitk_kernel`'s fp32 K slices in ws (dense,
-        # NVFP4, NF4); format raw: cuBLAS output in the plan's buffers; MXFP4: computed here, in the
-        # model dtype (E8M0 scales may leave fp16's range).
+        # The base product: NSPLIT > 0: the sum of the fp32 K slices in ws (dense, NVFP4, NF4); SK: only
+        # the columns from sk_from on (a multiple of 128, so of BLOCK_N) have more than slice 0
+        # (`nvfp4_wgmma`'s split remainder); format raw: cuBLAS output in the plan's buffers; MXFP4:
+        # computed here, in the model dtype (E8M0 scales may leave fp16's range).
         ACT = out_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
+        if SK:  # the split columns (the last) sum more slices: they go first, not in the last wave
+            pid_n = tl.num_programs(0) - 1 - pid_n
         pid_m = tl.program_id(1)
         n0 = pid_n * BLOCK_N
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -410,10 +414,19 @@ if HAS_TRITON:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if NSPLIT > 0:
             part = ws_ptr + offs_m[:, None] * stride_wm + offs_n[None, :]
-            for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
-                acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
-                if GLU:
-                    acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+            if SK:  # a few column tiles are split: a loop (unrolled, GLU with LoRA spilled at 64 x 64)
+                n_sp = 1
+                if n0 >= sk_from:
+                    n_sp = NSPLIT
+                for sp in range(0, n_sp):
+                    acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
+                    if GLU:
+                        acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+            else:
+                for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
+                    acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
+                    if GLU:
+                        acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
         elif FMT == 4:  # raw
             raw_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
             acc += tl.load(raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :],
