@@ -55,13 +55,16 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         nseg, r = 1, 0
     R = pow2(r)
     RT = pow2(nseg * R)
-    block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    # Up to 16 rows ~32 programs (4x more measured no faster, and more atomics); from 17 rows 16-row
+    # blocks of 64 inputs, ~128 programs: at 64 rows (H200, session 17) q/k/v's norm + shrink took
+    # 6.9 us against 14.1 with 64-row blocks of 128 (28 programs), gate/up's 5.6 against 9.0, down's
+    # 6.9 against 8.0. K slices need not divide K (the last is masked): dividing it cut 7B down's
+    # 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
+    block_k = 64 if m > 16 and k % 64 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    block_m = 16
     m_blocks = triton.cdiv(m, block_m)
     chunks = triton.cdiv(k, block_k)
-    # 4x more programs measured no faster, and more atomics; K slices need not divide K (the last is
-    # masked): dividing it cut 7B down's 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
-    per = triton.cdiv(chunks, max(1, min(chunks, 32 // m_blocks)))
+    per = triton.cdiv(chunks, max(1, min(chunks, (128 if m > 16 else 32) // m_blocks)))
     split = triton.cdiv(chunks, per)
     dummy = dummy_tensor(x.device, x.dtype)
     f32 = dummy_tensor(x.device, torch.float32)
