@@ -60,11 +60,12 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
     # 6.9 us against 14.1 with 64-row blocks of 128 (28 programs), gate/up's 5.6 against 9.0, down's
     # 6.9 against 8.0. K slices need not divide K (the last is masked): dividing it cut 7B down's
     # 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
-    block_k = 64 if m > 16 and k % 64 == 0 else 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
+    wide = m > 16
+    block_k = next((b for b in ((64,) if wide else (128, 64)) if k % b == 0), 32)
     block_m = 16
     m_blocks = triton.cdiv(m, block_m)
     chunks = triton.cdiv(k, block_k)
-    per = triton.cdiv(chunks, max(1, min(chunks, (128 if m > 16 else 32) // m_blocks)))
+    per = triton.cdiv(chunks, max(1, min(chunks, (128 if wide else 32) // m_blocks)))
     split = triton.cdiv(chunks, per)
     dummy = dummy_tensor(x.device, x.dtype)
     f32 = dummy_tensor(x.device, torch.float32)

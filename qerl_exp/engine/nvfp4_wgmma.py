@@ -186,7 +186,8 @@ def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dic
     cfg = dict(next((t for bound, t in TILES if m <= bound), TILES[-1][1]))
     cfg.update(over or {})
     mb = -(-m // cfg["BLOCK_M"])
-    slots = 65536 // (cfg["maxnreg"] * 32 * 12) * sms  # programs resident at once (registers, 12 warps)
+    # programs resident at once (registers; the producer's warp takes a whole warpgroup's)
+    slots = 65536 // (cfg["maxnreg"] * 32 * (WARPS.value + 4)) * sms
     dp = 0 if cfg.get("SPLIT") else tiles * mb // slots * slots // mb
     if glu:
         dp -= (tiles - dp) % 2  # the split tiles are gate's and up's alike

@@ -419,14 +419,10 @@ if HAS_TRITON:
                 if n0 >= sk_from:
                     n_sp = NSPLIT
                 for sp in range(0, n_sp):
-                    acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
-                    if GLU:
-                        acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+                    acc, acc2 = _add_slice(acc, acc2, part + sp * stride_ws, N1, m_ok, GLU)
             else:
                 for sp in tl.static_range(NSPLIT):  # unrolled: the slices' loads are in flight together
-                    acc += tl.load(part + sp * stride_ws, mask=m_ok[:, None], other=0.0)
-                    if GLU:
-                        acc2 += tl.load(part + sp * stride_ws + N1, mask=m_ok[:, None], other=0.0)
+                    acc, acc2 = _add_slice(acc, acc2, part + sp * stride_ws, N1, m_ok, GLU)
         elif FMT == 4:  # raw
             raw_ptr = _tab_ptr(tab_ptr, seg * 8, ACT)
             acc += tl.load(raw_ptr + offs_m[:, None] * _tab(tab_ptr, seg * 8 + 5) + rows[None, :],
@@ -473,6 +469,14 @@ if HAS_TRITON:
         _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
                 out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, ss_ptr, stride_ss,
                 GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT, LDT, BLOCK_N)
+
+    @triton.jit
+    def _add_slice(acc, acc2, part, N1, m_ok, GLU: tl.constexpr):
+        # one split-K slice of the tile into its accumulators (GLU: up's columns N1 further on)
+        acc += tl.load(part, mask=m_ok[:, None], other=0.0)
+        if GLU:
+            acc2 += tl.load(part + N1, mask=m_ok[:, None], other=0.0)
+        return acc, acc2
 
     @triton.jit
     def _rope_cache_kernel(
