@@ -49,12 +49,19 @@ def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, case
             out = torch.full(ref.shape, float("nan"), device=dev, dtype=dtype)
             t = torch.zeros(m, 64, device=dev)
             ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=dev)
+            # GLU feeds the down projection's LoRA shrink (rank 8 of a 16-wide accumulator)
+            a_next, t_next = (torch.randn(8, segs[0]).to(dev, ldt), torch.zeros(m, 16, device=dev)) if glu else (None, None)
             launch.fused_linear(plan, x, out, t=t, residual=None if glu else res, norm=(gamma, 1e-6, ss),
-                                shrink=a_tab, ss_out=ss_out, kernel=kernel, config=cfg)
+                                shrink=a_tab, ss_out=ss_out, a_next=a_next, t_next=t_next, r_next=8 if glu else 0,
+                                kernel=kernel, config=cfg)
             case = (name, m, kernel, cfg)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert err < tol, (*case, err)
             torch.testing.assert_close(ss_out.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-4)
+            if glu:  # the shrink multiplies in the model dtype: A_next rounded to it
+                want = out.double() @ a_next.to(dtype).double().T
+                assert ((t_next[:, :8].double() - want).norm() / want.norm()).item() < 1e-4, case
+                assert not t_next[:, 8:].any(), case
 
 
 def _interp_main() -> None:
