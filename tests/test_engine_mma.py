@@ -1,6 +1,7 @@
 """The NVFP4 paths for 16-256 rows (`engine.mma_kernels`: the tensor-core kernel and dequantize +
-cuBLAS) against dequantize + matmul in float64, with norm, LoRA shrink and expand, bias, GLU and
-residual fused as the engine launches them; and `engine.dispatch`'s table lookup."""
+cuBLAS) against dequantize + matmul in float64, with norm, LoRA shrink and expand, bias, GLU,
+residual and the down projection's LoRA shrink fused as the engine launches them; and
+`engine.dispatch`'s table lookup."""
 
 from __future__ import annotations
 
