@@ -161,6 +161,7 @@ def test_wgmma_config_fills_whole_waves_then_splits_the_rest_and_takes_whole_128
                           (256, None, (264, 2, 28))):
         got = wg.config(m, 296, 56, 132, 8, over, glu=True)
         assert (got["DP"], got["SPLIT"], got["CPS"]) == want
+        assert got["SK_FROM"] == 132 * 128  # gate's (and up's) columns past its 132 whole tiles
         slots = 65536 // (got["maxnreg"] * 32 * 12) * 132
         mb = -(-m // got["BLOCK_M"])
         assert got["DP"] * mb % slots == 0 and (296 - got["DP"]) * mb * got["SPLIT"] <= slots
@@ -171,7 +172,8 @@ def test_wgmma_config_fills_whole_waves_then_splits_the_rest_and_takes_whole_128
     assert wg.config(16, 36, 56, 132, 8)["SPLIT"] == 3 and wg.config(16, 1, 7, 132, 8)["SPLIT"] == 1
     assert wg.config(256, 36, 56, 132, 8)["BLOCK_M"] == 128 and wg.config(256, 36, 56, 132, 8)["SPLIT"] == 1
     fixed = wg.config(128, 296, 56, 132, 8, dict(SPLIT=2))
-    assert (fixed["DP"], fixed["SPLIT"], fixed["CPS"]) == (0, 2, 28)
+    assert (fixed["DP"], fixed["SPLIT"], fixed["CPS"], fixed["SK_FROM"]) == (0, 2, 28, 0)
+    assert wg.config(128, 296, 56, 97, 8)["SK_FROM"] == 291 * 128  # not GLU: the tiles in order
     # whole 128-row tiles of NVFP4, 16 rows and more
     plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, 64)) for n in (256, 128)], [None, None], None,
                             [0.0, 0.0], 0, False, torch.device("cpu"), workspace=torch.zeros(8, 16, 384))

@@ -56,10 +56,10 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
     R = pow2(r)
     RT = pow2(nseg * R)
     # Up to 16 rows ~32 programs (4x more measured no faster, and more atomics); from 17 rows 16-row
-    # blocks of 64 inputs, ~128 programs: at 64 rows (H200, session 17) q/k/v's norm + shrink took
-    # 6.9 us against 14.1 with 64-row blocks of 128 (28 programs), gate/up's 5.6 against 9.0, down's
-    # 6.9 against 8.0. K slices need not divide K (the last is masked): dividing it cut 7B down's
-    # 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
+    # blocks of 64 inputs, ~128 programs: 64-row blocks of 128 made 28 programs, and a 64-row NVFP4
+    # decode step spent 1063 us in this kernel against 629 now (H200, `bench/step_profile.py --batch
+    # 64`, docs/engine.md). K slices need not divide K (the last is masked): dividing it cut 7B
+    # down's 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
     wide = m > 16
     block_k = next((b for b in ((64,) if wide else (128, 64)) if k % b == 0), 32)
     block_m = 16

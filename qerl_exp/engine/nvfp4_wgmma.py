@@ -173,8 +173,8 @@ def nvfp4_wgmma_kernel(cd0, cd1, cd2, sd0, sd1, sd2, xd, ws_ptr, stride_wm, stri
 
 def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dict | None = None,
            glu: bool = False) -> dict:
-    """BLOCK_M, STAGES, maxnreg and the schedule (DP, SPLIT, CPS) for m rows of a launch of `tiles`
-    weight tiles (gate and up interleaved when `glu`) and `chunks` chunks of 64 inputs.
+    """BLOCK_M, STAGES, maxnreg and the schedule (DP, SPLIT, CPS, SK_FROM) for m rows of a launch of
+    `tiles` weight tiles (gate and up interleaved when `glu`) and `chunks` chunks of 64 inputs.
 
     `TILES`' row for m (the first whose bound is >= m, else the last), updated with `over` (a
     `dispatch.json` entry's measured tiles). As many whole waves of programs as the launch fills
@@ -182,7 +182,8 @@ def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dic
     SMs idle, have their K split into as many slices as fit in the SMs beside each other (each at
     least `MIN_CPS` chunks, at most `max_slices`), so they take a fraction of a tile's time. Fewer
     programs than a wave: DP = 0 and every tile is split that way. `over` may fix SPLIT (then DP =
-    0)."""
+    0). SK_FROM: the first output column with more than one slice (GLU: of gate's and of up's), 0
+    when every column has them."""
     cfg = dict(next((t for bound, t in TILES if m <= bound), TILES[-1][1]))
     cfg.update(over or {})
     mb = -(-m // cfg["BLOCK_M"])
@@ -195,6 +196,7 @@ def config(m: int, tiles: int, chunks: int, sms: int, max_slices: int, over: dic
     split = cfg.get("SPLIT") or max(1, min(slots // max(rest * mb, 1), chunks // MIN_CPS, max_slices))
     cps = -(-chunks // split)
     cfg["DP"], cfg["SPLIT"], cfg["CPS"] = dp, -(-chunks // cps), cps
+    cfg["SK_FROM"] = (dp // 2 if glu else dp) * BLOCK_N.value  # the kernel's tile order, gate/up interleaved
     return cfg
 
 
@@ -241,4 +243,4 @@ def launch(plan, x16: Tensor, sms: int, tiles: dict | None = None) -> tuple[int,
         NSEG=plan.nseg, GLU=plan.glu, BLOCK_M=bm, STAGES=cfg["STAGES"], num_warps=WARPS.value,
         maxnreg=cfg["maxnreg"],
     )
-    return cfg["SPLIT"], (dp // 2 if plan.glu else dp) * BLOCK_N.value, ws
+    return cfg["SPLIT"], cfg["SK_FROM"], ws
