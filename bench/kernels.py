@@ -31,6 +31,9 @@ SHAPES_05B = [("qkv 896x1152", 896, 1152), ("o 896x896", 896, 896),
 # the engine's NVFP4 launches (gate and up side by side: N = 2 x 18944), as `dispatch.json` keys them
 LAUNCHES_7B = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate|up", 3584, 37888), ("down", 18944, 3584)]
 SWEEP_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# launches whose input the GLU epilogue writes: where they take nvfp4_wgmma it writes that kernel's fp16
+# operand itself (`launch.takes_x16`), so the engine runs them with no conversion launch, and so they are timed
+FED_BY_GLU = ("down",)
 # `_nvfp4_mma_kernel` tiles tried beside `mma_kernels.TILES`' row (BLOCK_M from that row)
 MMA_TILES = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
              dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
@@ -100,6 +103,15 @@ def _packed(fmt: str, w: torch.Tensor) -> layout.PackedWeight:
     return layout.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
 
 
+def operand(name: str, plan, x: torch.Tensor, kernel: str | None = None) -> tuple[torch.Tensor, dict]:
+    """(input, fused_linear keywords) of a launch as the engine runs it: x, or for a launch fed by the
+    GLU epilogue that takes nvfp4_wgmma (by `kernel` or by the table), x / 16 in fp16 with `x16=True`."""
+    wgmma = kernel == "wgmma" or kernel is None and launch.takes_x16(plan, x.shape[0], x.device)
+    if name.split()[0] in FED_BY_GLU and wgmma:
+        return (x / 16).half(), dict(x16=True)
+    return x, {}
+
+
 def copies_for(nbytes: int) -> int:
     return max(2, -(-3 * L2_BYTES // max(nbytes, 1)))
 
@@ -149,7 +161,8 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -
                     plans, nbytes = _plans(fmt, w, packs, dense_copies)
                     deq = w.float() if fmt == "dense" else packs[fmt].dequantize()
                     ref = x.float() @ deq.t()
-                    fns = [lambda p=p: launch.fused_linear(p, x, out, f16=mode == "f16") for p in plans]
+                    xin, kw = operand(name, plans[0], x) if fmt == "nvfp4" else (x, {})
+                    fns = [lambda p=p: launch.fused_linear(p, xin, out, f16=mode == "f16", **kw) for p in plans]
                     t = time_graph(fns)
                     out.fill_(float("nan"))
                     fns[0]()
@@ -215,8 +228,9 @@ def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) 
                     cands["mma " + json.dumps(tiles)] = dict(kernel="mma", config=tiles)
             us = {}
             for cand, kw in cands.items():
+                xin, x16 = operand(name, plans[0], x, kw["kernel"])
                 try:
-                    us[cand] = time_graph([lambda p=p: launch.fused_linear(p, x, out, **kw) for p in plans]) * 1e6
+                    us[cand] = time_graph([lambda p=p: launch.fused_linear(p, xin, out, **kw, **x16) for p in plans]) * 1e6
                 except Exception as e:  # keep the sweep going; the failure is printed and never chosen
                     print(f"  {name} M={m} {cand} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     us[cand] = float("nan")

@@ -76,6 +76,7 @@ def _interp_main() -> None:
               (100, "mma", None), (17, "dequant", None)]]
     _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, cases)
     _check_h16()
+    _check_glu_out16()
     _check_split_remainder_epilogue()
     print("MMA INTERPRETER CHECKS OK")
 
@@ -100,6 +101,49 @@ def _check_h16() -> None:
         assert torch.equal(h16, (xp / 16).half()), g
         assert torch.equal(t16, t)
         torch.testing.assert_close(xp, reference.rms_norm_ref(x, g, 1e-6) if g is not None else x)
+
+
+def _check_glu_out16() -> None:
+    # the GLU epilogue writes the down projection's `nvfp4_wgmma` operand itself (out16): exactly what
+    # norm_shrink(h16) makes of the output it writes without out16, and the same next shrink. NVFP4
+    # and dense (one epilogue for both), LoRA, norm on load or by a norm_shrink launch (33 rows)
+    torch.manual_seed(3)
+    k, n = 128, 64
+    for fmt in ("nvfp4", "dense"):
+        w = [torch.randn(n, k) * 0.1 for _ in range(2)]
+        ws = [_nvfp4_packed(wi) for wi in w] if fmt == "nvfp4" else w
+        a = [torch.randn(8, k) * 0.1 for _ in range(2)]
+        plan = launch.make_plan(fmt, ws, [None, None], [torch.randn(n, 8) * 0.1 for _ in range(2)], [2.0, 2.0], 8,
+                                True, torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 64, 2 * n))
+        a_tab = torch.tensor([t.data_ptr() for t in a], dtype=torch.int64)
+        gamma = 1 + 0.1 * torch.randn(k)
+        a_next = torch.randn(8, n)
+        for m in (5, 33):
+            x = torch.randn(m, k) * 3
+            ss = x.pow(2).sum(-1)[None]
+            got = {}
+            for out16 in (False, True):
+                out = torch.full((m, n), float("nan"), dtype=torch.float16 if out16 else torch.float32)
+                t, t_next = torch.zeros(m, 32), torch.zeros(m, 16)  # ranks padded to 16
+                launch.fused_linear(plan, x, out, t=t, norm=(gamma, 1e-6, ss), shrink=a_tab, a_next=a_next,
+                                    t_next=t_next, r_next=8, out16=out16)
+                got[out16] = out, t_next
+            (out, t_next), (out16, t_next16) = got[False], got[True]
+            conv = torch.full((m, n), float("nan"), dtype=torch.float16)
+            launch.norm_shrink(out, None, 0.0, conv, None, 1, 0, None, h16=True)  # the launch out16 saves
+            assert not out.isnan().any() and torch.equal(out16, conv) and torch.equal(out16, (out / 16).half()), (fmt, m)
+            assert torch.equal(t_next16, t_next), (fmt, m)
+    # one-line errors: out16 outside GLU; x16 where the launch does not take nvfp4_wgmma (on the CPU none does)
+    down = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
+                            torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 32, 128))
+    assert not launch.takes_x16(down, 32, torch.device("cpu"))
+    for kw, msg in ((dict(out16=True), "this launch is not GLU"), (dict(x16=True), "takes 'small'")):
+        try:
+            launch.fused_linear(down, torch.randn(32, 64), torch.empty(32, 128), **kw)
+        except ValueError as e:
+            assert msg in str(e) and "\n" not in str(e), e
+        else:
+            raise AssertionError(f"{kw} was accepted")
 
 
 def _check_split_remainder_epilogue() -> None:
@@ -223,6 +267,59 @@ def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
     # two wgmma programs an SM (gate/up: a whole wave, then 8 slices of the rest), a uniform split
     tiles += [(64, "wgmma", dict(BLOCK_M=64, maxnreg=80)), (100, "wgmma", dict(SPLIT=2))]
     _check_paths("cuda", torch.bfloat16, 1.5e-2, SHAPES_7B, [tiles] * len(SHAPES_7B), torch.float32)
+
+
+@gpu
+@needs_cuda
+def test_gpu_glu_launch_writes_the_operand_down_takes_with_nvfp4_wgmma():
+    # 7B gate/up then down where down takes nvfp4_wgmma (the table: from 16 rows): the GLU launch's
+    # out16 is what the conversion launch makes of its bf16 output, and down from it is down from that
+    torch.manual_seed(4)
+    dev, k, n = torch.device("cuda"), 3584, 18944
+    wsp = torch.full((launch.SPLIT_MAX, max(ROWS), 2 * n), float("nan"), device=dev)
+    lora = [(torch.randn(n2, 8) * 0.1).to(dev) for n2 in (n, n, k)]
+    glu = launch.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev) for _ in range(2)],
+                           [None, None], lora[:2], [2.0, 2.0], 8, True, dev, workspace=wsp)
+    down = launch.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(k, n) * 0.1), dev)], [None], lora[2:], [2.0], 8,
+                            False, dev, workspace=wsp)
+    gamma = (1 + 0.1 * torch.randn(k)).to(dev, torch.bfloat16)
+    a_next = (torch.randn(8, n) * 0.1).to(dev)
+    for m in ROWS:
+        assert launch.takes_x16(down, m, dev) and not launch.takes_x16(glu, m, dev), m
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ss = x.float().pow(2).sum(-1)[None]
+        t = torch.randn(m, 32, device=dev) * 0.1  # given, not shrunk here: no atomics, both runs alike
+        inter, inter16 = (torch.full((m, n), float("nan"), device=dev, dtype=d) for d in (torch.bfloat16, torch.float16))
+        t_next = torch.zeros(m, 16, device=dev)
+        for out, out16 in ((inter, False), (inter16, True)):
+            launch.fused_linear(glu, x, out, t=t, norm=(gamma, 1e-6, ss), a_next=a_next, t_next=t_next, r_next=8,
+                                out16=out16)
+        assert torch.equal(inter16, (inter.float() / 16).half()), m
+        res = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        outs = []
+        for xin, x16 in ((inter, False), (inter16, True)):
+            out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
+            launch.fused_linear(down, xin, out, t=t_next, residual=res, x16=x16)
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), m
+
+
+@gpu
+@needs_cuda
+def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate():
+    # 32 sequences: the table gives o, gate/up and down nvfp4_wgmma (q/k/v's 64-row segments take the
+    # small kernel), and the GLU epilogue writes down's fp16 operand
+    from test_engine import assert_greedy_like_hf, hf_greedy, prompts, tiny_model
+    from qerl_exp.engine.fast_engine import FastEngine
+
+    model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2,
+                       vocab=512)
+    ids, mask = prompts(b=32, p=9, vocab=512, device="cuda")
+    eng = FastEngine(model, 32, 64)
+    out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
+    ly = eng.m.layers[0]
+    assert launch.takes_x16(ly.down.plan, 32, ids.device) and not launch.takes_x16(ly.qkv.plan, 32, ids.device)
+    assert_greedy_like_hf(model, ids, mask, out.completion_ids, hf_greedy(model, ids, mask, 16), tol=0.08)
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qerl_exp.engine.launch import (LinearPlan, decode_attention, fused_linear, norm_shrink,
-                                    prefill_epilogue, rope_cache)
+                                    prefill_epilogue, rope_cache, takes_x16)
 from qerl_exp.engine.layout import PackedWeight, relayout_nf4
 from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
 from qerl_exp.engine.triton_kernels import HAS_TRITON
@@ -407,11 +407,14 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
         fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
                      ss_out=st.ss)
-        inter = torch.empty(b, ly.gate_up.plan.n, dtype=x.dtype, device=x.device)
+        # where down takes nvfp4_wgmma, the GLU epilogue writes its operand (inter / 16 in fp16)
+        down16 = takes_x16(ly.down.plan, b, x.device)
+        inter = torch.empty(b, ly.gate_up.plan.n, dtype=torch.float16 if down16 else x.dtype, device=x.device)
         fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
                      shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
-                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16)
-        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss)
+                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16, out16=down16)
+        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss,
+                     x16=down16)
     norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head).float()
 

@@ -167,7 +167,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
                  residual: Tensor | None = None, a_next: Tensor | None = None,
                  t_next: Tensor | None = None, r_next: int = 0, f16: bool = False,
                  ss_out: Tensor | None = None, norm: tuple | None = None, shrink: Tensor | None = None,
-                 config: dict | None = None, kernel: str | None = None) -> Tensor:
+                 config: dict | None = None, kernel: str | None = None, out16: bool = False,
+                 x16: bool = False) -> Tensor:
     """Triton: out = x' @ W^T (+ bias, LoRA, residual; GLU; next shrink), x' = x or its RMSNorm.
 
     Dense, NVFP4 and NF4 weights: `_splitk_kernel` (norm and shrink on load where `norm_on_load`
@@ -197,10 +198,20 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
             `nvfp4_wgmma.config`'s) instead of the heuristic.
         kernel: NVFP4: "small", "mma", "wgmma" or "dequant" instead of the dispatch table's choice (on CPU,
             where there is no table to follow, "small" unless given).
+        out16: GLU only: out is fp16 and gets out / 16, where out would be rounded to the model
+            dtype: the operand of a down projection that `takes_x16`, written here instead of by a
+            conversion launch of its own.
+        x16: x is x' / 16 in fp16 already (a GLU launch's `out16`): the "wgmma" path reads it as it
+            is. Only where `takes_x16` says so, and with neither `norm` nor `shrink`.
     """
     m = x.shape[0]
     sms = _sm_count(x.device)
-    kind, cfg = _dispatch(plan, x, config, kernel, sms)
+    kind, cfg = _dispatch(plan, m, x.device, config, kernel, sms)
+    if out16 and not plan.glu:
+        raise ValueError("out16 writes a GLU launch's output for the down projection; this launch is not GLU")
+    if x16 and (kind != "wgmma" or norm is not None or shrink is not None):
+        raise ValueError(f"x16 input is nvfp4_wgmma's operand, taken without norm or shrink; this launch of {m} rows "
+                         f"takes {kind!r}{' with a norm or shrink' if kind == 'wgmma' else ''} (see takes_x16)")
     if not x.is_cuda and not tk.interpreting():
         raise RuntimeError("Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is imported, or use FastEngine(backend='torch')")
@@ -210,21 +221,21 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         cfg = {} if mma else dict(config or linear_config(m, plan.n, plan.k, plan.fmt, plan.seg_gcd, plan.glu, sms))
     on_load = kind == "small" and (nvfp4_mma.norm_on_load(plan, sms) if mma else norm_on_load(plan.fmt, plan.k, m))
     h16 = kind == "wgmma"  # its activations are x' / 16 in fp16, written with the norm and the shrink
-    x16 = None
-    if h16 or (norm is not None or shrink is not None) and (plan.workspace is None or not on_load):
+    xh = x if x16 else None
+    if not x16 and (h16 or (norm is not None or shrink is not None) and (plan.workspace is None or not on_load)):
         gamma, eps, ss = norm if norm is not None else (None, 0.0, None)
         h = torch.empty(x.shape, dtype=torch.float16 if h16 else x.dtype, device=x.device) \
             if norm is not None or h16 else None
         norm_shrink(x, gamma, eps, h, shrink, plan.nseg, plan.r, t if shrink is not None else None,
                     plan.lora_dtype, ss=ss, h16=h16)
         if h16:
-            x16 = h
+            xh = h
         elif h is not None:
             x = h
         norm = shrink = None
     if plan.workspace is not None:
         _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                       "nvfp4_mma" if mma else kind, sms, x16)
+                       "nvfp4_mma" if mma else kind, sms, xh, out16)
         return out
     for w, raw in plan.cublas or []:
         torch.mm(x, w.t(), out=raw[:m])
@@ -232,14 +243,22 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     if _NO_3D and cfg.get("UNROLL", 1) > 1:
         cfg = {**cfg, "UNROLL": 1}
     try:
-        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out)
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, out16=out16)
     except Exception as e:  # triton builds without batched 3-D dots: fall back to one group a step
         if cfg.get("UNROLL", 1) == 1 or "Compilation" not in type(e).__name__:
             raise
         warnings.warn(f"fused_linear: multi-group tiles failed to compile ({str(e)[:200]}); using single groups")
         _NO_3D = True
-        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**cfg, "UNROLL": 1}, ss_out)
+        _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, {**cfg, "UNROLL": 1}, ss_out,
+                       out16=out16)
     return out
+
+
+def takes_x16(plan: LinearPlan, m: int, device: torch.device) -> bool:
+    """Whether `fused_linear` multiplies m rows of this plan on `device` with `nvfp4_wgmma`, whose
+    operand is x' / 16 in fp16. For the down projection the GLU launch before it then writes that
+    operand (`out16`), so no launch converts it (7B at 64 rows: 28 launches of ~5 us a decode step)."""
+    return _dispatch(plan, m, device, None, None, _sm_count(device))[0] == "wgmma"
 
 
 _NO_3D = False
@@ -252,9 +271,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _dispatch(plan: LinearPlan, x: Tensor, config: dict | None, kernel: str | None, sms: int) -> tuple:
-    """(kind, config) of an NVFP4 launch's base product: `kernel`, else the dispatch table's choice on
-    CUDA, else "small"; "mma" and "wgmma" with their tiles (`config` overrides the table's)."""
+def _dispatch(plan: LinearPlan, m: int, device: torch.device, config: dict | None, kernel: str | None,
+              sms: int) -> tuple:
+    """(kind, config) of an NVFP4 launch's base product for m rows: `kernel`, else the dispatch table's
+    choice on CUDA, else "small"; "mma" and "wgmma" with their tiles (`config` overrides the table's)."""
+    cuda = device.type == "cuda"
     if kernel is not None and (kernel not in dispatch.KINDS or (kernel != "small" and plan.fmt != "nvfp4")):
         raise ValueError(f"kernel={kernel!r} is not one of {dispatch.KINDS} for a {plan.fmt} linear "
                          "(mma, wgmma and dequant take NVFP4 only)")
@@ -262,23 +283,23 @@ def _dispatch(plan: LinearPlan, x: Tensor, config: dict | None, kernel: str | No
         return "small", config
     total = plan.n * (2 if plan.glu else 1)
     choice = dispatch.Choice(kernel or "small")
-    if kernel is None and x.is_cuda and config is None:
-        choice = dispatch.choose(total, plan.k, x.shape[0])
-    if choice.kind == "wgmma" and not (x.is_cuda and nvfp4_wgmma is not None and nvfp4_wgmma.usable(plan, x.shape[0])):
+    if kernel is None and cuda and config is None:
+        choice = dispatch.choose(total, plan.k, m)
+    if choice.kind == "wgmma" and not (cuda and nvfp4_wgmma is not None and nvfp4_wgmma.usable(plan, m)):
         if kernel is not None:
             raise ValueError(f"kernel='wgmma' takes NVFP4 launches of 16 rows or more in whole 128-row tiles on "
-                             f"CUDA, not {x.shape[0]} rows of {total} columns on {x.device}")
+                             f"CUDA, not {m} rows of {total} columns on {device}")
         choice = dispatch.Choice("small")
     tiles = config if config is not None else choice.tiles
     if choice.kind == "wgmma":
         return "wgmma", tiles
     if choice.kind != "mma":
         return choice.kind, config
-    return "mma", mma_kernels.mma_config(x.shape[0], total, plan.k, plan.seg_gcd, sms, SPLIT_MAX, tiles)
+    return "mma", mma_kernels.mma_config(m, total, plan.k, plan.seg_gcd, sms, SPLIT_MAX, tiles)
 
 
 def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
-                   kind: str, sms: int, x16: Tensor | None = None) -> None:
+                   kind: str, sms: int, x16: Tensor | None = None, out16: bool = False) -> None:
     m = x.shape[0]
     ws = plan.workspace
     if m > ws.shape[1]:
@@ -296,7 +317,7 @@ def _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, no
         split = _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg)
     epi = linear_config(m, plan.n, plan.k, "raw", plan.seg_gcd, plan.glu, sms)
     _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16,
-                   {**epi, "NSPLIT": split, "SK": sk_from > 0 and split > 1}, ss_out, ws, sk_from)
+                   {**epi, "NSPLIT": split, "SK": sk_from > 0 and split > 1}, ss_out, ws, sk_from, out16)
 
 
 def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
@@ -321,7 +342,7 @@ def _launch_splitk_triton(plan, x, t, norm, shrink, f16, cfg) -> int:
 
 
 def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, ss_out, part=None,
-                   sk_from: int = 0) -> None:
+                   sk_from: int = 0, out16: bool = False) -> None:
     m = x.shape[0]
     R = pow2(plan.r)
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
@@ -340,7 +361,8 @@ def _launch_linear(plan, x, out, t, residual, a_next, t_next, r_next, f16, cfg, 
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
         FMT=tk.FMT_ID[plan.fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
-        SS_OUT=ss_out is not None, R=R, R_NEXT=pow2(r_next), LDT=tl_dtype(plan.lora_dtype or x.dtype), **cfg,
+        SS_OUT=ss_out is not None, R=R, R_NEXT=pow2(r_next), LDT=tl_dtype(plan.lora_dtype or x.dtype),
+        OUT16=out16, **cfg,
     )
 
 

@@ -13,7 +13,8 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   wgmmas against the activation tile in shared memory; the wgmma of chunk i runs while chunk i + 1
   is decoded, and a ring slot goes back to the producer once the wgmma that read it has retired;
 - the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
-  norm and the LoRA shrink), so TMA puts them where wgmma reads them with no pass over registers;
+  norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `launch.takes_x16`),
+  so TMA puts them where wgmma reads them with no pass over registers;
 - the schedule fills whole waves: as many tiles as make whole waves of programs take all of K, and
   only the tiles left over are split along K (`config`). At full rate a program's time is its
   tile's, so 7B gate/up's 296 tiles on 132 SMs took 3 tile times as 2.24 waves; now 2.25.

@@ -247,14 +247,14 @@ if HAS_TRITON:
     def _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
                 out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, sso_ptr, stride_sso,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr,
-                SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr, R: tl.constexpr, R_NEXT: tl.constexpr,
-                LDT: tl.constexpr, BLOCK_N: tl.constexpr):
+                SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr, OUT16: tl.constexpr, R: tl.constexpr,
+                R_NEXT: tl.constexpr, ACT: tl.constexpr, LDT: tl.constexpr, BLOCK_N: tl.constexpr):
         # The epilogue of one [BM, BN] output tile from its fp32 base product(s): output scale, bias,
-        # LoRA expand; GLU: silu(gate) * up (acc2 = up, segment seg + 1); residual; store. SS_OUT:
+        # LoRA expand; GLU: silu(gate) * up (acc2 = up, segment seg + 1); residual; store (rounded to
+        # the model dtype ACT; OUT16: then / 16 in fp16). SS_OUT:
         # row n0 / 16 of ss gets the sums of squares of this tile's part of out's rows and the tile's
         # other rows zero, so the next norm sums the same rows whatever BLOCK_N wrote them.
         # SHRINK_NEXT: t_next += out_tile @ A_next[:, tile]^T (the down projection's LoRA shrink).
-        ACT = out_ptr.dtype.element_ty
         y = acc * tl.load(fsc_ptr + seg * 2 + 1)
         if HAS_BIAS:
             bias_ptr = _tab_ptr(tab_ptr, seg * 8 + 3, ACT)
@@ -271,7 +271,10 @@ if HAS_TRITON:
             res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None], other=0.0)
             y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
         out = y.to(ACT)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
+        if OUT16:
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], _f16_div16(out), mask=m_ok[:, None])
+        else:
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None])
         if SS_OUT:
             of = out.to(tl.float32)
             q = tl.arange(0, BLOCK_N // 16)
@@ -390,15 +393,19 @@ if HAS_TRITON:
         HAS_LORA: tl.constexpr, HAS_RES: tl.constexpr, SHRINK_NEXT: tl.constexpr, SS_OUT: tl.constexpr,
         R: tl.constexpr, R_NEXT: tl.constexpr, UNROLL: tl.constexpr, LDT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSPLIT: tl.constexpr = 0,
-        SK: tl.constexpr = False,
+        SK: tl.constexpr = False, OUT16: tl.constexpr = False,
     ):
         # out[:, n] = x @ W_seg[n - start_seg]^T, then the epilogue `_finish`, one launch for up to
         # three segments (q, k, v); GLU: gate = segment 0 and up = segment 1 over the same N columns.
         # The base product: NSPLIT > 0: the sum of the fp32 K slices in ws (dense, NVFP4, NF4); SK: only
         # the columns from sk_from on (a multiple of 128, so of BLOCK_N) have more than slice 0
         # (`nvfp4_wgmma`'s split remainder); format raw: cuBLAS output in the plan's buffers; MXFP4:
-        # computed here, in the model dtype (E8M0 scales may leave fp16's range).
-        ACT = out_ptr.dtype.element_ty
+        # computed here, in the model dtype (E8M0 scales may leave fp16's range). OUT16 (GLU): out is
+        # fp16 and gets out / 16, the down projection's `nvfp4_wgmma` operand; x has the model dtype.
+        if OUT16:
+            ACT = x_ptr.dtype.element_ty
+        else:
+            ACT = out_ptr.dtype.element_ty
         pid_n = tl.program_id(0)
         if SK:  # the split columns (the last) sum more slices: they go first, not in the last wave
             pid_n = tl.num_programs(0) - 1 - pid_n
@@ -468,7 +475,7 @@ if HAS_TRITON:
                     acc2 = _dot(x_hi, tl.trans(v_hi), acc2)
         _finish(acc, acc2, tab_ptr, fsc_ptr, seg, n0, rows, offs_m, offs_n, m_ok, t_ptr, stride_tm, r,
                 out_ptr, stride_om, res_ptr, stride_rm, an_ptr, tn_ptr, stride_tnm, N, r_next, ss_ptr, stride_ss,
-                GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, R, R_NEXT, LDT, BLOCK_N)
+                GLU, HAS_BIAS, HAS_LORA, HAS_RES, SHRINK_NEXT, SS_OUT, OUT16, R, R_NEXT, ACT, LDT, BLOCK_N)
 
     @triton.jit
     def _add_slice(acc, acc2, part, N1, m_ok, GLU: tl.constexpr):
