@@ -6,7 +6,9 @@
 
 Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
 to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
-excluded. Errors are ||out - ref|| / ||ref|| against dequantize + matmul in fp32.
+excluded. Errors are ||out - ref|| / ||ref|| against dequantize + matmul in fp32. Each NVFP4 path is
+timed with the launches it makes in the engine: down's wgmma path from the fp16 operand that the GLU
+epilogue writes (`FED_BY_GLU`), the others from bf16 x with their `norm_shrink` launch.
 """
 
 from __future__ import annotations
