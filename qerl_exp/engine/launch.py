@@ -210,8 +210,8 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
     if out16 and not plan.glu:
         raise ValueError("out16 writes a GLU launch's output for the down projection; this launch is not GLU")
     if x16 and (kind != "wgmma" or norm is not None or shrink is not None):
-        raise ValueError(f"x16 input is nvfp4_wgmma's operand, taken without norm or shrink; this launch of {m} rows "
-                         f"takes {kind!r}{' with a norm or shrink' if kind == 'wgmma' else ''} (see takes_x16)")
+        raise ValueError(f"x16=True needs the 'wgmma' path without norm or shrink (takes_x16); this launch of {m} "
+                         f"rows takes {kind!r}")
     if not x.is_cuda and not tk.interpreting():
         raise RuntimeError("Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "
                            "before triton is imported, or use FastEngine(backend='torch')")
@@ -257,7 +257,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
 def takes_x16(plan: LinearPlan, m: int, device: torch.device) -> bool:
     """Whether `fused_linear` multiplies m rows of this plan on `device` with `nvfp4_wgmma`, whose
     operand is x' / 16 in fp16. For the down projection the GLU launch before it then writes that
-    operand (`out16`), so no launch converts it (7B at 64 rows: 28 launches of ~5 us a decode step)."""
+    operand (`out16`), so no launch converts it (one launch fewer a layer)."""
     return _dispatch(plan, m, device, None, None, _sm_count(device))[0] == "wgmma"
 
 
