@@ -17,7 +17,6 @@ from torch import nn
 
 from conftest import import_or_skip, tiny_qwen2, with_lora
 from qerl_exp.engine import launch, layout, reference
-from qerl_exp.engine.decode import sample
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
@@ -213,46 +212,6 @@ def test_nf4_relayout_matches_bitsandbytes():
     ref = bnbf.dequantize_4bit(lin.weight.data, lin.weight.quant_state).float()
     assert fmt == "nf4"
     torch.testing.assert_close(pw.dequantize(), ref, rtol=1e-2, atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------
-# sampling semantics
-# ---------------------------------------------------------------------------------------------
-
-
-def _top_p_hf(logits, top_p):
-    from transformers.generation.logits_process import TopPLogitsWarper
-
-    return TopPLogitsWarper(top_p)(None, logits.clone())
-
-
-def test_sample_top_p_temperature_and_logprobs():
-    torch.manual_seed(0)
-    logits = torch.randn(4, 10) * 3
-    temp, top_p = torch.tensor([0.7]), torch.tensor([0.8])
-    gen = torch.Generator().manual_seed(0)
-    allowed = torch.isfinite(_top_p_hf(logits / 0.7, 0.8))
-    counts = torch.zeros(4, 10)
-    for _ in range(3000):
-        tok, lp, ent = sample(logits, temp, top_p, greedy=False, use_top_p=True, generator=gen)
-        assert allowed.gather(1, tok[:, None]).all()
-        counts[torch.arange(4), tok] += 1
-    ref_lp = torch.log_softmax(logits / 0.7, -1)
-    torch.testing.assert_close(lp, ref_lp.gather(1, tok[:, None])[:, 0])  # before top-p
-    torch.testing.assert_close(ent, -(ref_lp.exp() * ref_lp).sum(-1))
-    want = torch.softmax(_top_p_hf(logits / 0.7, 0.8), -1)
-    assert (counts / 3000 - want).abs().max() < 0.04
-
-
-def test_sample_greedy_and_full_distribution():
-    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]])
-    tok, lp, _ = sample(logits, torch.tensor([1.0]), torch.tensor([1.0]), greedy=True, use_top_p=False)
-    assert tok.item() == 2 and torch.allclose(lp, torch.log_softmax(logits, -1)[:, 2])
-    gen = torch.Generator().manual_seed(1)
-    big = logits.expand(20000, 4)
-    tok, _, _ = sample(big, torch.tensor([2.0]), torch.tensor([1.0]), greedy=False, use_top_p=False, generator=gen)
-    freq = torch.bincount(tok, minlength=4) / 20000
-    assert (freq - torch.softmax(logits[0] / 2.0, -1)).abs().max() < 0.015
 
 
 # ---------------------------------------------------------------------------------------------

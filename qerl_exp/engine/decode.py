@@ -27,6 +27,7 @@ from qerl_exp.engine.launch import (LinearPlan, decode_attention, fused_linear, 
                                     prefill_epilogue, rope_cache, takes_x16)
 from qerl_exp.engine.layout import PackedWeight, relayout_nf4
 from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
+from qerl_exp.engine.sampling import fused_sample, sample
 from qerl_exp.engine.triton_kernels import HAS_TRITON
 
 BACKENDS = ("auto", "torch", "triton")
@@ -266,6 +267,7 @@ class _State:
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
         self.att = torch.zeros(b, m.hq * m.d, dtype=dt, device=dev)
         self.generator: torch.Generator | None = None
+        self.seed = z(1)  # fused_sample's noise key, drawn anew each generate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,37 +418,17 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss,
                      x16=down16)
     norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
-    return F.linear(st.h, m.lm_head).float()
+    return F.linear(st.h, m.lm_head)  # bf16: fused_sample reads it as fp32, as .float() would
 
 
-def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, greedy: bool, use_top_p: bool,
-           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Sample one token per row on the device (graph-safe: no host sync).
-
-    Args:
-        logits: float32 [B, V]. temperature / top_p: float32 [1] device tensors.
-        greedy: argmax (log-probs and entropy then use temperature 1).
-        use_top_p: apply HF's top-p filter (keep the smallest set of tokens whose mass exceeds
-            top_p, at least one) before sampling.
-        generator: only used outside graphs (the CPU path).
-
-    Returns:
-        (token long [B], its log-prob under softmax(logits / T) [B], entropy of that softmax [B]).
-    """
-    lp = torch.log_softmax(logits if greedy else logits / temperature, dim=-1)
-    ent = -(lp.exp() * lp.clamp_min(torch.finfo(lp.dtype).min)).sum(-1)
-    if greedy:
-        tok = lp.argmax(-1)
+def sample_next(st: _State, logits: Tensor, backend: str, greedy: bool, use_top_p: bool) -> None:
+    """Sample every row's next token from `logits` and advance: the triton backend samples in one
+    fused pass (`sampling.fused_sample`, keyed by st.seed and st.step) unless top-p needs a sort."""
+    if backend == "triton" and not use_top_p:
+        drawn = fused_sample(logits, st.temperature, st.seed, st.step, greedy)
     else:
-        filt = lp
-        if use_top_p:
-            srt, idx = torch.sort(lp, dim=-1)  # ascending, as HF's TopPLogitsWarper
-            remove = srt.exp().cumsum(-1) <= 1 - top_p
-            remove[:, -1] = False
-            filt = lp.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
-        e = torch.empty_like(filt).exponential_(generator=generator).clamp_min_(torch.finfo(filt.dtype).tiny)
-        tok = (filt - e.log()).argmax(-1)  # Gumbel-max: a draw from softmax(filt)
-    return tok, lp.gather(1, tok[:, None])[:, 0], ent
+        drawn = sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator)
+    _advance(st, *drawn)
 
 
 def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
@@ -471,7 +453,7 @@ def decode_one_token(m: _Model, cache: _Cache, st: _State, backend: str, greedy:
         logits = _forward_triton(m, cache, st, f16)
     else:
         logits = _forward_torch(m, cache, st)
-    _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
+    sample_next(st, logits, backend, greedy, use_top_p)
 
 
 def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:

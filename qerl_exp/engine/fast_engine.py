@@ -13,8 +13,9 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _advance, _Cache, _State, _tracked,
-                                    base_layers, build_model, decode_n_tokens, decode_one_token, prefill, sample, setup_caches)
+from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked,
+                                    base_layers, build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
+                                    setup_caches)
 from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
@@ -274,9 +275,14 @@ class FastEngine:
         st = self._state(b)
         graph = self._graph(st, greedy, use_top_p) if self.use_graph else None
         rng = None
-        if generator is not None and dev.type == "cuda":
-            rng = torch.cuda.get_rng_state(dev)
-            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
+        if generator is not None:  # fused_sample's key, and on CUDA the graph's RNG, from the generator
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            st.seed.fill_(seed)
+            if dev.type == "cuda":
+                rng = torch.cuda.get_rng_state(dev)
+                torch.cuda.manual_seed(seed)
+        else:
+            st.seed.random_(0, 2**62)  # from the device's RNG, no host sync
         st.generator = generator if dev.type != "cuda" else None
         try:
             st.temperature.fill_(temperature if not greedy else 1.0)
@@ -289,7 +295,7 @@ class FastEngine:
             st.pad.copy_(p - mask.long().sum(1))
             st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
             st.pos.copy_(p - 1 - st.pad)
-            _advance(st, *sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator))
+            sample_next(st, logits, self.backend, greedy, use_top_p)
             step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
             n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
         finally:
