@@ -81,15 +81,19 @@ def _check_against_float64(dev, cases) -> None:
 
 
 def _check_draws(dev, rows: int, tol: float) -> None:
-    # sampled tokens follow softmax(logits / T); the same (seed, step) draws the same tokens, another
-    # step others, and the draw does not depend on how many slices a row is cut into
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")], device=dev)
+    # sampled tokens follow softmax(logits / T): a row of 4 x Q logits, the pattern [2, 1, 0, -inf]
+    # repeated, so each of the four tokens of a pattern, and each of the four blocks of Q that share
+    # one Philox call, must come up at its share; the same (seed, step) draws the same tokens,
+    # another step others, and the draw does not depend on how many slices a row is cut into
+    pattern = torch.tensor([2.0, 1.0, 0.0, float("-inf")], device=dev)
     temp = torch.tensor([2.0], device=dev)
-    tok, lp, _ = fused_sample(logits.repeat(rows, 1), temp, *_key(11, 3, dev), False)
-    freq = torch.bincount(tok, minlength=5).double().cpu() / rows
-    want = torch.softmax(logits.double().cpu() / 2.0, 0)
-    assert (freq - want).abs().max() < tol, (freq, want)
-    torch.testing.assert_close(lp.double().cpu(), want.log()[tok.cpu()], rtol=1e-5, atol=1e-5)
+    tok, lp, _ = fused_sample(pattern.repeat(rows, sampling.Q), temp, *_key(11, 3, dev), False)
+    tok = tok.cpu()
+    want = torch.softmax(pattern.double().cpu() / 2.0, 0)
+    by_token = torch.bincount(tok % 4, minlength=4).double() / rows
+    by_block = torch.bincount(tok // sampling.Q, minlength=4).double() / rows
+    assert (by_token - want).abs().max() < tol and (by_block - 0.25).abs().max() < tol, (by_token, by_block)
+    torch.testing.assert_close(lp.double().cpu(), (want / sampling.Q).log()[tok % 4], rtol=1e-5, atol=1e-5)
     wide = torch.zeros(3, 9000, device=dev)  # uniform over 9000 tokens: draws do not collide by chance
     one = torch.tensor([1.0], device=dev)
     first = fused_sample(wide, one, *_key(7, 0, dev), False)[0]
@@ -97,7 +101,7 @@ def _check_draws(dev, rows: int, tol: float) -> None:
     assert not torch.equal(first, fused_sample(wide, one, *_key(7, 1, dev), False)[0])
     assert not torch.equal(first, fused_sample(wide, one, *_key(8, 0, dev), False)[0])
     sampling._sm_count.cache_clear()
-    with mock.patch.object(sampling, "_sm_count", lambda d: 1):  # 2 slices a row instead of 3 (4 SMs)
+    with mock.patch.object(sampling, "_sm_count", lambda d: 1):  # 3 slices a row instead of 5 (4 "SMs")
         assert torch.equal(first, fused_sample(wide, one, *_key(7, 0, dev), False)[0])
 
 
@@ -146,7 +150,7 @@ def test_fused_sample_in_the_interpreter():
 @gpu
 @needs_cuda
 def test_gpu_fused_sample_matches_float64_and_draws_from_the_softmax():
-    # Qwen2.5's vocabulary at 1-256 rows (1 to 64 slices a row); 200000 rows: 5 standard errors 0.006
+    # Qwen2.5's vocabulary at 1-256 rows (75 to 8 slices a row); 200000 rows: 5 standard errors 0.006
     _check_against_float64("cuda", [(torch.bfloat16, b, 152064) for b in (1, 17, 64, 256)])
     _check_draws("cuda", 200000, 0.006)
     _check_non_finite("cuda")

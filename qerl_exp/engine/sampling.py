@@ -20,15 +20,14 @@ from torch import Tensor
 
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2, tl, triton
 
-Q = 1024  # logits a sub-block; one Philox call gives the noise of four sub-blocks
+Q = 512  # logits a sub-block (4 warps: 4 a thread); one Philox call gives four sub-blocks' noise
 
 if HAS_TRITON:
 
     @triton.jit
-    def _update(x_ptr, idx, hi, inv_t, u, m, s, t, best, bidx, GREEDY: tl.constexpr):
-        # fold Q logits into each lane's running max m, sum of exp s = sum e^(z - m) and entropy term
-        # t = sum e^(z - m) (z - m) (rescaled when m grows), and its Gumbel-max argmax (best, bidx)
-        z = tl.load(x_ptr + idx, mask=idx < hi, other=float("-inf")).to(tl.float32) * inv_t
+    def _update(z, idx, u, m, s, t, best, bidx, GREEDY: tl.constexpr):
+        # fold logits z / T into each lane's running max m, sum of exp s = sum e^(z - m) and entropy
+        # term t = sum e^(z - m) (z - m) (rescaled when m grows), and its Gumbel-max argmax (best, bidx)
         m_new = tl.maximum(m, z)
         a = tl.exp(m - m_new)
         e = tl.exp(z - m_new)
@@ -59,13 +58,19 @@ if HAS_TRITON:
         best = tl.full([Q], float("-inf"), tl.float32)
         bidx = tl.zeros([Q], tl.int32) + lo
         for base in range(lo, hi, 4 * Q):
+            i0, i1, i2, i3 = base + lane, base + Q + lane, base + 2 * Q + lane, base + 3 * Q + lane
+            # the four loads first, so their latencies overlap
+            z0 = tl.load(x_ptr + i0, mask=i0 < hi, other=float("-inf")).to(tl.float32) * inv_t
+            z1 = tl.load(x_ptr + i1, mask=i1 < hi, other=float("-inf")).to(tl.float32) * inv_t
+            z2 = tl.load(x_ptr + i2, mask=i2 < hi, other=float("-inf")).to(tl.float32) * inv_t
+            z3 = tl.load(x_ptr + i3, mask=i3 < hi, other=float("-inf")).to(tl.float32) * inv_t
             u0, u1, u2, u3 = s, s, s, s  # unused when greedy
             if not GREEDY:
                 u0, u1, u2, u3 = tl.rand4x(seed, base // 4 + lane)  # counters unique in the row
-            m, s, t, best, bidx = _update(x_ptr, base + lane, hi, inv_t, u0, m, s, t, best, bidx, GREEDY)
-            m, s, t, best, bidx = _update(x_ptr, base + Q + lane, hi, inv_t, u1, m, s, t, best, bidx, GREEDY)
-            m, s, t, best, bidx = _update(x_ptr, base + 2 * Q + lane, hi, inv_t, u2, m, s, t, best, bidx, GREEDY)
-            m, s, t, best, bidx = _update(x_ptr, base + 3 * Q + lane, hi, inv_t, u3, m, s, t, best, bidx, GREEDY)
+            m, s, t, best, bidx = _update(z0, i0, u0, m, s, t, best, bidx, GREEDY)
+            m, s, t, best, bidx = _update(z1, i1, u1, m, s, t, best, bidx, GREEDY)
+            m, s, t, best, bidx = _update(z2, i2, u2, m, s, t, best, bidx, GREEDY)
+            m, s, t, best, bidx = _update(z3, i3, u3, m, s, t, best, bidx, GREEDY)
         mm = tl.max(m, 0)
         a = tl.exp(m - mm)
         bb = tl.max(best, 0)
@@ -123,8 +128,8 @@ def fused_sample(logits: Tensor, temperature: Tensor, seed: Tensor, step: Tensor
     b, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("fused_sample reads rows of contiguous logits")
-    # ~4 programs an SM over all rows: few rows split each row into more slices
-    slices = min(64, pow2(-(-4 * _sm_count(logits.device) // b), lo=1))
+    # ~8 programs an SM over all rows, so loads overlap: few rows split each row into more slices
+    slices = min(128, pow2(-(-8 * _sm_count(logits.device) // b), lo=1))
     chunk = -(-v // (slices * 4 * Q)) * 4 * Q  # whole Philox blocks, so noise does not depend on it
     slices = -(-v // chunk)
     part = torch.empty(b, slices, 4, dtype=torch.float32, device=logits.device)
