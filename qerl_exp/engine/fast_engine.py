@@ -251,8 +251,9 @@ class FastEngine:
             top_p: nucleus filter (HF semantics); 1 disables it.
             eos_id: a sequence stops after emitting it (EOS kept in the completion).
             pad_id: fills completions after their EOS.
-            generator: makes sampling reproducible (on CUDA it seeds the graph's RNG for the call
-                and restores the global CUDA RNG state afterwards).
+            generator: makes sampling reproducible: `fused_sample`'s seed is drawn from it, and on
+                CUDA it seeds the graph's RNG for the call (the torch sampler's, under top-p) and
+                restores the global CUDA RNG state afterwards.
 
         Returns:
             `GenerateOutput` with T = the longest completion (at most max_new_tokens).

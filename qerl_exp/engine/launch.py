@@ -205,7 +205,7 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
             is. Only where `takes_x16` says so, and with neither `norm` nor `shrink`.
     """
     m = x.shape[0]
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     kind, cfg = _dispatch(plan, m, x.device, config, kernel, sms)
     if out16 and not plan.glu:
         raise ValueError("out16 writes a GLU launch's output for the down projection; this launch is not GLU")
@@ -258,14 +258,14 @@ def takes_x16(plan: LinearPlan, m: int, device: torch.device) -> bool:
     """Whether `fused_linear` multiplies m rows of this plan on `device` with `nvfp4_wgmma`, whose
     operand is x' / 16 in fp16. For the down projection the GLU launch before it then writes that
     operand (`out16`), so no launch converts it (one launch fewer a layer)."""
-    return _dispatch(plan, m, device, None, None, _sm_count(device))[0] == "wgmma"
+    return _dispatch(plan, m, device, None, None, sm_count(device))[0] == "wgmma"
 
 
 _NO_3D = False
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any count works; the H200's keeps CPU tests on GPU tile shapes
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -13,11 +13,10 @@ without host work and a draw does not depend on how the row is split.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from qerl_exp.engine.launch import sm_count
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2, tl, triton
 
 Q = 512  # logits a sub-block (4 warps: 4 a thread); one Philox call gives four sub-blocks' noise
@@ -106,30 +105,29 @@ if HAS_TRITON:
         tl.store(ent_ptr + row, tl.log(ss) - tt / ss)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def fused_sample(logits: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
-                 greedy: bool) -> tuple[Tensor, Tensor, Tensor]:
+def fused_sample(logits: Tensor, temperature: Tensor, seed: Tensor, step: Tensor, greedy: bool,
+                 slices: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`sample(logits, temperature, _, greedy, use_top_p=False)` in two Triton launches, graph-safe.
 
     Args:
         logits: [B, V] (bf16 or fp32; read as fp32), rows contiguous.
         temperature: float32 [1] device tensor (1 when greedy: the log-probs' and entropy's).
-        seed, step: int64 [1] device tensors; the noise of token v in row b is Philox(seed + 65536 *
-            step + b) at v, so each decode step draws anew and replays need no host work.
+        seed, step: int64 [1] device tensors; row b's noise is Philox keyed by seed + 65536 step + b
+            (so at most 65536 rows), token v's at a counter that depends on v alone: each decode step
+            draws anew and replays need no host work.
         greedy: the first index of the largest logit, no noise.
+        slices: about how many programs take each row (default: ~8 programs an SM over all rows, so
+            loads overlap); the draw is the same for any.
 
     Returns:
         (token long [B], its log-prob under softmax(logits / T) [B], entropy of that softmax [B]).
     """
     b, v = logits.shape
-    if logits.stride(1) != 1:
-        raise ValueError("fused_sample reads rows of contiguous logits")
-    # ~8 programs an SM over all rows, so loads overlap: few rows split each row into more slices
-    slices = min(128, pow2(-(-8 * _sm_count(logits.device) // b), lo=1))
+    if logits.stride(1) != 1 or b > 65536:
+        raise ValueError(f"fused_sample takes up to 65536 rows of contiguous logits, not {tuple(logits.shape)} "
+                         f"with strides {logits.stride()}")
+    if slices is None:  # few rows split each row into more slices
+        slices = min(128, pow2(-(-8 * sm_count(logits.device) // b), lo=1))
     chunk = -(-v // (slices * 4 * Q)) * 4 * Q  # whole Philox blocks, so noise does not depend on it
     slices = -(-v // chunk)
     part = torch.empty(b, slices, 4, dtype=torch.float32, device=logits.device)
