@@ -6,7 +6,8 @@
 Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
 CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
 and of one prefill (torch.profiler; kernel durations do not depend on the graph) summed by name, so
-the gap between the kernels' own time and the replayed step (or the prefill's wall time) is visible.
+the gap between the kernels' own time and the replayed step (or the prefill's wall time) is visible;
+for the prefill also the torch ops behind them (its glue is torch ops).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 2
     print_kernels(fn, "one eager step", steps, top)
 
 
-def print_kernels(fn, what: str, steps: int = 3, top: int = 25) -> None:
-    """The GPU kernels of `fn()` (averaged over `steps` calls) summed by name, busiest first."""
+def print_kernels(fn, what: str, steps: int = 3, top: int = 25, ops: bool = False) -> None:
+    """The GPU kernels of `fn()` (averaged over `steps` calls) summed by name, busiest first; with
+    `ops`, also the outermost torch ops that launched them, to tell which call a copy or an
+    elementwise kernel comes from."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
@@ -65,6 +68,17 @@ def print_kernels(fn, what: str, steps: int = 3, top: int = 25) -> None:
     print(f"   kernels of {what}: {busy / 1e3:.2f} ms busy, {sum(count.values()):.0f} launches")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"   {us:9.1f} us {count[name]:6.0f}x  {us / max(count[name], 1):7.1f} us/launch  {name}")
+    if ops:  # outermost torch ops (aten::to, not the aten::copy_ inside it) with their kernels' time
+        op_us, op_n = defaultdict(float), defaultdict(int)
+        for ev in prof.events():
+            parent = ev.cpu_parent
+            if ev.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+                op_us[ev.name] += ev.device_time_total / steps
+                op_n[ev.name] += 1 / steps
+        print(f"   torch ops of {what}, outermost, by the GPU time of their kernels:")
+        for name, us in sorted(op_us.items(), key=lambda kv: -kv[1])[:top]:
+            if us > 0:
+                print(f"   {us:9.1f} us {op_n[name]:6.0f}x  {name}")
 
 
 @torch.no_grad()
@@ -103,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
         kernel_table(engine, st, a.prompt + 2)
-        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12)
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill", top=12,
+                      ops=True)
         del engine, graph
         torch.cuda.empty_cache()
 
