@@ -39,6 +39,16 @@ if HAS_TRITON:
         return m_new, s, t, tl.where(better, key, best), tl.where(better, idx, bidx)
 
     @triton.jit
+    def _combine(m, s, t, best, idx):
+        # running values side by side (lanes, or a row's slices) -> one: the max mm, the sum of exp and
+        # the entropy term rescaled to it, the best key and its index (the first of equal keys)
+        mm = tl.max(m, 0)
+        a = tl.exp(m - mm)
+        bb = tl.max(best, 0)
+        tok = tl.min(tl.where(best == bb, idx, 2147483647), 0)
+        return mm, tl.sum(a * s, 0), tl.sum(a * (t + (m - mm) * s), 0), bb, tok
+
+    @triton.jit
     def _partial_kernel(x_ptr, stride_x, V, temp_ptr, seed_ptr, step_ptr, part_ptr, ipart_ptr, CHUNK,
                         GREEDY: tl.constexpr, Q: tl.constexpr):
         # program (row, slice): logits [slice * CHUNK, + CHUNK) of the row -> (max, sum, entropy term,
@@ -70,15 +80,13 @@ if HAS_TRITON:
             m, s, t, best, bidx = _update(z1, i1, u1, m, s, t, best, bidx, GREEDY)
             m, s, t, best, bidx = _update(z2, i2, u2, m, s, t, best, bidx, GREEDY)
             m, s, t, best, bidx = _update(z3, i3, u3, m, s, t, best, bidx, GREEDY)
-        mm = tl.max(m, 0)
-        a = tl.exp(m - mm)
-        bb = tl.max(best, 0)
+        mm, ss, tt, bb, tok = _combine(m, s, t, best, bidx)
         out = part_ptr + (row * tl.num_programs(1) + sl) * 4
         tl.store(out, mm)
-        tl.store(out + 1, tl.sum(a * s, 0))
-        tl.store(out + 2, tl.sum(a * (t + (m - mm) * s), 0))
+        tl.store(out + 1, ss)
+        tl.store(out + 2, tt)
         tl.store(out + 3, bb)
-        tl.store(ipart_ptr + row * tl.num_programs(1) + sl, tl.min(tl.where(best == bb, bidx, 2147483647), 0))
+        tl.store(ipart_ptr + row * tl.num_programs(1) + sl, tok)
 
     @triton.jit
     def _finish_kernel(x_ptr, stride_x, temp_ptr, part_ptr, ipart_ptr, tok_ptr, lp_ptr, ent_ptr, NS,
@@ -94,11 +102,7 @@ if HAS_TRITON:
         t = tl.load(p + 2, mask=live, other=0.0)
         best = tl.load(p + 3, mask=live, other=float("-inf"))
         idx = tl.load(ipart_ptr + row * NS + k, mask=live, other=2147483647)
-        mm = tl.max(m, 0)
-        a = tl.exp(m - mm)
-        ss = tl.sum(a * s, 0)
-        tt = tl.sum(a * (t + (m - mm) * s), 0)
-        tok = tl.min(tl.where(best == tl.max(best, 0), idx, 2147483647), 0)
+        mm, ss, tt, _, tok = _combine(m, s, t, best, idx)
         z = tl.load(x_ptr + row.to(tl.int64) * stride_x + tok).to(tl.float32) * (1.0 / tl.load(temp_ptr))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, z - mm - tl.log(ss))
