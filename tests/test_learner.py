@@ -179,7 +179,11 @@ def test_monitor_in_parts_equals_the_whole_batch(setup):
     whole = _monitor(policy, sampler, reference, aqn, rollout, 1.0, 0)
     parts = _monitor(policy, sampler, reference, aqn, rollout, 1.0, 3)
     assert set(whole) == {"entropy_gain", "quant/kl"} and whole["quant/kl"] > 0
-    assert parts == pytest.approx(whole, rel=1e-5, abs=1e-7)
+    assert parts["quant/kl"] == pytest.approx(whole["quant/kl"], rel=1e-5)
+    # entropy_gain is a difference of two fp32 token means of ~5.8 nats (vocab 320), whose ulp is
+    # 4.8e-7: summed in parts they move by an ulp on some CPUs (AMD EPYC), bit-equal on others
+    # (weighting the parts by rows instead of tokens moves the KL by ~2 %)
+    assert parts["entropy_gain"] == pytest.approx(whole["entropy_gain"], abs=4 * 4.8e-7)
 
 
 @pytest.mark.gpu
