@@ -435,6 +435,32 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     torch.testing.assert_close(q, reference.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(kc[:b, :, 11], reference.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(vc[:b, :, 11], vr.view(b, hkv, d))
+    # the prefill's rope: p rows a sequence, into q [B, hq, p, d] and cache slots 2..p+1
+    p = 5
+    qkv = torch.randn(b * p, (hq + 2 * hkv) * d).to(device, dtype)
+    pos = torch.randint(0, s, (b * p,), device=device)
+    q = torch.empty(b, hq, p, d, device=device, dtype=dtype)
+    kc, vc = torch.zeros(4, hkv, s, d, device=device, dtype=dtype), torch.zeros(4, hkv, s, d, device=device, dtype=dtype)
+    launch.rope_cache(qkv, cos, sin, pos, torch.tensor([2], device=device), q, kc, vc, hq, hkv, d, p)
+    qr, kr, vr = qkv.view(b, p, -1).split([hq * d, hkv * d, hkv * d], -1)
+    c, sn = cos[pos].view(b, p, 1, d), sin[pos].view(b, p, 1, d)
+    torch.testing.assert_close(q, reference.rope_ref(qr.view(b, p, hq, d), c, sn).transpose(1, 2), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc[:b, :, 2:2 + p], reference.rope_ref(kr.view(b, p, hkv, d), c, sn).transpose(1, 2),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(vc[:b, :, 2:2 + p], vr.view(b, p, hkv, d).transpose(1, 2))
+    assert not kc[:b, :, :2].any() and not kc[:b, :, 2 + p:].any()
+    # the prefill's norm + shrink: sums of squares over whole rows in the kernel, the shrink in the
+    # adapters' dtype (peft's fp32 under a bf16 base), against float64 of the kernel's own h
+    ldt = lora_dtype or dtype
+    x = torch.randn(37, 192).to(device, dtype)
+    gamma = (1 + 0.1 * torch.randn(192)).to(device, dtype)
+    a = [(torch.randn(8, 192) * 0.1).to(device, ldt) for _ in range(2)]
+    a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
+    h, t = torch.empty_like(x), torch.zeros(37, 32, device=device)  # 2 segments of rank 8, padded to 16
+    launch.norm_shrink(x, gamma, 1e-6, h, a_tab, 2, 8, t, ldt, exact=True)
+    torch.testing.assert_close(h.float(), reference.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
+    tref = torch.cat([torch.nn.functional.pad(h.double() @ ai.double().T, (0, 8)) for ai in a], 1)
+    assert ((t.double() - tref).abs().max() / tref.abs().max()).item() < 1e-5
     # decode attention over the live slots pad[b]..slot, against SDPA with the engine's mask
     from qerl_exp.engine.decode import _attend
 
@@ -572,23 +598,26 @@ def test_gpu_kernels_match_dequantize_matmul():
 @gpu
 @needs_cuda
 def test_gpu_prefill_linear_matches_its_torch_twin():
-    # the prefill's Triton epilogue against the torch composition it replaces (peft's rounding):
-    # q|k|v into column slices, GLU, residual; the fp32 LoRA sums may differ in their last bits
+    # the prefill's Triton norm + shrink and epilogue against the torch composition they replace
+    # (HF's and peft's rounding): q|k|v into column slices, GLU, residual, with and without the
+    # norm; the fp32 sums (the norm's mean, the LoRA terms) may differ in their last bits
     from qerl_exp.engine.decode import _Linear, _linear_torch, _prefill_linear
 
     torch.manual_seed(0)
     x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
-    for glu, segs in [(False, [256, 64, 64]), (True, [512, 512]), (False, [256])]:
+    gamma = (1 + 0.1 * torch.randn(256, device="cuda")).bfloat16()
+    for glu, segs, norm in [(False, [256, 64, 64], (gamma, 1e-6)), (True, [512, 512], (gamma, 1e-6)),
+                            (True, [512, 512], None), (False, [256], None)]:
         ws = [(torch.randn(n, 256, device="cuda") * 0.05).bfloat16() for n in segs]
         a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
         b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
         lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
-                      [None] * len(segs))
+                      [None] * len(segs), a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
-        ref = _linear_torch(lin, x) + (res if res is not None else 0)
-        out = _prefill_linear(lin, x, None, residual=res)
+        ref = _linear_torch(lin, reference.rms_norm_ref(x, *norm) if norm else x) + (res if res is not None else 0)
+        out = _prefill_linear(lin, x, None, residual=res, norm=norm)
         assert out.shape == ref.shape
-        assert (out != ref).float().mean() < 1e-3, (glu, segs)
+        assert (out != ref).float().mean() < 1e-3, (glu, segs, norm is not None)
         torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
 
 

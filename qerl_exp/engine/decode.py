@@ -28,7 +28,7 @@ from qerl_exp.engine.launch import (LinearPlan, decode_attention, fused_linear, 
 from qerl_exp.engine.layout import PackedWeight, relayout_nf4
 from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
 from qerl_exp.engine.sampling import fused_sample, sample
-from qerl_exp.engine.triton_kernels import HAS_TRITON
+from qerl_exp.engine.triton_kernels import pow2
 
 BACKENDS = ("auto", "torch", "triton")
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
@@ -296,23 +296,32 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None) -> Tensor:
-    """`_linear_torch(lin, x)` (+ residual) for the prefill, rounded at the same points: on the GPU
-    each segment's cuBLAS output gets its LoRA term (GLU, residual) in one Triton pass over it
-    (`launch.prefill_epilogue`) where `_linear_torch` makes five (casts, a copy, addmm) and a
-    concatenation (H200, 7B bf16, 8 x 128 tokens: prefill 52.6 -> 37.9 ms). The fp32 LoRA sums
-    may differ from addmm's in their last bits (another summation order)."""
-    if not (x.is_cuda and HAS_TRITON):
-        y = _linear_torch(lin, x, scratch)
+def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
+                    norm: tuple | None = None, fused: bool = True) -> Tensor:
+    """`_linear_torch(lin, x)` (+ residual) for the prefill, of RMSNorm(x) * gamma with `norm` =
+    (gamma, eps), rounded at the same points: `fused` (the triton backend), one `norm_shrink` launch (the norm and the
+    fp32 LoRA shrink of all segments, where torch makes ~10 launches and an fp32 copy of x), each
+    segment's cuBLAS product, and one Triton pass over each base output (`launch.prefill_epilogue`:
+    LoRA term, GLU, residual) where `_linear_torch` makes five (casts, a copy, addmm) and a
+    concatenation. The fp32 sums (the norm's mean, the shrink, the LoRA term) may differ from
+    torch's in their last bits (another summation order)."""
+    if not fused:
+        y = _linear_torch(lin, rms_norm_ref(x, *norm) if norm is not None else x, scratch)
         return y if residual is None else residual + y
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     res = residual.reshape(x.shape[0], -1) if residual is not None else None
+    ts = bs = [None] * len(lin.weights)
+    if norm is not None or lin.lora_a is not None:
+        h = torch.empty_like(x) if norm is not None else None
+        width = pow2(lin.r)  # norm_shrink's padded rank
+        t = torch.zeros(x.shape[0], len(lin.weights) * width, device=x.device) if lin.lora_a is not None else None
+        norm_shrink(x, norm[0] if norm else None, norm[1] if norm else 0.0, h, lin.a_tab, len(lin.weights),
+                    lin.r, t, lin.lora_a[0].dtype if lin.lora_a is not None else None, exact=True)
+        x = h if h is not None else x
+        if t is not None:
+            ts, bs = [t[:, s * width:s * width + lin.r] for s in range(len(lin.weights))], lin.lora_b
     ys = [linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
-    ts = bs = [None] * len(ys)
-    if lin.lora_a is not None:  # one shrink for all segments
-        t = F.linear(x.to(lin.lora_a[0].dtype), torch.cat(lin.lora_a) if len(lin.lora_a) > 1 else lin.lora_a[0])
-        ts, bs = t.split(lin.r, dim=1), lin.lora_b
     if lin.glu:
         out = torch.empty_like(ys[0])
         prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
@@ -338,14 +347,17 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Te
     return out.reshape(b, hq * d)
 
 
-def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
+def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None,
+            fused: bool = False) -> Tensor:
     """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
 
     `scratch`: a flat buffer as large as the largest 4-bit weight, which NVFP4 weights are
-    dequantized into one linear at a time (`FastEngine.scratch`)."""
+    dequantized into one linear at a time (`FastEngine.scratch`). `fused` (the triton backend):
+    Triton kernels around the cuBLAS products (`_prefill_linear`), rope and the cache writes in one
+    `rope_cache` launch, and the grouped-query heads folded into the query length (as `_attend`),
+    so no K/V repeat; else HF's torch ops. Both round where HF rounds."""
     b, p = ids.shape
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)  # HF: position ids from the attention mask
-    cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]  # [B, 1, P, d]
     ar = torch.arange(p, device=ids.device)
     allowed = (ar[None, :] <= ar[:, None])[None] & mask.bool()[:, None, :]
     allowed |= torch.eye(p, dtype=torch.bool, device=ids.device)[None]  # pad rows see themselves
@@ -353,21 +365,35 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     bias.masked_fill_(~allowed[:, None], float("-inf"))
     x = F.embedding(ids, m.embed)
     g = m.hq // m.hkv
+    if fused:
+        x = x.view(b * p, -1)
+        pos, first = pos.view(-1), torch.zeros(1, dtype=torch.long, device=ids.device)
+        bias = bias.repeat(1, 1, g, 1)  # query row j * P + i of a kv head: head j of its group, token i
+    else:
+        cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]  # [B, 1, P, d]
     for li, ly in enumerate(m.layers):
-        h = rms_norm_ref(x, ly.ln1, m.eps)
-        qkv = _prefill_linear(ly.qkv, h, scratch)
-        q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
-        k = rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
-        v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
-        cache.k[li, :b, :, :p] = k
-        cache.v[li, :b, :, :p] = v
-        att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                             attn_mask=bias, scale=m.scaling)
-        x = _prefill_linear(ly.o, att.transpose(1, 2).reshape(b, p, m.hq * m.d), scratch, residual=x)
-        x = _prefill_linear(ly.down, _prefill_linear(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps), scratch), scratch,
-                            residual=x)
-    return F.linear(rms_norm_ref(x[:, -1], m.norm, m.eps), m.lm_head).float()
+        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps), fused=fused)
+        if fused:
+            q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
+            rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p)
+            k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
+            att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
+                                                 scale=m.scaling).view(b, m.hq, p, m.d)
+        else:
+            q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
+            q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
+            k = rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
+            v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
+            cache.k[li, :b, :, :p] = k
+            cache.v[li, :b, :, :p] = v
+            att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                 attn_mask=bias, scale=m.scaling)
+        att = att.transpose(1, 2).reshape(*x.shape[:-1], m.hq * m.d)
+        x = _prefill_linear(ly.o, att, scratch, residual=x, fused=fused)
+        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, m.eps), fused=fused)
+        x = _prefill_linear(ly.down, inter, scratch, residual=x, fused=fused)
+    last = x.view(b, p, -1)[:, -1]
+    return F.linear(rms_norm_ref(last, m.norm, m.eps), m.lm_head).float()
 
 
 def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:

@@ -186,14 +186,18 @@ class FastEngine:
         it is bound by launching ~90 small ops a layer. A shape is captured on its second call (one
         seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run eagerly."""
         key = tuple(ids.shape)
+
+        def run(ids, mask):
+            return prefill(self.m, self.cache, ids, mask, self.scratch, fused=self.backend == "triton")
+
         if not self.use_graph:
-            return prefill(self.m, self.cache, ids, mask, self.scratch)
+            return run(ids, mask)
         if key not in self._prefills:
             if key not in self._prefill_seen or len(self._prefills) >= PREFILL_GRAPHS:
                 self._prefill_seen.add(key)
-                return prefill(self.m, self.cache, ids, mask, self.scratch)
+                return run(ids, mask)
             bufs = ids.clone(), mask.clone()
-            g, logits = self._capture(lambda: prefill(self.m, self.cache, *bufs, self.scratch), lambda: None, warmups=1)
+            g, logits = self._capture(lambda: run(*bufs), lambda: None, warmups=1)
             self._prefills[key] = (g, *bufs, logits)
         g, ids_buf, mask_buf, logits = self._prefills[key]
         ids_buf.copy_(ids)

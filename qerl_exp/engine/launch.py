@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,
                 a_tab: Tensor | None, nseg: int, r: int, t_out: Tensor | None,
-                lora_dtype: torch.dtype | None = None, ss: Tensor | None = None, h16: bool = False) -> None:
+                lora_dtype: torch.dtype | None = None, ss: Tensor | None = None, h16: bool = False,
+                exact: bool = False) -> None:
     """Triton: h_out = RMSNorm(x) * gamma (if gamma given) and t_out += h @ A_s^T per segment.
 
     Args:
@@ -42,15 +43,13 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         h_out: [M, K] output of the norm (None when gamma is None and not h16).
         h16: h_out is fp16 and gets h / 16 (x / 16 without gamma): `nvfp4_wgmma`'s activations.
         a_tab: int64 [nseg] addresses of the LoRA A matrices ([r, K] each), or None (no LoRA).
-        lora_dtype: dtype of those matrices (peft keeps adapters in fp32 under a bf16 base);
-            the dot runs in x's dtype.
+        lora_dtype: dtype of those matrices (peft keeps adapters in fp32 under a bf16 base).
+        exact: the dot runs in lora_dtype, as peft's (the prefill); else in x's dtype (decode).
         t_out: fp32 [M, >= nseg * R] accumulator, R = padded rank; must be zeroed by the caller.
         ss: fp32 [T, >= M]: partial sums of squares of x's rows (their sum over T is the row's
-            sum), as `fused_linear(ss_out=...)` writes them; None computes them here with torch.
+            sum), as `fused_linear(ss_out=...)` writes them; None: each program sums its rows.
     """
     m, k = x.shape
-    if gamma is not None and ss is None:
-        ss = x.float().pow(2).sum(-1)[None]
     if a_tab is None:  # norm only
         nseg, r = 1, 0
     R = pow2(r)
@@ -62,7 +61,8 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
     # down's 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
     wide = m > 16
     block_k = next((b for b in ((64,) if wide else (128, 64)) if k % b == 0), 32)
-    block_m = 16
+    # the prefill's thousands of rows: 64-row blocks, each program reading the A slices for 4x more
+    block_m = 64 if m >= 2048 else 16
     m_blocks = triton.cdiv(m, block_m)
     chunks = triton.cdiv(k, block_k)
     per = triton.cdiv(chunks, max(1, min(chunks, (128 if wide else 32) // m_blocks)))
@@ -78,7 +78,8 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         m, k, r, eps, per * block_k, ss.shape[0] if ss is not None else 1,
         NORM=gamma is not None, LORA=a_tab is not None, NSEG=nseg, R=R, RT=RT,
         LDT=tl_dtype(lora_dtype or x.dtype), T_PAD=pow2(ss.shape[0] if ss is not None else 1, 1),
-        BLOCK_M=block_m, BLOCK_K=block_k, H16=h16, num_warps=4,
+        BLOCK_M=block_m, BLOCK_K=block_k, H16=h16, SS_HERE=gamma is not None and ss is None, EXACT=exact,
+        num_warps=4,
     )
 
 
@@ -386,19 +387,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, s
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
-               k_cache: Tensor, v_cache: Tensor, hq: int, hkv: int, d: int) -> None:
-    """Triton: rotate q and k of one decode token per sequence; write k, v into the cache at `slot`.
+               k_cache: Tensor, v_cache: Tensor, hq: int, hkv: int, d: int, p: int = 1) -> None:
+    """Triton: rotate q and k of p tokens per sequence; write k, v into the cache from `slot` on.
 
     Args:
-        qkv: [B, (hq + 2 hkv) * d] fused projection output. cos/sin: [S_max, d] tables.
-        pos: int [B] rotary position per sequence. slot: int [1] cache index of this token.
-        q_out: [B, hq, d]. k_cache / v_cache: [B_max, hkv, S_max, d] (batch rows 0..B-1 used).
+        qkv: [B * p, (hq + 2 hkv) * d] fused projection output, each sequence's p rows together.
+            cos/sin: [S_max, d] tables.
+        pos: int [B * p] rotary position per row. slot: int [1] cache index of each sequence's first
+            row (decode: its one token; the prefill: 0, with p its prompt length).
+        q_out: [B, hq, p, d]. k_cache / v_cache: [B_max, hkv, S_max, d] (batch rows 0..B-1 used).
     """
-    b = qkv.shape[0]
-    tk._rope_cache_kernel[(b, hq + 2 * hkv)](
+    rows = qkv.shape[0]
+    tk._rope_cache_kernel[(rows, hq + 2 * hkv)](
         qkv, qkv.stride(0), cos, sin, pos, slot, q_out,
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        hq, hkv, D=d, HALF=d // 2, num_warps=1,
+        hq, hkv, p, D=d, HALF=d // 2, num_warps=1,
     )
 
 

@@ -41,6 +41,22 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _dot_as_peft(x, a, acc):
+        # x @ a in a's dtype, as peft's lora_A(x.to(A.dtype)). An fp32 a under 16-bit x is taken as
+        # three terms in x's dtype (with bf16 24 significant bits, all of fp32's), each product exact
+        # in the fp32 accumulator: the tensor cores do what an ieee fp32 dot does on the FMA units,
+        # which made the 7B prefill's shrinks 144 ms of its 320 (H200, 64 x 128 tokens)
+        if a.dtype == tl.float32:
+            if x.dtype != tl.float32:
+                hi = a.to(x.dtype)
+                rest = a - hi.to(tl.float32)
+                mid = rest.to(x.dtype)
+                acc = tl.dot(x, hi, acc)
+                acc = tl.dot(x, mid, acc)
+                return tl.dot(x, (rest - mid.to(tl.float32)).to(x.dtype), acc)
+        return _dot(x.to(a.dtype), a, acc)
+
+    @triton.jit
     def _f16_div16(x):
         # x / 16 in fp16 (the fp16 dots' activations): scaled in x's own dtype (exact for bf16),
         # then one conversion. Written as (x.to(fp32) * 0.0625).to(fp16), the compiler emitted
@@ -53,20 +69,31 @@ if HAS_TRITON:
         M, K, r, eps, KCHUNK, T,
         NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        H16: tl.constexpr,
+        H16: tl.constexpr, SS_HERE: tl.constexpr, EXACT: tl.constexpr,
     ):
         # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
         # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
-        # has to read whole rows); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk
-        # (split-K with fp32 atomics; t is zeroed once per decode step). H16: h holds h / 16 in
-        # fp16 instead (the wgmma kernel's operand), also without the norm (then h = x / 16).
+        # has to read whole rows; SS_HERE: summed here over whole rows instead, the prefill's
+        # case); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk (split-K with fp32
+        # atomics; t is zeroed once per decode step), in x's dtype, or EXACT: in the adapters'
+        # (peft's rounding, as the prefill keeps it). H16: h holds h / 16 in fp16 instead (the
+        # wgmma kernel's operand), also without the norm (then h = x / 16).
         ACT = x_ptr.dtype.element_ty
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
         if NORM:
-            rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
+            if SS_HERE:
+                sq = tl.zeros((BLOCK_M,), tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    xf = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                 mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+                    sq += tl.sum(xf * xf, 1)
+                rstd = tl.rsqrt(sq / K + eps)
+            else:
+                rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
         jj = tl.arange(0, RT)
         seg = jj // R
         j_ok = (seg < NSEG) & ((jj % R) < r)
@@ -90,7 +117,10 @@ if HAS_TRITON:
                          mask=m_ok[:, None] & k_ok[None, :])
             if LORA:
                 a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = _dot(x, a.to(ACT), acc)
+                if EXACT:
+                    acc = _dot_as_peft(x, a, acc)
+                else:
+                    acc = _dot(x, a.to(ACT), acc)
         if LORA:
             tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
                           mask=m_ok[:, None] & j_ok[None, :])
@@ -489,20 +519,24 @@ if HAS_TRITON:
     def _rope_cache_kernel(
         qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
         kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs,
-        HQ, HKV, D: tl.constexpr, HALF: tl.constexpr,
+        HQ, HKV, P, D: tl.constexpr, HALF: tl.constexpr,
     ):
-        # One (sequence, head) per program; heads [0, HQ) are queries (rotated, written to q),
-        # [HQ, HQ + HKV) keys (rotated, into the cache at `slot`), the rest values (copied).
+        # One (token row, head) per program, P rows a sequence (decode: 1; the prefill: the prompt
+        # length, row i of sequence b at slot `slot` + i); heads [0, HQ) are queries (rotated,
+        # written to q [B, HQ, P, D]), [HQ, HQ + HKV) keys (rotated, into the cache), the rest
+        # values (copied).
         ACT = qkv_ptr.dtype.element_ty
-        b = tl.program_id(0)
+        row = tl.program_id(0)
         h = tl.program_id(1)
+        b = row // P
+        i = row - b * P
         d = tl.arange(0, HALF)
-        src = qkv_ptr + b * stride_qm + h * D
+        src = qkv_ptr + row * stride_qm + h * D
         x1 = tl.load(src + d)
         x2 = tl.load(src + HALF + d)
-        slot = tl.load(slot_ptr)
+        slot = tl.load(slot_ptr) + i
         if h < HQ + HKV:
-            pos = tl.load(pos_ptr + b)
+            pos = tl.load(pos_ptr + row)
             c1 = tl.load(cos_ptr + pos * D + d).to(tl.float32)
             c2 = tl.load(cos_ptr + pos * D + HALF + d).to(tl.float32)
             s1 = tl.load(sin_ptr + pos * D + d).to(tl.float32)
@@ -513,7 +547,7 @@ if HAS_TRITON:
             y1 = ((f1 * c1).to(ACT).to(tl.float32) + (-f2 * s1).to(ACT).to(tl.float32)).to(ACT)
             y2 = ((f2 * c2).to(ACT).to(tl.float32) + (f1 * s2).to(ACT).to(tl.float32)).to(ACT)
             if h < HQ:
-                dst = q_ptr + (b * HQ + h) * D
+                dst = q_ptr + ((b * HQ + h) * P + i) * D
             else:
                 dst = kc_ptr + b * stride_cb + (h - HQ) * stride_ch + slot * stride_cs
             tl.store(dst + d, y1)
