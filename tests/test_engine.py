@@ -117,12 +117,15 @@ def teacher_forced_gap(model, ids, mask, comp):
 def assert_greedy_like_hf(model, ids, mask, comp, ref, tol=0.05):
     """bf16 engine vs bf16 HF: every engine token is HF generate's own (same prefix) or HF's
     teacher-forced argmax up to rounding (gap below `tol` of the logit spread; HF's incremental and
-    teacher-forced logits differ by more than that with bitsandbytes NF4), the first two tokens are
-    identical, and most positions agree exactly."""
+    teacher-forced logits differ by more than that with bitsandbytes NF4), the first token (the
+    prefill's argmax) is identical, and most positions agree exactly. The second token may not be:
+    the fused prefill (`prefill(fused=True)`: other summation orders, its own rope and cache
+    writes) moved a near-tie there, 1.9 % of the spread (llama preset, NVFP4; H200, 2026-12-02;
+    putting torch's norm, shrink and attention back one at a time did not restore it)."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
     same_prefix = (comp == ref).long().cumprod(1).bool()
     assert (same_prefix | (gap <= tol * spread)).all(), (gap.max().item(), spread.mean().item())
-    assert torch.equal(comp[:, :2], ref[:, :2])
+    assert torch.equal(comp[:, :1], ref[:, :1])
     assert (gap == 0).float().mean().item() >= 0.9
 
 

@@ -79,15 +79,17 @@ def _check_against_float64(dev, cases) -> None:
             torch.testing.assert_close(ent.double(), ent_ref, rtol=1e-5, atol=2e-5)
 
 
-def _check_draws(dev, rows: int, tol: float) -> None:
+def _check_draws(dev, rows: int, tol: float, per_call: int = 65536) -> None:
     # sampled tokens follow softmax(logits / T): a row of 4 x Q logits, the pattern [2, 1, 0, -inf]
     # repeated, so each of the four tokens of a pattern, and each of the four blocks of Q that share
     # one Philox call, must come up at its share; the same (seed, step) draws the same tokens,
-    # another step others, and the draw does not depend on how many slices a row is cut into
+    # another step others, and the draw does not depend on how many slices a row is cut into.
+    # Up to `per_call` rows a call (fused_sample's limit), each call one step further
     pattern = torch.tensor([2.0, 1.0, 0.0, float("-inf")], device=dev)
     temp = torch.tensor([2.0], device=dev)
-    tok, lp, _ = fused_sample(pattern.repeat(rows, sampling.Q), temp, *_key(11, 3, dev), False)
-    tok = tok.cpu()
+    parts = [fused_sample(pattern.repeat(min(per_call, rows - r0), sampling.Q), temp, *_key(11, 3 + i, dev), False)
+             for i, r0 in enumerate(range(0, rows, per_call))]
+    tok, lp = torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts])
     want = torch.softmax(pattern.double().cpu() / 2.0, 0)
     by_token = torch.bincount(tok % 4, minlength=4).double() / rows
     by_block = torch.bincount(tok // sampling.Q, minlength=4).double() / rows
@@ -134,7 +136,7 @@ def _check_engine(dev) -> None:
 def _interp_main() -> None:
     patch_interpreter()
     _check_against_float64("cpu", [(torch.float32, 3, 5000), (torch.bfloat16, 2, 9000)])
-    _check_draws("cpu", 1000, 0.075)  # 5 standard errors at 1000 rows: 0.079
+    _check_draws("cpu", 1000, 0.075, per_call=400)  # 5 standard errors at 1000 rows: 0.079
     _check_non_finite("cpu")
     _check_engine("cpu")
     print("SAMPLING INTERPRETER CHECKS OK")
