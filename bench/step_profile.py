@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
         kernel_table(engine, st, a.prompt + 2)
-        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch, fused=True), "one prefill", top=12,
-                      ops=True)
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch, fused=True), "one prefill",
+                      top=12, ops=True)
         del engine, graph
         torch.cuda.empty_cache()
 

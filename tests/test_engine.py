@@ -443,7 +443,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     qkv = torch.randn(b * p, (hq + 2 * hkv) * d).to(device, dtype)
     pos = torch.randint(0, s, (b * p,), device=device)
     q = torch.empty(b, hq, p, d, device=device, dtype=dtype)
-    kc, vc = torch.zeros(4, hkv, s, d, device=device, dtype=dtype), torch.zeros(4, hkv, s, d, device=device, dtype=dtype)
+    kc, vc = (torch.zeros(4, hkv, s, d, device=device, dtype=dtype) for _ in range(2))
     launch.rope_cache(qkv, cos, sin, pos, torch.tensor([2], device=device), q, kc, vc, hq, hkv, d, p)
     qr, kr, vr = qkv.view(b, p, -1).split([hq * d, hkv * d, hkv * d], -1)
     c, sn = cos[pos].view(b, p, 1, d), sin[pos].view(b, p, 1, d)
@@ -618,7 +618,7 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
                       [None] * len(segs), a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
         ref = _linear_torch(lin, reference.rms_norm_ref(x, *norm) if norm else x) + (res if res is not None else 0)
-        out = _prefill_linear(lin, x, None, residual=res, norm=norm)
+        out = _prefill_linear(lin, x, None, residual=res, norm=norm, fused=True)
         assert out.shape == ref.shape
         assert (out != ref).float().mean() < 1e-3, (glu, segs, norm is not None)
         torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)

@@ -297,14 +297,14 @@ def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Ten
 
 
 def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
-                    norm: tuple | None = None, fused: bool = True) -> Tensor:
+                    norm: tuple | None = None, fused: bool = False) -> Tensor:
     """`_linear_torch(lin, x)` (+ residual) for the prefill, of RMSNorm(x) * gamma with `norm` =
-    (gamma, eps), rounded at the same points: `fused` (the triton backend), one `norm_shrink` launch (the norm and the
-    fp32 LoRA shrink of all segments, where torch makes ~10 launches and an fp32 copy of x), each
-    segment's cuBLAS product, and one Triton pass over each base output (`launch.prefill_epilogue`:
-    LoRA term, GLU, residual) where `_linear_torch` makes five (casts, a copy, addmm) and a
-    concatenation. The fp32 sums (the norm's mean, the shrink, the LoRA term) may differ from
-    torch's in their last bits (another summation order)."""
+    (gamma, eps), rounded at the same points. `fused` (the triton backend): one `norm_shrink`
+    launch (the norm and the fp32 LoRA shrink of all segments, where torch makes ~10 launches and
+    an fp32 copy of x), each segment's cuBLAS product, and one Triton pass over each base output
+    (`launch.prefill_epilogue`: LoRA term, GLU, residual) where `_linear_torch` makes five (casts,
+    a copy, addmm) and a concatenation. The fp32 sums (the norm's mean, the shrink, the LoRA term)
+    may differ from torch's in their last bits (another summation order)."""
     if not fused:
         y = _linear_torch(lin, rms_norm_ref(x, *norm) if norm is not None else x, scratch)
         return y if residual is None else residual + y
