@@ -316,9 +316,11 @@ def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: T
         h = torch.empty_like(x) if norm is not None else None
         width = pow2(lin.r)  # norm_shrink's padded rank
         t = torch.zeros(x.shape[0], len(lin.weights) * width, device=x.device) if lin.lora_a is not None else None
-        norm_shrink(x, norm[0] if norm else None, norm[1] if norm else 0.0, h, lin.a_tab, len(lin.weights),
-                    lin.r, t, lin.lora_a[0].dtype if lin.lora_a is not None else None, exact=True)
-        x = h if h is not None else x
+        gamma, eps = norm or (None, 0.0)
+        norm_shrink(x, gamma, eps, h, lin.a_tab, len(lin.weights), lin.r, t,
+                    lin.lora_a[0].dtype if lin.lora_a is not None else None, exact=True)
+        if h is not None:
+            x = h
         if t is not None:
             ts, bs = [t[:, s * width:s * width + lin.r] for s in range(len(lin.weights))], lin.lora_b
     ys = [linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
