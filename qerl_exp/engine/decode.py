@@ -379,8 +379,9 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
             q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
             rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p)
             k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
+            # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
             att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
-                                                 scale=m.scaling).view(b, m.hq, p, m.d)
+                                                 scale=m.scaling).unflatten(2, (g, p)).flatten(1, 2)
         else:
             q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
             q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
