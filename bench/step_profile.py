@@ -44,6 +44,34 @@ def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 2
         decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)
 
     print_kernels(fn, "one eager step", steps, top)
+    print_layer_launches(fn, len(engine.m.layers))
+
+
+def print_layer_launches(fn, layers: int) -> None:
+    """The launches of one decoder layer in order, each averaged over the layers of one step: which
+    projection's kernel or epilogue takes the time (kernels of the same name are told apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    names = [ev.name[:60] for ev in evs]
+    # the layer's launches repeat: the shortest period that every launch follows but those next to the
+    # step's own few (embedding, final norm, lm_head, sampling)
+    per = next((p for p in range(1, len(names) // layers + 1)
+                if sum(names[i] != names[i + p] for i in range(len(names) - p)) <= p + 16), 0)
+    if not per:
+        print("   (no per-layer period found)")
+        return
+    first = next(i for i in range(len(names)) if names[i:i + per] == names[i + per:i + 2 * per])
+    print(f"   launches of one layer ({per}), mean over {layers} layers:")
+    for j in range(per):
+        us = [evs[first + li * per + j].device_time for li in range(layers) if first + li * per + j < len(evs)]
+        print(f"   {j:3d} {sum(us) / len(us):8.1f} us  {names[first + j]}")
 
 
 def print_kernels(fn, what: str, steps: int = 3, top: int = 25, ops: bool = False) -> None:
