@@ -267,9 +267,42 @@ def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
 def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
     tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "wgmma", "dequant")]
     tiles += [(m, None, None) for m in (1, 8, 16, 64, 256)]  # as the dispatch table picks
-    # two wgmma programs an SM (gate/up: a whole wave, then 8 slices of the rest), a uniform split
-    tiles += [(64, "wgmma", dict(BLOCK_M=64, maxnreg=80)), (100, "wgmma", dict(SPLIT=2))]
+    # two wgmma programs an SM (gate/up: a whole wave, then 8 slices of the rest), a uniform split,
+    # one m block of 256 rows (and of 200 in it)
+    tiles += [(64, "wgmma", dict(BLOCK_M=64, maxnreg=80)), (100, "wgmma", dict(SPLIT=2)),
+              (256, "wgmma", dict(BLOCK_M=256)), (200, "wgmma", dict(BLOCK_M=256))]
     _check_paths("cuda", torch.bfloat16, 1.5e-2, SHAPES_7B, [tiles] * len(SHAPES_7B), torch.float32)
+
+
+@gpu
+@needs_cuda
+def test_gpu_wgmma_products_are_exact_and_repeat_at_every_tile_width():
+    # nvfp4_wgmma alone: fp16 products of exact weights summed in fp32, so its K slices sum to
+    # x' @ W^T within fp32 rounding, bit for bit the same on every run. A wgmma reads its register
+    # operand while it runs: when the next chunk's decode reused those registers, 256-row tiles
+    # were off by ~50 % and differed run to run (with 128 rows the timing hid it)
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    sms = launch.sm_count(dev)
+    for n, k in ((18944, 3584), (3584, 18944)):
+        pw = _to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev)
+        wsp = torch.zeros(launch.SPLIT_MAX, 256, n, device=dev)
+        plan = launch.make_plan("nvfp4", [pw], [None], None, [0.0], 0, False, dev, workspace=wsp)
+        wd = pw.dequantize().to(dev, torch.float64)
+        for m, tiles in ((16, dict(BLOCK_M=16, maxnreg=80)), (64, dict(BLOCK_M=64, maxnreg=80)), (128, None),
+                         (256, None), (256, dict(BLOCK_M=256)), (200, dict(BLOCK_M=256, STAGES=3))):
+            x16 = (torch.randn(m, k, device=dev) / 16).half()
+            ref = (x16.double() * 16) @ wd.T
+            runs = []
+            for _ in range(3):
+                wsp.fill_(float("nan"))
+                split, sk_from, ws = launch.nvfp4_wgmma.launch(plan, x16, sms, tiles)
+                got = ws[0].clone()
+                got[:, sk_from:] += ws[1:split, :, sk_from:].sum(0)
+                runs.append(got)
+            err = ((runs[0].double() * plan.fsc[0, 1].double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, (n, k, m, tiles, err)
+            assert all(torch.equal(runs[0], r) for r in runs[1:]), (n, k, m, tiles)
 
 
 @gpu

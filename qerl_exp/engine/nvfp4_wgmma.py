@@ -11,7 +11,8 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   thread's 16 bytes are one contiguous read and become its fragment by relabelling), decode them
   with the same E2M1 x E4M3 inline PTX as `nvfp4_mma` (exact in fp16), and issue asynchronous
   wgmmas against the activation tile in shared memory; the wgmma of chunk i runs while chunk i + 1
-  is decoded, and a ring slot goes back to the producer once the wgmma that read it has retired;
+  is decoded into a second register set (a wgmma reads its register operand while it runs), and a
+  ring slot goes back to the producer once the wgmma that read it has retired;
 - the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
   norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `launch.takes_x16`),
   so TMA puts them where wgmma reads them with no pass over registers;
@@ -43,8 +44,8 @@ from qerl_exp.engine.nvfp4_mma import _segment, code_layout, decode, fragment, s
 WARPS = gl.constexpr(8)  # consumer warps: two warpgroups
 BLOCK_N = gl.constexpr(16 * WARPS.value)  # weight rows a program
 RB = gl.constexpr(WARPS.value)  # 16-row blocks a program
-# rows up to -> BLOCK_M (more rows: m blocks of 128), ring stages, registers a thread (ptxas' cap
-# over all 12 warps; the consumers take the producer's spare ones)
+# rows up to -> BLOCK_M (more rows: m blocks of 128, or of 256 where `dispatch.json` says so), ring
+# stages, registers a thread (ptxas' cap over all 12 warps; the consumers take the producer's spare ones)
 TILES = ((16, dict(BLOCK_M=16, STAGES=8, maxnreg=128)), (32, dict(BLOCK_M=32, STAGES=8, maxnreg=128)),
          (64, dict(BLOCK_M=64, STAGES=6, maxnreg=128)), (128, dict(BLOCK_M=128, STAGES=4, maxnreg=168)))
 MIN_CPS = 4  # chunks of 64 inputs a K slice takes at least
@@ -82,7 +83,8 @@ def _load(cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg
 
 @gluon.jit
 def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.constexpr):
-    # ring slot i % S -> registers -> decoded A fragments -> two async wgmmas (32 inputs each)
+    # ring slot i % S -> registers -> decoded A fragments -> two async wgmmas (32 inputs each);
+    # returns the accumulator and the fragments, which the wgmmas read until they retire
     S: gl.constexpr = codes.shape[0]
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     CW: gl.constexpr = gl.SliceLayout(2, code_layout(WARPS))  # [32 RB threads, 4 code words]: 16 bytes a thread
@@ -96,27 +98,39 @@ def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.cons
     word = gl.broadcast(gl.expand_dims(sw, 1), gl.full([8 * RB, 4, 2], 0, gl.int32, PS))[0]
     word = gl.convert_layout(gl.reshape(word, [32 * RB, 2]), SW, assert_trivial=True)
     a_lo, a_hi = decode(cw, word, WARPS)
-    acc = warpgroup_mma(fragment(a_lo, A, WARPS), xs.index(2 * s).permute((1, 0)), acc, use_acc=USE_ACC,
-                        is_async=True)
-    acc = warpgroup_mma(fragment(a_hi, A, WARPS), xs.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
-    return acc
+    a_lo = fragment(a_lo, A, WARPS)
+    a_hi = fragment(a_hi, A, WARPS)
+    acc = warpgroup_mma(a_lo, xs.index(2 * s).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+    acc = warpgroup_mma(a_hi, xs.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
+    return acc, a_lo, a_hi
 
 
 @gluon.jit
 def _consume(codes, scales, xs, ready, empty, n_chunks, BLOCK_M: gl.constexpr):
     # consumers: chunk i's wgmmas run while chunk i + 1 is decoded; a ring slot goes back to the
-    # producer once the wgmmas that read it have retired. Chunk 0 is peeled (use_acc=False), so no
-    # path reaches the last wait with an accumulator that a wgmma did not write (ptxas would then
-    # serialise every wgmma, C7515)
+    # producer once the wgmmas that read it have retired. A wgmma reads its register operand while
+    # it runs, so chunk i + 1 is decoded into other registers than chunk i's: the loop takes chunks
+    # in pairs, and each wait keeps the fragments of the chunk it retires alive until then (with one
+    # register set, 256-row tiles summed wrong products: the next decode overwrote operands still
+    # being read). Chunk 0 is peeled (use_acc=False), so no path reaches the last wait with an
+    # accumulator that a wgmma did not write (ptxas would then serialise every wgmma, C7515)
     S: gl.constexpr = codes.shape[0]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
-    acc = _chunk(0, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), codes, scales, xs, ready, ACC, False)
+    acc, lo_o, hi_o = _chunk(0, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), codes, scales, xs, ready, ACC,
+                             False)
     acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # waits for nothing: a tensor to carry
-    for i in range(1, n_chunks):
-        acc = _chunk(i, acc, codes, scales, xs, ready, ACC, True)
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+    for i in range(1, n_chunks - 1, 2):  # chunks i (even set, _e) and i + 1 (odd set, _o)
+        acc, lo_e, hi_e = _chunk(i, acc, codes, scales, xs, ready, ACC, True)
+        acc, lo_o, hi_o = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_o, hi_o))  # chunk i - 1 retired
         mbarrier.arrive(empty.index((i - 1) % S))  # reads done: no proxy fence before TMA overwrites
+        acc, lo_o, hi_o = _chunk(i + 1, acc, codes, scales, xs, ready, ACC, True)
+        acc, lo_e, hi_e = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_e, hi_e))  # chunk i retired
+        mbarrier.arrive(empty.index(i % S))
+    if n_chunks % 2 == 0:  # the last chunk has no pair
+        acc, lo_e, hi_e = _chunk(n_chunks - 1, acc, codes, scales, xs, ready, ACC, True)
+        acc, lo_o, hi_o = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_o, hi_o))
+        mbarrier.arrive(empty.index((n_chunks - 2) % S))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return (acc,)
 
