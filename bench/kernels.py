@@ -44,11 +44,13 @@ MMA_TILES = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
 
 def wgmma_tiles(m: int) -> list[dict]:
     """`nvfp4_wgmma` variants tried beside its `TILES` row for m rows: two programs an SM (80
-    registers a thread fit tiles of up to 64 rows) with its ring or a shallower one, and deeper rings."""
+    registers a thread fit tiles of up to 64 rows) with its ring or a shallower one, deeper rings,
+    and above 128 rows one m block of 256 (wgmma's widest N)."""
     bm = min(64, 1 << (m - 1).bit_length())
     if m <= 64:
         return [dict(BLOCK_M=bm, maxnreg=80), dict(BLOCK_M=bm, maxnreg=80, STAGES=4), dict(STAGES=10)]
-    return [dict(BLOCK_M=64, maxnreg=80), dict(STAGES=6)]
+    wide = [dict(BLOCK_M=256), dict(BLOCK_M=256, STAGES=3)] if m > 128 else []
+    return [dict(BLOCK_M=64, maxnreg=80), dict(STAGES=6)] + wide
 
 
 L2_BYTES = 60 * 2**20
