@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from bitsandbytes.functional import has_avx512bf16
 
 from conftest import TINY_RUN, qerl
 
@@ -43,8 +44,6 @@ def test_nf4_run_shows_progress_and_no_third_party_notices(tmp_path):
 
 @pytest.mark.slow
 def test_verbose_shows_the_notices(tmp_path):
-    from bitsandbytes.functional import has_avx512bf16
-
     out = qerl(*TINY_RUN, "quant=nf4", "train.steps=1", "monitor.every=0", f"run_dir={tmp_path / 'run'}", "verbose=true")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Loading weights" in out.stderr and "register_constant" in out.stderr, out.stderr[-3000:]
