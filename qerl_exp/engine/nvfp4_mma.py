@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from qerl_exp.engine.ptx import e2m1x4_asm
+from qerl_exp.engine.ptx import e2m1x2_asm, e2m1x4_asm
 from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
 
 MAX_M = 8  # rows up to which `launch.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
@@ -37,6 +37,8 @@ MAX_REGS = 56  # registers a thread (ptxas' maxnreg): 9 programs of 128 threads 
 RESIDENT = 65536 // (MAX_REGS * 128)  # programs an SM holds at once
 MIN_CPS = 4  # chunks of 64 inputs a K slice takes at least
 _ASM = gl.constexpr(e2m1x4_asm(4, 8, scale_word=True))  # code word broadcast over $4..$7, scales $8..$11
+_ASM_LO = gl.constexpr(e2m1x2_asm("lo", 2, 6))  # one half: code word over $2..$5, scales $6..$9
+_ASM_HI = gl.constexpr(e2m1x2_asm("hi", 2, 6))
 
 
 @gluon.jit
@@ -92,20 +94,40 @@ def scale_layout(warps):
 
 
 @gluon.jit
-def decode(cw, word, WARPS: gl.constexpr):
+def decode_operands(cw, word, WARPS: gl.constexpr):
     # a chunk's code words [32 WARPS threads, 4] (slice of `code_layout`) and scale words [32 WARPS,
-    # b3] (slice of `scale_layout`) -> the fp16 weights of its low and high 32 inputs, [32 WARPS
-    # threads, 16 registers] each. Each code word is broadcast over its four bytes and each scale
-    # word over the (b2, b1, b0) it scales: the asm takes both registers as loaded
+    # b3] (slice of `scale_layout`) -> the decode asm's operands: each code word broadcast over its
+    # four bytes and each scale word over the (b2, b1, b0) it scales, so the asm takes both
+    # registers as loaded
     L3: gl.constexpr = code_layout(WARPS)
     L5: gl.constexpr = scale_layout(WARPS)
     c5 = gl.broadcast(gl.expand_dims(cw, 2), gl.full([32 * WARPS, 4, 4], 0, gl.int32, L3))[0]
     c5 = gl.convert_layout(gl.reshape(c5, [32 * WARPS, 2, 2, 2, 2]), L5, assert_trivial=True)
     s5 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 2), 3), 4),
                       gl.full([32 * WARPS, 2, 2, 2, 2], 0, gl.int32, L5))[0]
+    return c5, s5
+
+
+@gluon.jit
+def decode(cw, word, WARPS: gl.constexpr):
+    # code and scale words (see decode_operands) -> the fp16 weights of the chunk's low and high 32
+    # inputs, [32 WARPS threads, 16 registers] each
+    c5, s5 = decode_operands(cw, word, WARPS)
     a_lo, a_hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c5, s5],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
     return gl.reshape(a_lo, [32 * WARPS, 16]), gl.reshape(a_hi, [32 * WARPS, 16])
+
+
+@gluon.jit
+def decode_half(c5, s5, HI: gl.constexpr, WARPS: gl.constexpr):
+    # decode_operands' operands -> the fp16 weights of the low (HI False) or high 32 inputs alone
+    if HI:
+        v = gl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r,r,r,r,r,r", [c5, s5], dtype=gl.float16, is_pure=True,
+                                      pack=4)
+    else:
+        v = gl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r,r,r,r,r,r", [c5, s5], dtype=gl.float16, is_pure=True,
+                                      pack=4)
+    return gl.reshape(v, [32 * WARPS, 16])
 
 
 @gluon.jit

@@ -10,9 +10,10 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   into registers (they are stored in the A fragments' order, `layout.relayout_nvfp4`, so each
   thread's 16 bytes are one contiguous read and become its fragment by relabelling), decode them
   with the same E2M1 x E4M3 inline PTX as `nvfp4_mma` (exact in fp16), and issue asynchronous
-  wgmmas against the activation tile in shared memory; the wgmma of chunk i runs while chunk i + 1
-  is decoded into a second register set (a wgmma reads its register operand while it runs), and a
-  ring slot goes back to the producer once the wgmma that read it has retired;
+  wgmmas against the activation tile in shared memory, one a half chunk (32 inputs); each half's
+  wgmma runs while the next half is decoded into other registers (a wgmma reads its register
+  operand while it runs), and a ring slot goes back to the producer once both wgmmas that read it
+  have retired;
 - the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
   norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `launch.takes_x16`),
   so TMA puts them where wgmma reads them with no pass over registers;
@@ -39,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from qerl_exp.engine.nvfp4_mma import _segment, code_layout, decode, fragment, scale_layout
+from qerl_exp.engine.nvfp4_mma import _segment, code_layout, decode_half, decode_operands, fragment, scale_layout
 
 WARPS = gl.constexpr(8)  # consumer warps: two warpgroups
 BLOCK_N = gl.constexpr(16 * WARPS.value)  # weight rows a program
@@ -82,11 +83,9 @@ def _load(cd0, cd1, cd2, sd0, sd1, sd2, xd, codes, scales, xs, ready, empty, seg
 
 
 @gluon.jit
-def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.constexpr):
-    # ring slot i % S -> registers -> decoded A fragments -> two async wgmmas (32 inputs each);
-    # returns the accumulator and the fragments, which the wgmmas read until they retire
+def _slot(i, codes, scales, ready):
+    # wait for ring slot i % S; its codes and scales, loaded and broadcast as the decode takes them
     S: gl.constexpr = codes.shape[0]
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     CW: gl.constexpr = gl.SliceLayout(2, code_layout(WARPS))  # [32 RB threads, 4 code words]: 16 bytes a thread
     SW: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, scale_layout(WARPS))))  # [32 RB, b3]
     # scale entry 2 r + b3 of row block w, read by the four threads 32 w + 4 r + c
@@ -97,40 +96,46 @@ def _chunk(i, acc, codes, scales, xs, ready, ACC: gl.constexpr, USE_ACC: gl.cons
     sw = scales.index(s).reshape([8 * RB, 2]).load(gl.SliceLayout(1, PS))
     word = gl.broadcast(gl.expand_dims(sw, 1), gl.full([8 * RB, 4, 2], 0, gl.int32, PS))[0]
     word = gl.convert_layout(gl.reshape(word, [32 * RB, 2]), SW, assert_trivial=True)
-    a_lo, a_hi = decode(cw, word, WARPS)
-    a_lo = fragment(a_lo, A, WARPS)
-    a_hi = fragment(a_hi, A, WARPS)
-    acc = warpgroup_mma(a_lo, xs.index(2 * s).permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
-    acc = warpgroup_mma(a_hi, xs.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
-    return acc, a_lo, a_hi
+    return decode_operands(cw, word, WARPS)
+
+
+@gluon.jit
+def _half(c5, s5, HI: gl.constexpr, ACC: gl.constexpr):
+    # a chunk's low or high 32 inputs decoded into wgmma's register A operand
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    return fragment(decode_half(c5, s5, HI, WARPS), A, WARPS)
 
 
 @gluon.jit
 def _consume(codes, scales, xs, ready, empty, n_chunks, BLOCK_M: gl.constexpr):
-    # consumers: chunk i's wgmmas run while chunk i + 1 is decoded; a ring slot goes back to the
-    # producer once the wgmmas that read it have retired. A wgmma reads its register operand while
-    # it runs, so chunk i + 1 is decoded into other registers than chunk i's: the loop takes chunks
-    # in pairs, and each wait keeps the fragments of the chunk it retires alive until then (with one
-    # register set, 256-row tiles summed wrong products: the next decode overwrote operands still
-    # being read). Chunk 0 is peeled (use_acc=False), so no path reaches the last wait with an
-    # accumulator that a wgmma did not write (ptxas would then serialise every wgmma, C7515)
+    # consumers: each chunk in two halves of 32 inputs, one wgmma each. A wgmma reads its register
+    # operand while it runs, so a half's registers are decoded again only after the wgmma that read
+    # them has retired: each wait carries the fragments of the half it retires (`deps`) and allows
+    # the other half's wgmma to run on while the next half is decoded. Two sets of 8 registers, so
+    # ptxas keeps them apart even at 80 registers a thread (two programs an SM), where whole-chunk
+    # sets (16 registers each) made it serialise every wgmma (C7512). A ring slot goes back to the
+    # producer once both its halves have retired. Chunk 0 is peeled (use_acc=False), so no path
+    # reaches the last wait with an accumulator that a wgmma did not write (ptxas would then
+    # serialise every wgmma, C7515)
     S: gl.constexpr = codes.shape[0]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
-    acc, lo_o, hi_o = _chunk(0, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), codes, scales, xs, ready, ACC,
-                             False)
-    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))  # waits for nothing: a tensor to carry
-    for i in range(1, n_chunks - 1, 2):  # chunks i (even set, _e) and i + 1 (odd set, _o)
-        acc, lo_e, hi_e = _chunk(i, acc, codes, scales, xs, ready, ACC, True)
-        acc, lo_o, hi_o = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_o, hi_o))  # chunk i - 1 retired
+    c5, s5 = _slot(0, codes, scales, ready)
+    lo = _half(c5, s5, False, ACC)
+    acc = warpgroup_mma(lo, xs.index(0).permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC),
+                        use_acc=False, is_async=True)
+    hi = _half(c5, s5, True, ACC)
+    acc = warpgroup_mma(hi, xs.index(1).permute((1, 0)), acc, is_async=True)
+    for i in range(1, n_chunks):
+        s = i % S
+        c5, s5 = _slot(i, codes, scales, ready)
+        acc, lo = warpgroup_mma_wait(num_outstanding=1, deps=(acc, lo))  # chunk i - 1's low half retired
+        lo = _half(c5, s5, False, ACC)
+        acc = warpgroup_mma(lo, xs.index(2 * s).permute((1, 0)), acc, is_async=True)
+        acc, hi = warpgroup_mma_wait(num_outstanding=1, deps=(acc, hi))  # and its high half
         mbarrier.arrive(empty.index((i - 1) % S))  # reads done: no proxy fence before TMA overwrites
-        acc, lo_o, hi_o = _chunk(i + 1, acc, codes, scales, xs, ready, ACC, True)
-        acc, lo_e, hi_e = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_e, hi_e))  # chunk i retired
-        mbarrier.arrive(empty.index(i % S))
-    if n_chunks % 2 == 0:  # the last chunk has no pair
-        acc, lo_e, hi_e = _chunk(n_chunks - 1, acc, codes, scales, xs, ready, ACC, True)
-        acc, lo_o, hi_o = warpgroup_mma_wait(num_outstanding=2, deps=(acc, lo_o, hi_o))
-        mbarrier.arrive(empty.index((n_chunks - 2) % S))
+        hi = _half(c5, s5, True, ACC)
+        acc = warpgroup_mma(hi, xs.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return (acc,)
 

@@ -9,48 +9,70 @@ and `nvfp4_mma` (the mma.sync kernel) embed the string with `inline_asm_elementw
 from __future__ import annotations
 
 
+# the E4M3 bits of a byte's low (lo) and high (hi) E2M1 element, from the permuted byte in $code
+_BITS = {
+    "lo": ["and.b32 lo, $code, 0x9C9C9C9C;"],
+    "hi": ["shl.b32 t, $code, 2;", "and.b32 hi, t, 0x8C8C8C8C;", "shr.b32 t, $code, 2;", "and.b32 t, t, 0x10101010;",
+           "or.b32 hi, hi, t;"],
+}
+
+
+def _decode(halves: list[str], code: int, outs: list[int], scales: list[str], prologue: str = "") -> str:
+    # each half -> two fp16 pairs $outs[2 h], $outs[2 h + 1], times the fp16 pairs scales[2 h], [2 h + 1]
+    lines = [ln for h in halves for ln in _BITS[h]]
+    for h in halves:
+        lines.append(f"mov.b32 {{{h}0, {h}1}}, {h};")
+    for i, (h, j) in enumerate((h, j) for h in halves for j in (0, 1)):
+        lines.append(f"cvt.rn.f16x2.e4m3x2 ${outs[i]}, {h}{j};")
+    for i in range(2 * len(halves)):
+        lines.append(f"mul.rn.f16x2 ${outs[i]}, ${outs[i]}, {scales[i]};")
+    body = "\n    ".join(ln.replace("$code", f"${code}") for ln in lines)
+    return f"""
+    {{
+    .reg .b32 lo, hi, t;
+    .reg .b16 lo0, lo1, hi0, hi1;{prologue}
+    {body}
+    }}
+    """
+
+
+def _scale_word(word: int, halves: list[str]) -> tuple[str, list[str]]:
+    # one int32 of four E4M3 scales (the low elements' two, then the high ones') -> fp16 pairs
+    # (each scale twice), for the halves decoded
+    pro = f"""
+    .reg .b32 sc, f0, f1, f2, f3;
+    .reg .b16 w0, w1, u0, u1;
+    mov.b32 {{w0, w1}}, ${word};"""
+    names = []
+    for h in halves:
+        w = "w0" if h == "lo" else "w1"
+        a, b = (f"f{len(names)}", f"f{len(names) + 1}")
+        pro += f"""
+    cvt.rn.f16x2.e4m3x2 sc, {w};
+    mov.b32 {{u0, u1}}, sc;
+    mov.b32 {a}, {{u0, u0}};
+    mov.b32 {b}, {{u1, u1}};"""
+        names += [a, b]
+    return pro, names
+
+
 def e2m1x4_asm(code: int, scale: int, scale_word: bool = False) -> str:
     """Inline PTX: four permuted E2M1 bytes (operand $code) -> eight fp16, low elements $0 $1 and
     high ones $2 $3, each times its block scale: fp16 pairs in $scale .. $scale + 3, or with
     `scale_word` one int32 $scale of four E4M3 scales (the layout's scale entry: the low elements'
     scale for $0 and for $1, then the high ones' for $2 and $3). Bit masks, then Hopper's
     e4m3x2 -> f16x2 conversion."""
+    halves = ["lo", "hi"]
     if scale_word:
-        scales = f"""
-    .reg .b32 slo, shi, s0, s1, s2, s3;
-    .reg .b16 w0, w1, u0, u1, v0, v1;
-    mov.b32 {{w0, w1}}, ${scale};
-    cvt.rn.f16x2.e4m3x2 slo, w0;
-    cvt.rn.f16x2.e4m3x2 shi, w1;
-    mov.b32 {{u0, u1}}, slo;
-    mov.b32 {{v0, v1}}, shi;
-    mov.b32 s0, {{u0, u0}};
-    mov.b32 s1, {{u1, u1}};
-    mov.b32 s2, {{v0, v0}};
-    mov.b32 s3, {{v1, v1}};"""
-        s = ["s0", "s1", "s2", "s3"]
-    else:
-        scales = ""
-        s = [f"${scale + i}" for i in range(4)]
-    return f"""
-    {{
-    .reg .b32 lo, hi, t;
-    .reg .b16 l0, l1, h0, h1;
-    and.b32 lo, ${code}, 0x9C9C9C9C;
-    shl.b32 t, ${code}, 2;
-    and.b32 hi, t, 0x8C8C8C8C;
-    shr.b32 t, ${code}, 2;
-    and.b32 t, t, 0x10101010;
-    or.b32 hi, hi, t;
-    mov.b32 {{l0, l1}}, lo;
-    mov.b32 {{h0, h1}}, hi;{scales}
-    cvt.rn.f16x2.e4m3x2 $0, l0;
-    cvt.rn.f16x2.e4m3x2 $1, l1;
-    cvt.rn.f16x2.e4m3x2 $2, h0;
-    cvt.rn.f16x2.e4m3x2 $3, h1;
-    mul.rn.f16x2 $0, $0, {s[0]};
-    mul.rn.f16x2 $1, $1, {s[1]};
-    mul.rn.f16x2 $2, $2, {s[2]};
-    mul.rn.f16x2 $3, $3, {s[3]};
-    }}
-    """
+        pro, names = _scale_word(scale, halves)
+        return _decode(halves, code, [0, 1, 2, 3], names, pro)
+    return _decode(halves, code, [0, 1, 2, 3], [f"${scale + i}" for i in range(4)])
+
+
+def e2m1x2_asm(half: str, code: int, word: int) -> str:
+    """Inline PTX: one half of `e2m1x4_asm(code, word, scale_word=True)`, the low ("lo") or high
+    ("hi") element of each of four permuted E2M1 bytes -> four fp16 in $0 $1. The wgmma kernel
+    decodes a chunk's halves one at a time, so each half's registers can be reused as soon as the
+    wgmma that reads them retires."""
+    pro, names = _scale_word(word, [half])
+    return _decode([half], code, [0, 1], names, pro)
