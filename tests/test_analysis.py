@@ -11,7 +11,6 @@ import copy
 import csv
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SUBPROCESS_ENV
 
 from analysis import figures, runs as R, stats, table
 
@@ -505,7 +504,7 @@ TINY = ["train.steps=3", "train.prompts_per_step=2", "algo.group_size=2", "monit
 def real_runs(tmp_path_factory):
     """The strategy command itself at tiny size: the four-way presets x 2 seeds, W&B offline."""
     out = tmp_path_factory.mktemp("strategies")
-    env = {**os.environ, "SEEDS": "0 1", "STRATEGIES": " ".join(FOUR_WAY), "ABLATIONS": "0", "WANDB_MODE": "offline",
+    env = {**SUBPROCESS_ENV, "SEEDS": "0 1", "STRATEGIES": " ".join(FOUR_WAY), "ABLATIONS": "0", "WANDB_MODE": "offline",
            "PYTHON": sys.executable}
     p = subprocess.run(["bash", "sweeps/strategies.sh", str(out), *TINY], cwd=ROOT, capture_output=True, text=True,
                        timeout=1800, env=env)

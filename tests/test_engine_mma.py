@@ -342,16 +342,21 @@ def test_gpu_glu_launch_writes_the_operand_down_takes_with_nvfp4_wgmma():
 
 @gpu
 @needs_cuda
-def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate():
-    # 32 sequences: the table gives o, gate/up and down nvfp4_wgmma (q/k/v's 64-row segments take the
-    # small kernel), and the GLU epilogue writes down's fp16 operand
+def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate(monkeypatch):
+    # 32 sequences with every NVFP4 launch on nvfp4_wgmma (a table of one wgmma entry: this model's
+    # shapes take the nearest measured shape's choice, and where dispatch.json's candidates tie a
+    # sweep may pick another kind; q/k/v's 64-row segments still take the small kernel), and the GLU
+    # epilogue writes down's fp16 operand
+    table = {"3584x3584": [dict(m=256, kernel="wgmma")]}
+    monkeypatch.setattr(dispatch, "load_table", lambda path=dispatch.TABLE_PATH: table)
     model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2,
                        vocab=512)
     ids, mask = prompts(b=32, p=9, vocab=512, device="cuda")
     eng = FastEngine(model, 32, 64)
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     ly = eng.m.layers[0]
-    assert launch.takes_x16(ly.down.plan, 32, ids.device) and not launch.takes_x16(ly.qkv.plan, 32, ids.device)
+    assert all(launch.takes_x16(lin.plan, 32, ids.device) for lin in (ly.o, ly.gate_up, ly.down))
+    assert not launch.takes_x16(ly.qkv.plan, 32, ids.device)
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, hf_greedy(model, ids, mask, 16), tol=0.08)
 
 

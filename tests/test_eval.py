@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, run_in_process
+from conftest import ROOT, SUBPROCESS_ENV, run_in_process
 from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
 from qerl_exp.config import EvalConfig
 from qerl_exp.eval import evaluate, solution_logprobs
@@ -151,7 +151,7 @@ def test_command_line_writes_eval_json(trained_run, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))
     out = subprocess.run([sys.executable, "-m", "qerl_exp.eval", f"run_dir={run_dir}", "k=2", "limit=3", "max_new_tokens=8"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads((run_dir / "eval.json").read_text())["metrics"]
     assert {"eval/pass@1", "eval/pass@2", "eval/mean@2"} <= set(metrics) and metrics["eval/problems"] == 3

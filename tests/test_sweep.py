@@ -21,7 +21,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from conftest import ROOT
+from conftest import ROOT, SUBPROCESS_ENV
 from qerl_exp.cli import UsageError
 from qerl_exp.sweep.spec import Objective, load_plan, merge_overrides, override
 
@@ -37,7 +37,8 @@ def sweep_cmd(*args: str) -> list[str]:
 
 
 def sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(sweep_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(sweep_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=SUBPROCESS_ENV)
 
 
 def write_spec(tmp_path: Path, **fields) -> Path:
@@ -225,7 +226,8 @@ def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
     db = sweep_dir / "study.db"
 
     # 1. Ctrl-C in the middle of the third trial.
-    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=SUBPROCESS_ENV)
     victim = wait_for(lambda: running_mid_trial(db, "noise_schedule", 2), 600, "trial 3 to run", proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=180)
@@ -238,7 +240,8 @@ def test_interrupt_then_kill_then_resume_reaches_exactly_n_trials(tmp_path):
     assert len(retry) == 1 and retry[0].state == TrialState.WAITING and retry[0].params == interrupted.params
 
     # 2. Resume; SIGKILL the worker in the middle of a trial (its heartbeat stops), then the command.
-    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(sweep_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=SUBPROCESS_ENV)
     killed = wait_for(lambda: running_mid_trial(db, "noise_schedule", 4), 600, "trial 5 to run", proc)
     os.kill(killed.user_attrs["worker_pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)

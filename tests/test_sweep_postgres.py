@@ -19,7 +19,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import ROOT, on_ci
+from conftest import ROOT, SUBPROCESS_ENV, on_ci
 from test_sweep import SPEC, TINY, sweep_cmd, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -75,7 +75,8 @@ def test_three_workers_share_one_study_and_survive_a_killed_worker(postgres, tmp
             "heartbeat_interval=1", "grace_period=15", *TINY]  # 6 s once failed a live trial (CI, 2 busy cores)
     # Three commands, as on three machines: each its own sweep dir, one worker each.
     procs = [subprocess.Popen(sweep_cmd(*args, f"sweep_dir={tmp_path / f'machine{i}'}"), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+             for i in range(3)]
 
     # One storage for the whole test: an RDBStorage per poll leaves its pooled connection open
     # until the cyclic GC runs, and polling every 50 ms can then exhaust the server's 100 connections.
