@@ -293,7 +293,17 @@ def main(argv: list[str] | None = None) -> list:
         for v, m, t, gbs, sp, err in rows:
             print(f"{name:22} {v:12} {m:>4} {t * 1e6:>9.1f} {gbs:>12.0f} {sp:>8.2f}x {err:>9.1e}", flush=True)
             all_rows.append(dict(shape=name, kernel=v, m=m, us=t * 1e6, gbs=gbs, speedup=sp, err=err))
+    print_summary(all_rows, ms)
     return all_rows
+
+
+def print_summary(rows: list[dict], ms: list[int]) -> None:
+    """One line a (shape, kernel): its speed-up over cuBLAS bf16 at each M (the table above, compact)."""
+    print("\n# x cuBLAS bf16 (higher is faster)")
+    print(f"{'shape (in x out)':22} {'kernel':12} " + " ".join(f"{'M=' + str(m):>7}" for m in ms))
+    for shape, kernel in dict.fromkeys((r["shape"], r["kernel"]) for r in rows if r["kernel"] != "cublas_bf16"):
+        sp = {r["m"]: r["speedup"] for r in rows if r["shape"] == shape and r["kernel"] == kernel}
+        print(f"{shape:22} {kernel:12} " + " ".join(f"{sp[m]:>6.2f}x" for m in ms))
 
 
 if __name__ == "__main__":
