@@ -2,8 +2,9 @@
 
 The E2M1 bytes of the kernel layout (`layout`) are bit-permuted so that each nibble becomes an FP8
 E4M3 number with one mask; Hopper's `cvt.rn.f16x2.e4m3x2` then turns two of them into an fp16 pair
-in one instruction. `triton_kernels` (NVFP4 chunks of `_splitk_kernel` and the dequantize kernel)
-and `nvfp4_mma` (the mma.sync kernel) embed the string with `inline_asm_elementwise`.
+in one instruction. `triton_kernels` (NVFP4 chunks of `_splitk_kernel` and the dequantize kernel),
+`nvfp4_mma` (the mma.sync kernel) and `nvfp4_wgmma` (one half of a chunk at a time) embed the
+strings with `inline_asm_elementwise`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ _BITS = {
 }
 
 
-def _decode(halves: list[str], code: int, outs: list[int], scales: list[str], prologue: str = "") -> str:
-    # each half -> two fp16 pairs $outs[2 h], $outs[2 h + 1], times the fp16 pairs scales[2 h], [2 h + 1]
+def _decode(halves: list[str], code: int, scales: list[str], prologue: str = "") -> str:
+    # half h of the list -> fp16 pairs $(2 h) and $(2 h + 1), times the fp16 pairs scales[2 h], [2 h + 1]
     lines = [ln for h in halves for ln in _BITS[h]]
     for h in halves:
         lines.append(f"mov.b32 {{{h}0, {h}1}}, {h};")
     for i, (h, j) in enumerate((h, j) for h in halves for j in (0, 1)):
-        lines.append(f"cvt.rn.f16x2.e4m3x2 ${outs[i]}, {h}{j};")
+        lines.append(f"cvt.rn.f16x2.e4m3x2 ${i}, {h}{j};")
     for i in range(2 * len(halves)):
-        lines.append(f"mul.rn.f16x2 ${outs[i]}, ${outs[i]}, {scales[i]};")
+        lines.append(f"mul.rn.f16x2 ${i}, ${i}, {scales[i]};")
     body = "\n    ".join(ln.replace("$code", f"${code}") for ln in lines)
     return f"""
     {{
@@ -46,7 +47,7 @@ def _scale_word(word: int, halves: list[str]) -> tuple[str, list[str]]:
     names = []
     for h in halves:
         w = "w0" if h == "lo" else "w1"
-        a, b = (f"f{len(names)}", f"f{len(names) + 1}")
+        a, b = f"f{len(names)}", f"f{len(names) + 1}"
         pro += f"""
     cvt.rn.f16x2.e4m3x2 sc, {w};
     mov.b32 {{u0, u1}}, sc;
@@ -65,8 +66,8 @@ def e2m1x4_asm(code: int, scale: int, scale_word: bool = False) -> str:
     halves = ["lo", "hi"]
     if scale_word:
         pro, names = _scale_word(scale, halves)
-        return _decode(halves, code, [0, 1, 2, 3], names, pro)
-    return _decode(halves, code, [0, 1, 2, 3], [f"${scale + i}" for i in range(4)])
+        return _decode(halves, code, names, pro)
+    return _decode(halves, code, [f"${scale + i}" for i in range(4)])
 
 
 def e2m1x2_asm(half: str, code: int, word: int) -> str:
@@ -75,4 +76,4 @@ def e2m1x2_asm(half: str, code: int, word: int) -> str:
     decodes a chunk's halves one at a time, so each half's registers can be reused as soon as the
     wgmma that reads them retires."""
     pro, names = _scale_word(word, [half])
-    return _decode([half], code, [0, 1], names, pro)
+    return _decode([half], code, names, pro)
