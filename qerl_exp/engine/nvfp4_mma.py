@@ -121,12 +121,8 @@ def decode(cw, word, WARPS: gl.constexpr):
 @gluon.jit
 def decode_half(c5, s5, HI: gl.constexpr, WARPS: gl.constexpr):
     # decode_operands' operands -> the fp16 weights of the low (HI False) or high 32 inputs alone
-    if HI:
-        v = gl.inline_asm_elementwise(_ASM_HI, "=r,=r,r,r,r,r,r,r,r,r", [c5, s5], dtype=gl.float16, is_pure=True,
-                                      pack=4)
-    else:
-        v = gl.inline_asm_elementwise(_ASM_LO, "=r,=r,r,r,r,r,r,r,r,r", [c5, s5], dtype=gl.float16, is_pure=True,
-                                      pack=4)
+    asm: gl.constexpr = _ASM_HI if HI else _ASM_LO
+    v = gl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r,r,r", [c5, s5], dtype=gl.float16, is_pure=True, pack=4)
     return gl.reshape(v, [32 * WARPS, 16])
 
 
