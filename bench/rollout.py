@@ -12,6 +12,9 @@ included). HF rows decode `--hf-new` tokens (HF's per-step cost is flat; 256 HF 
 minutes). Engine rows: the first call captures the CUDA graph (and compiles the Triton kernels);
 that time is printed as warm-up and left out. Peak memory is the process' peak allocated during the
 row, which includes every model variant still resident (printed separately as "weights").
+Over the engine rows' timed calls the board's mean power, SM clock, the share of samples at its power
+cap and the energy per token are recorded (`gpu_power`): at 64+ sequences an H200 runs both engines
+at its 700 W limit, where the tokens/s ratio is one of energy per token.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpu_power import PowerMeter  # noqa: E402
 from qerl_exp.engine import FastEngine  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -149,15 +153,17 @@ def bench_shape(shape: str, a) -> list[dict]:
                 if kind == "hf":
                     warm = run_hf(model, ids, mask, 2)
                     secs = run_hf(model, ids, mask, a.hf_new)
-                    new, build_s = a.hf_new, 0.0
+                    new, build_s, power = a.hf_new, 0.0, {}
                 else:
                     engine = FastEngine(model, b, a.prompt + a.new, backend="torch" if variant == "torch" else "auto",
                                         f16_dot=not a.bf16_dot,
                                         dense_gemm=variant if variant in ("triton", "cublas") else "auto")
                     build_s = engine.build_s
                     warm = run_engine(engine, ids, mask, 4)
-                    secs = min(run_engine(engine, ids, mask, a.new) for _ in range(a.repeats))
+                    with PowerMeter() as pm:
+                        secs = min(run_engine(engine, ids, mask, a.new) for _ in range(a.repeats))
                     new = a.new
+                    power = pm.reading
                     del engine
             except Exception as e:  # keep the table going; the failure is printed
                 print(f"   {row} batch {b}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -168,24 +174,35 @@ def bench_shape(shape: str, a) -> list[dict]:
             res = dict(shape=shape, row=row, batch=b, new_tokens=new, tok_s=tps, ms_step=secs / new * 1e3,
                        warmup_s=warm, build_s=build_s, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                        weights_gib=wbytes / 2**30, ratio=tps / base_tps[b])
+            if power:  # energy over all `repeats` timed calls
+                res.update(watts=power["watts"], sm_mhz=power["sm_mhz"], capped=power["capped"],
+                           mj_token=power["joules"] * 1e3 / (a.repeats * b * new))
             results.append(res)
             print(f"   {row:18} batch {b:3}: {tps:9.1f} tokens/s  {res['ms_step']:7.2f} ms/step  "
                   f"x{res['ratio']:6.2f} vs {rows[0]}  warm-up+capture {warm:6.1f} s  build {build_s:5.1f} s  "
-                  f"peak {res['peak_gib']:6.2f} GiB", flush=True)
+                  f"peak {res['peak_gib']:6.2f} GiB{_power_text(res)}", flush=True)
     del model, variants, bf16
     gc.collect()
     torch.cuda.empty_cache()
     return results
 
 
+def _power_text(r: dict) -> str:
+    """The power columns of a row ('' where they were not recorded)."""
+    if "watts" not in r:
+        return ""
+    return f"  {r['watts']:4.0f} W  SM {r['sm_mhz']:4.0f} MHz  capped {r['capped']:4.0%}  {r['mj_token']:6.2f} mJ/token"
+
+
 def print_table(results: list[dict], a) -> None:
     print(f"\n# rollout tokens/s on {torch.cuda.get_device_name()}: prompt {a.prompt}, new tokens {a.new} "
-          f"(HF rows: {a.hf_new}), LoRA r{a.rank} on 7 projections, temperature 1")
+          f"(HF rows: {a.hf_new}), LoRA r{a.rank} on 7 projections, temperature 1; engine rows: mean board "
+          f"power, SM clock, share of samples at the power cap, energy per token")
     print(f"{'shape':6} {'row':18} {'batch':>5} {'tokens/s':>10} {'ms/step':>8} {'ratio':>7} {'warm-up s':>9} "
           f"{'peak GiB':>9}")
     for r in results:
         print(f"{r['shape']:6} {r['row']:18} {r['batch']:>5} {r['tok_s']:>10.1f} {r['ms_step']:>8.2f} "
-              f"{r['ratio']:>6.2f}x {r['warmup_s']:>9.1f} {r['peak_gib']:>9.2f}")
+              f"{r['ratio']:>6.2f}x {r['warmup_s']:>9.1f} {r['peak_gib']:>9.2f}{_power_text(r)}")
 
 
 def main(argv: list[str] | None = None) -> None:

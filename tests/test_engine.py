@@ -319,6 +319,40 @@ def test_engine_sampling_logprobs_match_teacher_forcing_and_generator_reproduces
     torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
 
 
+def test_cublas_engine_stacks_each_launchs_weights_once_in_the_model_itself():
+    # one GEMM a launch: q/k/v (and gate/up) in one storage, the model re-pointed to it, not copied
+    import_or_skip("triton")
+    model = tiny_model()
+    base = model.get_base_model()
+    ids, mask = prompts()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    eng = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
+    for blk, ly in zip(base.model.layers, eng.m.layers):
+        for mods, lin in (((blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj), ly.qkv),
+                          ((blk.mlp.gate_proj, blk.mlp.up_proj), ly.gate_up)):
+            stacked, _ = lin.plan.cublas
+            row = 0
+            for mod in mods:
+                w = mod.base_layer.weight
+                assert w.data_ptr() == stacked.data_ptr() + row * w.stride(0) * w.element_size()
+                row += w.shape[0]
+            assert row == stacked.shape[0]
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    again = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")  # already stacked: viewed
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert again.m.layers[0].qkv.plan.cublas[0].data_ptr() == eng.m.layers[0].qkv.plan.cublas[0].data_ptr()
+    q = base.model.layers[0].self_attn.q_proj.base_layer.weight
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither engine sees a re-allocation
+        q.mul_(2)  # an in-place update reaches the engine's GEMM operand
+        eng._check_refs()
+        again._check_refs()
+    assert torch.equal(eng.m.layers[0].qkv.plan.cublas[0][: q.shape[0]], q)
+
+
 def test_engine_rejects_bad_backends_and_grows_to_a_larger_call():
     model = tiny_model(lora=False)
     with pytest.raises(ValueError, match="backend"):
@@ -365,10 +399,11 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             a = [(torch.randn(8, kk) * 0.1).to(device, ldt) for _ in segs]
             bb = [(torch.randn(n, 8) * 0.1).to(device, ldt) for n in segs]
             sc = [2.0] * len(segs)
-            raw = [torch.empty(256, n, device=device, dtype=dtype) for n in segs] if fmt == "raw" else None
+            # raw: cuBLAS (torch.mm) multiplies the stacked segments into one buffer, one GEMM
+            raw = (torch.cat(ws), torch.empty(256, sum(segs), device=device, dtype=dtype)) if fmt == "raw" else None
             wsp = torch.full((launch.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
             plan = launch.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device),
-                                    raw=raw, workspace=wsp)
+                                    cublas=raw, workspace=wsp)
             a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
             gamma = (1 + 0.1 * torch.randn(kk)).to(device, dtype)
             for m in (1, 5, 33) if device == "cpu" else (1, 8, 64, 256):

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked,
                                     base_layers, build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
-                                    setup_caches)
+                                    setup_caches, stack_dense)
 from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
@@ -86,16 +86,16 @@ class FastEngine:
                 widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
                              for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
                 ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
-                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, segment)
+                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, n)
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
-                        bufs = None
+                        cublas = None
                         if lin.fmt == "dense" and self.dense_gemm == "cublas":
-                            bufs = [raw.setdefault((kind, s, w.shape[0]), torch.empty(
-                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev))
-                                for s, w in enumerate(lin.weights)]
+                            w = stack_dense(lin.weights)
+                            cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
+                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
                         lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                             lin.r, lin.glu, dev, raw=bufs, workspace=ws)
+                                             lin.r, lin.glu, dev, cublas=cublas, workspace=ws)
                         if lin.lora_a is not None:
                             lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)

@@ -117,7 +117,7 @@ class LinearPlan:
     lora_dtype: torch.dtype | None
     keep: list  # the tensors whose addresses are in `tab` (kept alive with the plan)
     workspace: Tensor | None = None  # dense / nvfp4 / nf4: fp32 [SPLIT_MAX, B_max, >= n], the K slices
-    cublas: list | None = None  # raw: (dense weight, its [B_max, n] buffer) per segment
+    cublas: tuple | None = None  # raw: (the segments' dense weights stacked [sum n, k], its [B_max, sum n] buffer)
     packed: list | None = None  # nvfp4: the segments' PackedWeight (dequantize + cuBLAS fallback)
 
 
@@ -240,8 +240,9 @@ def fused_linear(plan: LinearPlan, x: Tensor, out: Tensor, *, t: Tensor | None =
         _launch_splitk(plan, x, out, t, residual, a_next, t_next, r_next, ss_out, norm, shrink, f16, cfg,
                        "nvfp4_mma" if mma else kind, sms, xh, out16)
         return out
-    for w, raw in plan.cublas or []:
-        torch.mm(x, w.t(), out=raw[:m])
+    if plan.cublas is not None:
+        w, buf = plan.cublas
+        torch.mm(x, w.t(), out=buf[:m])
     global _NO_3D
     if _NO_3D and cfg.get("UNROLL", 1) > 1:
         cfg = {**cfg, "UNROLL": 1}
@@ -452,14 +453,15 @@ def set_out_scale(plan: LinearPlan, s: int, out_scale: float) -> None:
 
 
 def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_scale: list,
-              r: int, glu: bool, device: torch.device, raw: list | None = None,
+              r: int, glu: bool, device: torch.device, cublas: tuple | None = None,
               workspace: Tensor | None = None) -> LinearPlan:
     """Build the device tables for one fused linear launch over 1-3 segments (or GLU gate/up).
 
     The tables hold the addresses of the model's own tensors (bf16 weights, LoRA B, biases) and of
     the packed 4-bit data, so in-place updates of those tensors are seen by every later launch.
-    `raw`: per-segment [B_max, n] buffers into which `fused_linear` has cuBLAS write x @ W^T for
-    dense weights; its Triton launch then only applies bias, LoRA, residual and GLU (format "raw").
+    `cublas`: (the dense segments stacked [sum n, k] (`decode.stack_dense`), a [B_max, sum n] buffer):
+    `fused_linear` has cuBLAS write x @ W^T into the buffer in one GEMM, and its Triton launch then
+    only applies bias, LoRA, residual and GLU to each segment's columns (format "raw").
     `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense plans
     without `raw`, NVFP4 and NF4 plans need it for `_splitk_kernel`'s K slices.
     """
@@ -471,6 +473,10 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     tab = torch.zeros(nseg, 8, dtype=torch.int64)
     fsc = torch.zeros(nseg, 2, dtype=torch.float32)
     lut = None
+    raw = None
+    if cublas is not None:  # each segment's columns of the one buffer
+        starts = [sum(sizes[:s]) for s in range(nseg)]
+        raw = [cublas[1][:, a: a + n] for a, n in zip(starts, sizes)]
     for s, w in enumerate(weights):
         if raw is not None:
             tab[s, 0] = raw[s].data_ptr()
@@ -515,6 +521,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         plan.keep.append(workspace)
     if fmt == "nvfp4" and raw is None:
         plan.packed = list(weights)
-    if raw is not None:
-        plan.cublas = list(zip(weights, raw))
+    if cublas is not None:
+        plan.cublas = cublas
+        plan.keep += list(cublas)
     return plan
