@@ -728,7 +728,7 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("max_batch", [8, 64])
-def test_gpu_dense_engine_takes_cublas_from_64_rows_and_matches_hf_generate(max_batch):
+def test_gpu_dense_engine_takes_cublas_from_its_threshold_and_matches_hf_generate(max_batch):
     model = tiny_model(torch.bfloat16, "cuda", layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512)
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     eng = FastEngine(model, max_batch, 64)

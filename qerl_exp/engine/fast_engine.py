@@ -21,9 +21,10 @@ from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
 
 # dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
-# (bench/rollout.py, H200, ms a decode step) took 4.8 with the Triton split-K kernel against 6.0
-# with cuBLAS at 8 rows, 7.9 against 7.9 at 64, 13.2 against 10.2 at 128, 23.3 against 15.3 at 256.
-DENSE_CUBLAS_MIN_BATCH = 64
+# (bench/rollout.py, H200, ms a step) took 4.88 with the Triton split-K kernel against 5.54 with
+# cuBLAS at 16 rows and 6.46 against 5.92 at 32, since cuBLAS multiplies q/k/v in one GEMM (session
+# 26); with three q/k/v GEMMs it had lost up to 64 rows (13.2 against 10.2 at 128, 23.3 against 15.3 at 256).
+DENSE_CUBLAS_MIN_BATCH = 32
 
 
 class FastEngine:
