@@ -319,37 +319,37 @@ def test_engine_sampling_logprobs_match_teacher_forcing_and_generator_reproduces
     torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
 
 
-def test_cublas_engine_stacks_each_launchs_weights_once_in_the_model_itself():
-    # one GEMM a launch: q/k/v (and gate/up) in one storage, the model re-pointed to it, not copied
+def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
+    # cuBLAS multiplies q/k/v (and gate/up) in one GEMM: the model's parameters re-pointed to one
+    # storage, not copied; every engine stacks, so a later one re-points nothing an earlier one read
     import_or_skip("triton")
     model = tiny_model()
     base = model.get_base_model()
     ids, mask = prompts()
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
-    eng = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
+    first = FastEngine(model, 4, 32, backend="triton", dense_gemm="triton")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
-    for blk, ly in zip(base.model.layers, eng.m.layers):
-        for mods, lin in (((blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj), ly.qkv),
-                          ((blk.mlp.gate_proj, blk.mlp.up_proj), ly.gate_up)):
-            stacked, _ = lin.plan.cublas
-            row = 0
-            for mod in mods:
-                w = mod.base_layer.weight
-                assert w.data_ptr() == stacked.data_ptr() + row * w.stride(0) * w.element_size()
-                row += w.shape[0]
-            assert row == stacked.shape[0]
+    groups = [(blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj) for blk in base.model.layers] + \
+             [(blk.mlp.gate_proj, blk.mlp.up_proj) for blk in base.model.layers]
+    for mods in groups:
+        ws = [mod.base_layer.weight for mod in mods]
+        for a, b in zip(ws, ws[1:]):
+            assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    again = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")  # already stacked: viewed
+    eng = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
     assert [p.data_ptr() for p in model.parameters()] == ptrs
-    assert again.m.layers[0].qkv.plan.cublas[0].data_ptr() == eng.m.layers[0].qkv.plan.cublas[0].data_ptr()
+    for blk, ly in zip(base.model.layers, eng.m.layers):
+        stacked, _ = ly.qkv.plan.cublas
+        assert stacked.data_ptr() == blk.self_attn.q_proj.base_layer.weight.data_ptr()
+        assert stacked.shape[0] == sum(mod.base_layer.weight.shape[0] for mod in groups[0])
     q = base.model.layers[0].self_attn.q_proj.base_layer.weight
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # neither engine sees a re-allocation
         q.mul_(2)  # an in-place update reaches the engine's GEMM operand
+        first._check_refs()
         eng._check_refs()
-        again._check_refs()
     assert torch.equal(eng.m.layers[0].qkv.plan.cublas[0][: q.shape[0]], q)
 
 

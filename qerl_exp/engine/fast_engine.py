@@ -91,10 +91,11 @@ class FastEngine:
                 for ly in self.m.layers:
                     for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
                         cublas = None
-                        if lin.fmt == "dense" and self.dense_gemm == "cublas":
+                        if lin.fmt == "dense":  # stacked by every engine, so that none re-points what another read
                             w = stack_dense(lin.weights)
-                            cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
-                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
+                            if self.dense_gemm == "cublas":
+                                cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
+                                    self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
                         lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
                                              lin.r, lin.glu, dev, cublas=cublas, workspace=ws)
                         if lin.lora_a is not None:

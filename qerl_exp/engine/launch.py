@@ -463,7 +463,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     `fused_linear` has cuBLAS write x @ W^T into the buffer in one GEMM, and its Triton launch then
     only applies bias, LoRA, residual and GLU to each segment's columns (format "raw").
     `workspace`: fp32 [SPLIT_MAX, B_max, >= total n] scratch, shared by all plans; dense plans
-    without `raw`, NVFP4 and NF4 plans need it for `_splitk_kernel`'s K slices.
+    without `cublas`, NVFP4 and NF4 plans need it for `_splitk_kernel`'s K slices.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(FORMATS)}")
