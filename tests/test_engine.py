@@ -353,6 +353,20 @@ def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
     assert torch.equal(eng.m.layers[0].qkv.plan.cublas[0][: q.shape[0]], q)
 
 
+def test_a_model_whose_weights_an_engine_stacked_saves_and_loads_whole(tmp_path):
+    # views of one storage per launch: save_pretrained (safetensors) must write each on its own
+    import_or_skip("triton")
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(lora=False)
+    ids, mask = prompts()
+    FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
+    model.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits)
+
+
 def test_engine_rejects_bad_backends_and_grows_to_a_larger_call():
     model = tiny_model(lora=False)
     with pytest.raises(ValueError, match="backend"):
