@@ -67,6 +67,7 @@ def sustain(fns: list, seconds: float) -> tuple[float, dict]:
 
 
 def row(launch_name: str, m: int, path: str, flops: float, sms: int, secs: float, reading: dict) -> dict:
+    """One printed line and its record: time, rate and, with a PowerMeter reading, % peak and pJ/FLOP."""
     r = dict(launch=launch_name, m=m, path=path, us=secs * 1e6, tflops=flops / secs / 1e12, **reading)
     if reading:
         r["peak_pct"] = 100 * r["tflops"] * 1e12 / (FLOP_PER_CLOCK_SM * sms * reading["sm_mhz"] * 1e6)
