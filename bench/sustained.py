@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seconds", type=float, default=2.0, help="replay time a case")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
-    if torch.cuda.get_device_capability(dev) != (9, 0):
-        sys.exit("bench/sustained.py: '% peak' assumes Hopper (sm_90); run it on an H100 or H200")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(dev) != (9, 0):
+        sys.exit("bench/sustained.py needs a Hopper GPU ('% peak' is sm_90's tensor rate): run it on an H100 or H200")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; each case replayed for {a.seconds} s")
     rows = []
