@@ -392,12 +392,26 @@ class TrainConfig:
         deterministic: ask torch for deterministic kernels.
         max_nonfinite: a step whose loss or gradients are not finite is skipped (no update) and
             counted; this many in a row stop the run, its last good checkpoint intact.
-        micro_batch_size: completions per forward/backward of the learner; gradients accumulate
+        micro_batch_size: completions per forward/backward of the padded learner
+            (`padding_free=false`) and per pass of the full-vocabulary monitor; gradients accumulate
             over micro-batches to exactly the full batch's (the loss uses the whole batch's
-            normaliser). 0: the whole mini-batch at once. Lower it when the learner runs out of
-            memory.
-        gradient_checkpointing: recompute each decoder block's activations in backward instead of
-            keeping them (the paper does at 14B and 32B): less memory, one more forward.
+            normaliser). 0: the whole mini-batch at once. Lower it when they run out of memory.
+        padding_free: the learner packs each micro-batch's rows into one sequence without padding,
+            attention kept within each row, and runs its own decoder pass (`qerl_exp.packed`: LoRA
+            added inside the base product, compiled elementwise ops on CUDA); false: HF's forward
+            through peft over left-padded rows. Same loss and gradients up to rounding.
+        micro_batch_tokens: padding_free only: most packed tokens per forward/backward (prompts
+            counted once per group with `shared_prefix`); rows are never split, a longer one goes
+            alone. 0: the whole mini-batch at once.
+        shared_prefix: padding_free only: a group's completions attend to one packed copy of their
+            prompt (its hidden states computed once per micro-batch) instead of one copy each.
+        gradient_checkpointing: recompute decoder blocks' activations in backward instead of keeping
+            them (the paper does at 14B and 32B): less memory, one more forward. `true`: every
+            block; `false`: none; `auto`: padding_free on CUDA, the fewest blocks that let the
+            micro-batch's activations fit in 80 % of the free device memory (none elsewhere, and
+            none with the padded learner).
+        compile: padding_free on CUDA: compile the decoder's elementwise ops (RMSNorm with the
+            residual add, RoPE, SwiGLU) with torch.compile (the first step pays the compilation).
         dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
             metric gathering) for the others before the run ends with an error: longer than the
             slowest step plus an evaluation and a checkpoint, short enough that a hung rank does
@@ -414,11 +428,18 @@ class TrainConfig:
     deterministic: bool = False
     max_nonfinite: int = 3
     micro_batch_size: int = 0
-    gradient_checkpointing: bool = False
+    padding_free: bool = True
+    micro_batch_tokens: int = 16384
+    shared_prefix: bool = True
+    gradient_checkpointing: str = "auto"
+    compile: bool = True
     dist_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0 (0: the whole batch), got {self.micro_batch_size}")
+        _check(self.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be >= 0 (0: the whole batch), got {self.micro_batch_tokens}")
+        self.gradient_checkpointing = str(self.gradient_checkpointing).lower()
+        _choice("train.gradient_checkpointing", self.gradient_checkpointing, ("auto", "true", "false"))
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0, got {self.lr}")
@@ -500,17 +521,23 @@ class RolloutConfig:
 
 @schema
 class MonitorConfig:
-    """The noise monitor: compares the sampler with the full-precision reference.
+    """What a run measures beside training: the noise monitor (the sampler against the
+    full-precision reference) and the reference passes behind `kl`.
 
     Args:
         every: steps between monitor evaluations on the rollout batch; 0 disables the
             reference model (for models too large to hold twice).
+        kl_every: with `algo.beta == 0`, steps between the reference passes (the base without LoRA
+            scoring the rollout) that log `kl`; 0 never runs them. With beta > 0 the loss needs
+            the reference every step, and it runs every step.
     """
 
     every: int = 1
+    kl_every: int = 10
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"monitor.every must be >= 0, got {self.every}")
+        _check(self.kl_every >= 0, f"monitor.kl_every must be >= 0 (0: never at beta 0), got {self.kl_every}")
 
 
 @schema
@@ -579,6 +606,9 @@ class Config:
     def __post_init__(self) -> None:
         # numpy's global seed takes 0 .. 2**32 - 1
         _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
+        _check(not (self.train.padding_free and self.noise.apply_to == "both" and self.noise.resample == "forward"),
+               "noise.resample=forward with noise.apply_to=both redraws the noise before each HF forward, which the "
+               "packed learner does not call; set train.padding_free=false or noise.resample=step")
         batch = self.train.prompts_per_step * self.algo.group_size
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "

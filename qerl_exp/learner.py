@@ -11,9 +11,11 @@ What the ratio is taken against, in QeRL's setting: three policies score the sam
 The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler / old mismatch
 (noise, a separately quantized sampler) with weights min(old / sampler, cap).
 
-Each update accumulates gradients over micro-batches of `train.micro_batch_size` completions;
-the loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals
-that of one pass over the mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
+Each update accumulates gradients over micro-batches: with `train.padding_free` (the default),
+rows packed up to `train.micro_batch_tokens` tokens and scored by `qerl_exp.packed`; otherwise
+`train.micro_batch_size` left-padded rows through the HF forward (`loss.score_completions`). The
+loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals that of
+one pass over the mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
 holds its share of every mini-batch: the normaliser counts all ranks' tokens, the gradients are
 summed over the ranks before clipping, and the loss and clip counters cover every rank's tokens.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl_exp import distributed
+from qerl_exp import distributed, packed
 from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
 from qerl_exp.metrics import clip_metrics
@@ -90,20 +92,41 @@ def rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
     )
 
 
-def micro_batches(index: torch.Tensor, size: int) -> list[torch.Tensor]:
+def chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """`index` in pieces of `size` rows (0: one piece)."""
     return list(index.split(size)) if size > 0 else [index]
 
 
-def score_all(policy, rollout: Rollout, temperature: float, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies `[B, T]` of a whole batch under `policy`, `micro` completions at a
-    time (0: all at once), without grad."""
+def micro_batches(rollout: Rollout, index: torch.Tensor, train: TrainConfig) -> list[torch.Tensor]:
+    """The learner's micro-batches of the rows `index`: by packed tokens when padding-free, else by rows."""
+    if train.padding_free:
+        return packed.plan(rollout, index, train.micro_batch_tokens, train.shared_prefix)
+    return chunks(index, train.micro_batch_size)
+
+
+def score(policy, batch: Rollout, temperature: float, train: TrainConfig, *, adapter: bool = True,
+          entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies `[b, t]` of `batch`'s completion tokens under the policy (`adapter`
+    False: the base alone, the reference policy), by the learner's scorer."""
+    if train.padding_free:
+        compiled = train.compile and batch.completion_ids.is_cuda
+        return packed.score(policy, batch, temperature, shared_prefix=train.shared_prefix, compiled=compiled,
+                            checkpointing=train.gradient_checkpointing, adapter=adapter, entropy_grad=entropy_grad)
+    if adapter:
+        return score_completions(policy, batch, temperature, entropy_grad=entropy_grad)
+    with policy.disable_adapter():
+        return score_completions(policy, batch, temperature, entropy_grad=entropy_grad)
+
+
+def score_all(policy, rollout: Rollout, temperature: float, train: TrainConfig,
+              adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies `[B, T]` of a whole batch, micro-batch by micro-batch, without grad."""
     b, t = rollout.completion_ids.shape
     logp = rollout.sampler_logp.new_zeros(b, t)
     entropy = torch.zeros_like(logp)
     with torch.no_grad():
-        for idx in micro_batches(torch.arange(b, device=logp.device), micro):
-            sub = rows(rollout, idx)
-            lp, ent = score_completions(policy, sub, temperature)
+        for idx in micro_batches(rollout, torch.arange(b, device=logp.device), train):
+            lp, ent = score(policy, rows(rollout, idx), temperature, train, adapter=adapter)
             logp[idx, : lp.shape[1]] = lp
             entropy[idx, : ent.shape[1]] = ent
     return logp, entropy
@@ -132,7 +155,7 @@ def update_policy(
         loss_mask: `[B, T]` tokens that count in the loss (the completion mask, minus filtered
             groups).
         algo: the objective.
-        train: `micro_batch_size` and `grad_clip`.
+        train: the micro-batching, the scorer (`padding_free` and its settings) and `grad_clip`.
         ref_logp: `[B, T]` reference log-probs; needed when `algo.beta > 0`.
 
     Returns:
@@ -143,7 +166,7 @@ def update_policy(
     t0, optimizer_s = clock(device), 0.0
     reuse = algo.num_iterations > 1 or algo.mini_batches > 1
     if reuse:  # the old policy's log-probs, once, before any update
-        old_logp, old_entropy = score_all(policy, rollout, algo.temperature, train.micro_batch_size)
+        old_logp, old_entropy = score_all(policy, rollout, algo.temperature, train)
     else:
         old_logp, old_entropy = torch.zeros(b, t, device=device), torch.zeros(b, t, device=device)
     losses, norms, ratio_dev, ratios, ratio_adv = [], [], [], [], []
@@ -153,10 +176,10 @@ def update_policy(
             normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
             optimizer.zero_grad(set_to_none=True)
             loss, dev = 0.0, 0.0
-            for idx in micro_batches(mini, train.micro_batch_size):
+            for idx in micro_batches(rollout, mini, train):
                 sub = rows(rollout, idx)
                 w = sub.completion_ids.shape[1]
-                logp, entropy = score_completions(policy, sub, algo.temperature, entropy_grad=algo.entropy_coef != 0)
+                logp, entropy = score(policy, sub, algo.temperature, train, entropy_grad=algo.entropy_coef != 0)
                 if not reuse:  # one update: the learner before it is the old policy
                     old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
                 per_token, ratio = policy_loss(

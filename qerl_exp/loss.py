@@ -21,7 +21,7 @@ from qerl_exp.config import AlgoConfig
 from qerl_exp.metrics import kl_k3
 from qerl_exp.rollout import Sequences
 
-LOGIT_CHUNK = 2**24  # fp32 logits per chunk (64 MB): 110 tokens at Qwen's 152,064-token vocabulary
+LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:
@@ -98,21 +98,28 @@ def score_completions(
     prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
     where = batch.completion_mask.reshape(-1).nonzero().squeeze(1)
-    hidden, tokens = hidden[where], batch.completion_ids.reshape(-1)[where]
-    step = max(1, chunk // lm.lm_head.out_features)
+    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], lm.lm_head, temperature,
+                                 entropy_grad, chunk)
+    zeros = hidden.new_zeros(b * t, dtype=torch.float32)
+    return zeros.index_put((where,), logp).view(b, t), zeros.index_put((where,), entropy).view(b, t)
+
+
+def chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float, entropy_grad: bool = False,
+                 chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies `[M]` (fp32) of `tokens` `[M]` predicted from `hidden` `[M, H]`,
+    `chunk // vocabulary` tokens at a time, each chunk checkpointed under grad (its logits are
+    recomputed in backward, not kept): what both the padded and the packed scorer end in."""
+    step = max(1, chunk // lm_head.out_features)
     logp, entropy = [], []
-    for i in range(0, len(where), step):
-        args = (hidden[i : i + step], tokens[i : i + step], lm.lm_head, temperature, entropy_grad)
+    for i in range(0, len(tokens), step):
+        args = (hidden[i : i + step], tokens[i : i + step], lm_head, temperature, entropy_grad)
         lp, ent = checkpoint(_chunk_scores, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_scores(*args)
         logp.append(lp)
         entropy.append(ent)
-    zeros = hidden.new_zeros(b * t, dtype=torch.float32)
-
-    def scatter(parts):
-        values = torch.cat(parts) if parts else zeros[:0]
-        return zeros.index_put((where,), values).view(b, t)
-
-    return scatter(logp), scatter(entropy)
+    if not logp:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logp), torch.cat(entropy)
 
 
 def loss_normalizer(mask: torch.Tensor, how: str, total: Callable[[float], float] = float) -> float:

@@ -15,7 +15,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
 | clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low, over every token of every update of the step (0 with one update: the ratio is 1) |
 | clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high, likewise |
-| kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA) |
+| kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA); logged every step when `algo.beta > 0`, else every `monitor.kl_every` steps |
 | entropy | token mean of the learner's entropy of softmax(logits / T), before the step's update |
 | sampler/entropy | token mean of the sampler's entropy (quantization and noise included) |
 | entropy_gain | sampler/entropy minus the full-precision reference's entropy on the same tokens |
@@ -24,7 +24,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
 | perf/rollout_tok_s | completion tokens generated per second of rollout wall time (data-parallel: all ranks' tokens over the slowest rank's time) |
 | perf/step_s | wall time of the whole step |
-| timing_s/rollout, timing_s/reference, timing_s/monitor, timing_s/learner, timing_s/optimizer, timing_s/sync | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl`, in the noise monitor (0 on steps it skips), in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run), in re-quantizing a separate sampler (`rollout.quant`; 0 without one); each the slowest rank's |
+| timing_s/rollout, timing_s/reference, timing_s/monitor, timing_s/learner, timing_s/optimizer, timing_s/sync | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl` (0 on steps without one), in the noise monitor (0 on steps it skips), in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run), in re-quantizing a separate sampler (`rollout.quant`; 0 without one); each the slowest rank's |
 | mem/weights_bytes | bytes of every parameter and buffer of the policy (quantized layers with all their scales) |
 | mem/quantized_linear_bytes | bytes of the quantized linears alone |
 | mem/rollout_bytes | device bytes of the rollout engine beyond the model: KV cache, buffers, NF4's second layout |
@@ -128,8 +128,9 @@ def kl_full(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
 
 
-def kl_metric(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    return {"kl": token_mean(kl_k3(logp.detach(), ref_logp), mask).item()}
+def kl_metric(logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor) -> dict[str, float]:
+    """`kl` against the reference; nothing on steps without a reference pass (`monitor.kl_every`)."""
+    return {} if ref_logp is None else {"kl": token_mean(kl_k3(logp.detach(), ref_logp), mask).item()}
 
 
 def reward_metrics(rewards: dict[str, torch.Tensor], group_size: int) -> dict[str, float]:
@@ -237,7 +238,7 @@ def step_metrics(
     sampler_entropy: torch.Tensor,
     learner_logp: torch.Tensor,
     learner_entropy: torch.Tensor,
-    ref_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
     clip: dict[str, float],
     loss: float,
     grad_norm: float,
@@ -260,7 +261,8 @@ def step_metrics(
         sampler_entropy: `[B, T]` its entropies.
         learner_logp: `[B, T]` the learner's log-probs before the update.
         learner_entropy: `[B, T]` its entropies.
-        ref_logp: `[B, T]` the reference policy's (the base without LoRA).
+        ref_logp: `[B, T]` the reference policy's (the base without LoRA); None on steps without a
+            reference pass (no `kl`).
         clip: the update's clip counters (`clip_metrics` over every update).
         loss: the optimized loss. grad_norm: the grad norm before clipping. lr: the learning rate.
         skipped: the update was skipped for a non-finite loss or gradient.

@@ -148,7 +148,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     policy, tok, reference, sampling = models.policy, models.tokenizer, models.reference, models.sampler.module
     algo, G = cfg.algo, cfg.algo.group_size
     sampler = make_sampler(cfg.rollout.engine, sampling, tok, device)
-    if cfg.train.gradient_checkpointing:
+    if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the packed learner checkpoints itself
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
     if distributed.is_main() and (warning := aqn.scale_warning()):
@@ -241,9 +241,12 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             if algo.filter_zero_std:
                 informative = total.view(-1, G).std(dim=1) > 0
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
-            t_ref = learner.clock(device)
-            with _phase(M.Phase.REFERENCE), torch.no_grad(), policy.disable_adapter():
-                ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train.micro_batch_size)
+            # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else
+            # only every monitor.kl_every steps, for the `kl` metric.
+            t_ref, ref_logp = learner.clock(device), None
+            if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
+                with _phase(M.Phase.REFERENCE):
+                    ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
             reference_s = learner.clock(device) - t_ref
 
             # Monitor before the update: the policy that sampled, against the reference.
@@ -288,7 +291,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
                 terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
                 sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
-                learner_entropy=gather(update.entropy), ref_logp=gather(ref_logp), clip=update.clip,
+                learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp), clip=update.clip,
                 loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
                 memory=distributed.maximum(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks)),
                 step_s=phases.pop("step"), phases=phases,
@@ -344,7 +347,7 @@ def _monitor(policy, sampler, reference, aqn: AQN, rollout, temperature: float, 
     sync_lora(policy, reference)
     reference.eval()
     total, out = max(1.0, float(rollout.completion_mask.sum())), {}
-    for idx in learner.micro_batches(torch.arange(len(rollout.texts), device=rollout.completion_mask.device), micro):
+    for idx in learner.chunks(torch.arange(len(rollout.texts), device=rollout.completion_mask.device), micro):
         sub = learner.rows(rollout, idx)
         tokens = float(sub.completion_mask.sum())
         ref_logits = completion_logits(reference, sub, temperature)
@@ -362,10 +365,11 @@ class OutOfMemory(RuntimeError):
 
 _LOWER = {
     M.Phase.ROLLOUT: "lower train.prompts_per_step, algo.group_size or algo.max_new_tokens",
-    M.Phase.REFERENCE: "set train.micro_batch_size (e.g. 1) or turn on train.gradient_checkpointing=true",
+    M.Phase.REFERENCE: "lower train.micro_batch_tokens (padding-free) or train.micro_batch_size",
     M.Phase.MONITOR: "set train.micro_batch_size (the monitor scores that many completions at a time) or "
                      "monitor.every=0 (the full-precision reference doubles the weights)",
-    M.Phase.LEARNER: "set train.micro_batch_size (e.g. 1), train.gradient_checkpointing=true, or lower algo.max_new_tokens",
+    M.Phase.LEARNER: "lower train.micro_batch_tokens (padding-free; train.micro_batch_size otherwise), set "
+                     "train.gradient_checkpointing=true, or lower algo.max_new_tokens",
 }
 
 

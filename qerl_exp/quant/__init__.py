@@ -19,6 +19,7 @@ from torch import nn
 
 from qerl_exp.config import QuantConfig
 from qerl_exp.quant import fp4
+from qerl_exp.quant.fp4 import FP4Linear
 
 
 class _NF4:
@@ -115,6 +116,31 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
         if type(linear) is nn.Linear:  # already quantized layers (a block done while loading) stay
             setattr(parent, attr, handler.quantize_linear(linear))
     return model
+
+
+def base_weight(module: nn.Module, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The [out, in] matrix a frozen linear multiplies by, in `dtype`, for the learner's products:
+    a dense layer's own weight (no copy when the dtype matches), a 4-bit one's decoded anew.
+
+    Args:
+        module: an `nn.Linear`, an `FP4Linear` or a bitsandbytes `Linear4bit`.
+        dtype: the activations' dtype.
+        out: a contiguous [out, in] tensor (a slice of a stacked group's weight) to write into.
+
+    Returns:
+        The weight (`out` itself when given).
+    """
+    import bitsandbytes as bnb
+
+    if isinstance(module, FP4Linear):
+        w = module.dequantize(dtype, out=out)
+    elif isinstance(module, bnb.nn.Linear4bit):
+        w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+    else:
+        w = module.weight.to(dtype)
+    if out is None or w.data_ptr() == out.data_ptr():
+        return w if out is None else out
+    return out.copy_(w)
 
 
 def dense_weight(module: nn.Module) -> torch.Tensor:

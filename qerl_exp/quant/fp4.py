@@ -360,13 +360,15 @@ class FP4Linear(nn.Linear):
         rows, cols = _KERNEL_BLOCK[self.format]
         return self.out_features % rows == 0 and self.in_features % cols == 0
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         """The dense weight W_hat [out, in] in `dtype` (on CUDA: from the kernel layout, through the
-        engine's NVFP4 dequant kernel; bit-identical to the storage layout's decode)."""
+        engine's NVFP4 dequant kernel; bit-identical to the storage layout's decode). `out`: a
+        contiguous [out, in] tensor the CUDA kernel decodes into (elsewhere the result is returned
+        and the caller copies it)."""
         if self.kernel_codes is None and self.codes.is_cuda and self._kernel_layout_fits():
             self.kernel_weight()
         if self.kernel_codes is not None:
-            return weight_of(self.kernel_weight(), dtype)
+            return weight_of(self.kernel_weight(), dtype, out=None if out is None else out.view(-1))
         return self.weight_fp4.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,498 @@
+"""The padding-free learner: a micro-batch's rows packed into one sequence and scored by an explicit
+decoder pass (`train.padding_free`).
+
+Three pieces, each replacing a generic one of the padded path (`loss.score_completions` through
+the HF forward and peft):
+- **Packing** (`plan`, `pack`): the rows' real tokens laid end to end, no padding. With
+  `train.shared_prefix`, the G completions of one prompt share one copy of it: the prompt is one
+  attention sequence, and each completion is another whose keys are the prompt's tokens then its
+  own (causal, aligned to the end). Micro-batches are filled up to `train.micro_batch_tokens`.
+- **The decoder pass** (`hidden_states`): the HF model's own modules and parameters (so optimizer,
+  checkpoints and AQN are untouched), run by hand for Llama/Qwen2 blocks. Attention is FlashAttention
+  over variable-length sequences on CUDA, a block mask over the packed tokens elsewhere. RMSNorm,
+  RoPE and SwiGLU are compiled on CUDA (`train.compile`); each projection group (q/k/v, o,
+  gate/up, down) is one base product with its LoRA term added in the same GEMM's epilogue
+  (`_LoraLinear`), and 4-bit bases are decoded for that product and again in backward, never kept.
+- **Scoring**: the LM head and log-probs on the scored (completion) positions only, in chunks
+  (`loss.chunk_scores`).
+
+`gradient_checkpointing=auto` recomputes the fewest decoder blocks that let the micro-batch's
+activations fit in the free device memory (`checkpointed_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from qerl_exp.loss import chunk_scores
+from qerl_exp.quant import base_weight
+from qerl_exp.rollout import Sequences
+
+
+class PackingError(ValueError):
+    """A batch or model the packed learner cannot score; the message names the setting to change."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+@dataclass
+class Pack:
+    """One micro-batch as a single packed sequence (N tokens) and its attention sequences (S).
+
+    Args:
+        input_ids: `[N]` token ids. position_ids: `[N]` each token's position in its own row.
+        cu_q: `[S + 1]` int32 offsets of each attention sequence's queries (contiguous in packed order).
+        cu_k: `[S + 1]` int32 offsets of each sequence's keys in `kv_index`.
+        kv_index: `[Nk]` the packed token behind each key, sequence after sequence.
+        gather: whether keys differ from the queries' own tokens (shared prompts); else
+            `kv_index` is `arange(N)` and `cu_k == cu_q`.
+        max_q, max_k: the longest query and key sequence.
+        predict: `[M]` the packed token whose hidden state predicts each scored token.
+        targets: `[M]` the scored tokens. rows, cols: `[M]` where each goes in the `[b, t]` result.
+        shape: `(b, t)` of the result.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    kv_index: torch.Tensor
+    gather: bool
+    max_q: int
+    max_k: int
+    predict: torch.Tensor
+    targets: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+
+def _row_tokens(batch: Sequences) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each row's prompt tokens and completion tokens (CPU), without padding."""
+    pm, cm = batch.prompt_mask.cpu().bool(), batch.completion_mask.cpu().bool()
+    prompt_ids, completion_ids = batch.prompt_ids.cpu(), batch.completion_ids.cpu()
+    lengths = cm.sum(1)
+    if not bool((cm == (torch.arange(cm.shape[1]) < lengths.unsqueeze(1))).all()):
+        raise PackingError("the completion mask is not a prefix of each row; set train.padding_free=false")
+    prompts = [prompt_ids[i][pm[i]] for i in range(len(pm))]
+    if any(len(p) == 0 for p in prompts):
+        raise PackingError("a row has an empty prompt; set train.padding_free=false")
+    return prompts, [completion_ids[i, : lengths[i]] for i in range(len(cm))]
+
+
+def _shares_prompt(prompts: list[torch.Tensor]) -> list[bool]:
+    """Row i has the same prompt as row i - 1 (a group's rows are adjacent)."""
+    return [False] + [torch.equal(a, b) for a, b in zip(prompts, prompts[1:])]
+
+
+def plan(batch: Sequences, index: torch.Tensor, budget: int, shared_prefix: bool) -> list[torch.Tensor]:
+    """Split the rows `index` of `batch` into micro-batches of at most `budget` packed tokens.
+
+    Rows keep their order; a row longer than the budget is a micro-batch alone. With
+    `shared_prefix`, a prompt is counted once per micro-batch for the rows that share it.
+
+    Args:
+        batch: the rollout.
+        index: `[n]` row indices (a mini-batch).
+        budget: most tokens per micro-batch; 0 puts every row in one.
+
+    Returns:
+        The micro-batches' row indices, each a tensor on `index`'s device.
+    """
+    sub = Sequences(batch.prompt_ids[index], batch.prompt_mask[index], batch.completion_ids[index],
+                    batch.completion_mask[index])
+    prompts, completions = _row_tokens(sub)
+    shares = _shares_prompt(prompts)
+    parts, current, used = [], [], 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        cost = len(c) + (0 if shared_prefix and shares[i] and current else len(p))
+        if budget and current and used + cost > budget:
+            parts.append(current)
+            current, used = [], 0
+            cost = len(c) + len(p)
+        current.append(i)
+        used += cost
+    parts.append(current)
+    return [index[torch.tensor(part, device=index.device)] for part in parts if part]
+
+
+def pack(batch: Sequences, shared_prefix: bool, device: torch.device) -> Pack:
+    """Lay the rows of `batch` end to end (see the module docstring) and index what is scored."""
+    prompts, completions = _row_tokens(batch)
+    shares = _shares_prompt(prompts) if shared_prefix else [False] * len(prompts)
+    ids, pos, cu_q, cu_k, kv, predict, targets, rows, cols = [], [], [0], [0], [], [], [], [], []
+    n = 0
+    prompt_at = 0  # packed index of the current prompt's first token
+
+    def sequence(queries: range, keys: list[range]) -> None:
+        cu_q.append(cu_q[-1] + len(queries))
+        cu_k.append(cu_k[-1] + sum(len(k) for k in keys))
+        kv.extend(torch.arange(k.start, k.stop) for k in keys)
+
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        lp, lc = len(p), len(c)
+        if not shares[i]:
+            prompt_at = n
+            ids.append(p)
+            pos.append(torch.arange(lp))
+            n += lp
+            if shared_prefix:
+                sequence(range(prompt_at, n), [range(prompt_at, n)])
+        start = n
+        ids.append(c)
+        pos.append(torch.arange(lp, lp + lc))
+        n += lc
+        if shared_prefix:
+            sequence(range(start, n), [range(prompt_at, prompt_at + lp), range(start, n)])
+        else:
+            sequence(range(prompt_at, n), [range(prompt_at, n)])
+        if lc:  # completion token 0 is predicted by the prompt's last token, token j by completion token j - 1
+            predict.append(torch.cat([torch.tensor([prompt_at + lp - 1]), torch.arange(start, start + lc - 1)]))
+            targets.append(c)
+            rows.append(torch.full((lc,), i))
+            cols.append(torch.arange(lc))
+
+    def put(parts, dtype=torch.long):
+        return torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.zeros(0, dtype=dtype, device=device)
+
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    width = max([len(c) for c in completions] + [1])
+    return Pack(
+        input_ids=put(ids), position_ids=put(pos),
+        cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device), cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        kv_index=put(kv), gather=shared_prefix, max_q=max(q_lens), max_k=max(k_lens),
+        predict=put(predict), targets=put(targets), rows=put(rows), cols=put(cols), shape=(len(prompts), width),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the packed sequences
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2 over variable-length sequences (causal, aligned to each sequence's last key),
+    forward and backward, with grouped-query heads as they are."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def block_mask(p: Pack) -> torch.Tensor:
+    """`[N, N]` bool: query i may attend key j (the same masking as the flash path, written densely)."""
+    n = len(p.input_ids)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    cu_q, cu_k, kv = p.cu_q.tolist(), p.cu_k.tolist(), p.kv_index.cpu()
+    for s in range(len(cu_q) - 1):
+        tq, keys = cu_q[s + 1] - cu_q[s], kv[cu_k[s] : cu_k[s + 1]]
+        mask[cu_q[s] : cu_q[s + 1], keys] = torch.ones(tq, len(keys), dtype=torch.bool).tril(len(keys) - tq)
+    return mask.to(p.input_ids.device)
+
+
+def uses_flash(q: torch.Tensor) -> bool:
+    """FlashAttention on CUDA for fp16/bf16 heads of at most 256; the dense block mask otherwise."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: float, mask: torch.Tensor | None):
+    """Attention `[N, Hq, D]` of packed queries over their sequences' keys (`[N, Hkv, D]`)."""
+    if uses_flash(q):
+        k, v = (k.index_select(0, p.kv_index), v.index_select(0, p.kv_index)) if p.gather else (k.contiguous(), v.contiguous())
+        return _FlashVarlen.apply(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale)
+    rep = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The elementwise pieces (compiled on CUDA)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """`(x + delta, RMSNorm(x + delta))`, rounded as HF's Llama/Qwen2 RMSNorm rounds."""
+    if delta is not None:
+        x = x + delta
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return x, weight * h.to(x.dtype)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding of `[N, H, D]` queries and keys; cos, sin `[N, D]` (HF's rotate_half form)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _Elementwise:
+    """The three elementwise pieces, compiled once per process on first CUDA use (dynamic token
+    counts, so a new micro-batch length does not recompile)."""
+
+    def __init__(self):
+        self.compiled = None
+
+    def get(self, compiled: bool):
+        if not compiled:
+            return _add_rms_norm, _rope, _swiglu
+        if self.compiled is None:
+            self.compiled = tuple(torch.compile(f, dynamic=True) for f in (_add_rms_norm, _rope, _swiglu))
+        return self.compiled
+
+
+_ELEMENTWISE = _Elementwise()
+
+
+# ---------------------------------------------------------------------------------------------
+# One launch per projection group: base product + LoRA
+
+
+class _Base:
+    """The frozen base weights of one projection group, stacked along the output ([sum out, in]):
+    a view of dense weights that lie end to end in one buffer (the rollout engine stacks q/k/v and
+    gate/up so), else built anew on each call, 4-bit ones decoded into it (`quant.base_weight`)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.biases = [getattr(m, "bias", None) for m in layers]
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if len(self.layers) == 1:
+            return base_weight(self.layers[0], dtype)
+        dense = [m.weight for m in self.layers if type(m) is nn.Linear and m.weight.dtype == dtype]
+        if len(dense) == len(self.layers) and _adjacent(dense):
+            first = dense[0]
+            return first.as_strided((sum(w.shape[0] for w in dense), first.shape[1]), (first.shape[1], 1))
+        rows = [m.out_features for m in self.layers]
+        out = torch.empty(sum(rows), self.layers[0].in_features, dtype=dtype, device=self.layers[0].weight.device)
+        for m, part in zip(self.layers, out.split(rows)):
+            base_weight(m, dtype, out=part)
+        return out
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if all(b is None for b in self.biases):
+            return None
+        return torch.cat([torch.zeros(m.out_features, dtype=dtype, device=m.weight.device) if b is None else b.to(dtype)
+                          for b, m in zip(self.biases, self.layers)])
+
+
+def _adjacent(ws: list[torch.Tensor]) -> bool:
+    """The matrices lie end to end in one buffer, row-major, in this order."""
+    storage = ws[0].untyped_storage().data_ptr()
+    return all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage and w.shape[1] == ws[0].shape[1]
+               for w in ws) and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ws, ws[1:]))
+
+
+class _LoraLinear(torch.autograd.Function):
+    """`x @ W^T + bias + (xa @ A^T) @ B^T` in one base GEMM whose epilogue adds the LoRA term.
+
+    W (the group's frozen base, stacked) is fetched from `base` in forward and again in backward, so
+    autograd keeps only `x` (for A's gradient) and the `[N, R]` LoRA activations. A `[R, K]` holds
+    the group's adapters' A stacked, B `[O, R]` their B block-diagonally, scaling folded in.
+    `xa` is the adapters' input (x after LoRA dropout); None: x itself.
+    """
+
+    @staticmethod
+    def forward(ctx, x, a, b, base, xa):
+        w, bias = base.weight(x.dtype), base.bias(x.dtype)
+        lora_in = x if xa is None else xa
+        t = lora_in @ a.t()  # [N, R]
+        c = torch.addmm(bias, t, b.t()) if bias is not None else t @ b.t()
+        y = torch.addmm(c, x, w.t())
+        ctx.base, ctx.dropout = base, xa is not None
+        ctx.save_for_backward(lora_in, t, a, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        lora_in, t, a, b = ctx.saved_tensors
+        g = gy @ b  # [N, R]
+        gx = gxa = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.base.weight(gy.dtype)
+            if ctx.dropout:
+                gx, gxa = gy @ w, g @ a
+            else:
+                gx = torch.addmm(g @ a, gy, w)
+        return gx, g.t() @ lora_in, gy.t() @ t, None, gxa
+
+
+def _frozen_linear(x: torch.Tensor, base: _Base) -> torch.Tensor:
+    return _FrozenGroup.apply(x, base)
+
+
+class _FrozenGroup(torch.autograd.Function):
+    """A projection group without adapters (or with them disabled): `x @ W^T + bias`, W never saved."""
+
+    @staticmethod
+    def forward(ctx, x, base):
+        ctx.base = base
+        return F.linear(x, base.weight(x.dtype), base.bias(x.dtype))
+
+    @staticmethod
+    def backward(ctx, gy):
+        return (gy @ ctx.base.weight(gy.dtype) if ctx.needs_input_grad[0] else None), None
+
+
+def _group(layers: list[nn.Module], adapter: bool, x: torch.Tensor) -> torch.Tensor:
+    """One projection group (modules fed the same input, outputs concatenated) on `x`."""
+    from peft.tuners.lora import LoraLayer  # imported on use, as model.add_lora does
+
+    bases = [m.get_base_layer() if isinstance(m, LoraLayer) else m for m in layers]
+    base = _Base(bases)
+    adapters = [(m, m.active_adapters[0]) for m in layers if adapter and isinstance(m, LoraLayer) and m.active_adapters
+                and not m.disable_adapters and m.active_adapters[0] in m.lora_A]
+    if not adapters:
+        return _frozen_linear(x, base)
+    if len(adapters) != len(layers) or any(len(m.active_adapters) != 1 for m, _ in adapters):
+        raise PackingError("the packed learner needs one active adapter on every module of a projection group; "
+                           "set train.padding_free=false")
+    a = torch.cat([m.lora_A[name].weight for m, name in adapters]).to(x.dtype)
+    b = torch.block_diag(*[m.lora_B[name].weight * m.scaling[name] for m, name in adapters]).to(x.dtype)
+    dropouts = [m.lora_dropout[name] for m, name in adapters]
+    xa = None
+    if not isinstance(dropouts[0], nn.Identity) and dropouts[0].training:
+        xa = dropouts[0](x)  # peft's dropout module; the group's modules share one config
+    return _LoraLinear.apply(x, a, b, base, xa)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder pass
+
+
+def _check_model(lm) -> None:
+    config = lm.config
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False) \
+            or getattr(config, "mlp_bias", False):
+        raise PackingError(f"the packed learner supports Llama/Qwen2 decoders with SiLU MLPs and full attention "
+                           f"({type(lm).__name__} is not one); set train.padding_free=false")
+
+
+def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, compiled: bool):
+    """One decoder block on the residual stream `x + delta`; returns the next `(x, delta)` (the
+    residual add is left to the next norm, which it is compiled into)."""
+    add_norm, rope, swiglu = _ELEMENTWISE.get(compiled)
+    attn, mlp = layer.self_attn, layer.mlp
+    n = x.shape[0]
+    x, h = add_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    qkv = _group([attn.q_proj, attn.k_proj, attn.v_proj], adapter, h)
+    d = attn.head_dim
+    hq, hkv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = rope(q.view(n, hq, d), k.view(n, hkv, d), cos, sin)
+    a = attend(q, k, v.reshape(n, hkv, d), p, attn.scaling, mask).reshape(n, hq * d)
+    x, h = add_norm(x, _group([attn.o_proj], adapter, a), layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon)
+    m = swiglu(_group([mlp.gate_proj, mlp.up_proj], adapter, h))
+    return x, _group([mlp.down_proj], adapter, m)
+
+
+def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, compiled: bool = False) -> torch.Tensor:
+    """Final-norm hidden states `[M, H]` at the scored positions (`p.predict`).
+
+    Args:
+        lm: the HF causal LM (inside the peft wrapper, LoRA layers in place).
+        p: the packed micro-batch.
+        adapter: apply the LoRA adapters (False: the base alone, the reference policy).
+        checkpointed: decoder blocks (the first ones) recomputed in backward instead of kept.
+        compiled: use the compiled elementwise pieces.
+    """
+    _check_model(lm)
+    inner = lm.model
+    x = inner.embed_tokens(p.input_ids)
+    cos, sin = inner.rotary_emb(x.unsqueeze(0), p.position_ids.unsqueeze(0))
+    cos, sin = cos[0], sin[0]
+    mask = None if uses_flash(x.new_empty(1, 1, inner.layers[0].self_attn.head_dim)) else block_mask(p)
+    delta = None
+    for i, layer in enumerate(inner.layers):
+        args = (layer, x, delta, cos, sin, p, mask, adapter, compiled)
+        recompute = i < checkpointed and torch.is_grad_enabled()
+        x, delta = checkpoint(_block, *args, use_reentrant=False) if recompute else _block(*args)
+    x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
+    return _ELEMENTWISE.get(compiled)[0](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
+
+
+def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """What backward keeps per decoder block for `tokens` packed tokens: `(kept, checkpointed)`
+    bytes, from the block's shapes (an estimate: the block's saved inputs, projections and
+    attention statistics; the shared-prompt key copies counted at their most, two per token)."""
+    c = lm.config
+    h, inter = c.hidden_size, c.intermediate_size
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    size = torch.finfo(dtype).bits // 8
+    kept = tokens * (size * (6 * h + 4 * kv + 3 * inter) + 4 * (c.num_attention_heads + 2))
+    return kept, tokens * size * h
+
+
+def checkpointed_layers(lm, tokens: int, dtype: torch.dtype, device: torch.device, setting: str) -> int:
+    """How many decoder blocks to recompute for a micro-batch of `tokens`: all (`true`), none
+    (`false`), or with `auto` the fewest that fit its activations in 80 % of the device memory free
+    now (CUDA; none elsewhere)."""
+    layers = lm.config.num_hidden_layers
+    if setting != "auto":
+        return layers if setting == "true" else 0
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    kept, saved = activation_bytes(lm, tokens, dtype)
+    budget = 0.8 * free
+    for k in range(layers + 1):
+        if (layers - k) * kept + k * saved + kept <= budget:  # + one block recomputed in backward
+            return k
+    return layers
+
+
+def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, checkpointing: str = "false",
+          compiled: bool = False, adapter: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs and entropies `[B, T]` of the completion tokens, packed: equal to
+    `loss.score_completions(policy, batch, ...)` (same zeros where the mask is 0), without padding.
+
+    Args:
+        policy: the peft model (or a plain Llama/Qwen2 causal LM).
+        batch: the rows to score.
+        temperature: logits are divided by it.
+        shared_prefix: pack one copy of the prompt of adjacent rows that share it.
+        checkpointing: `train.gradient_checkpointing` (`auto`, `true`, `false`).
+        compiled: use the compiled elementwise pieces.
+        adapter: apply LoRA (False: the reference policy, the base alone).
+        entropy_grad: whether the entropy is differentiable.
+    """
+    lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    device = lm.lm_head.weight.device
+    p = pack(batch, shared_prefix, device)
+    dtype = lm.lm_head.weight.dtype
+    k = checkpointed_layers(lm, len(p.input_ids), dtype, device, checkpointing) if torch.is_grad_enabled() else 0
+    hidden = hidden_states(lm, p, adapter=adapter, checkpointed=k, compiled=compiled)
+    logp, entropy = chunk_scores(hidden, p.targets, lm.lm_head, temperature, entropy_grad)
+    b, t = p.shape
+    zeros = hidden.new_zeros(b, t, dtype=torch.float32)
+    return zeros.index_put((p.rows, p.cols), logp), zeros.index_put((p.rows, p.cols), entropy)
