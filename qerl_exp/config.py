@@ -508,15 +508,21 @@ class RolloutConfig:
             (the "NVFP4 rollouts only" strategy; the learner keeps quant.format).
         ignore_eos: sample every completion to exactly `algo.max_new_tokens` tokens (EOS is kept
             as an ordinary token): fixed, long completions for speed and memory benchmarks.
+        lengths: benchmarks, with `ignore_eos`: completion i of each step's batch ends after
+            `lengths[i % len(lengths)]` tokens, as if it had sampled EOS there (the learner sees
+            these lengths; the rollout still samples `algo.max_new_tokens`). Empty: off.
     """
 
     engine: str = "auto"
     quant: str = "none"
     ignore_eos: bool = False
+    lengths: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
         _choice("rollout.quant", self.quant, QUANT_FORMATS)
+        _check(not self.lengths or self.ignore_eos, "rollout.lengths needs rollout.ignore_eos=true")
+        _check(all(n >= 1 for n in self.lengths), "rollout.lengths entries must be >= 1")
 
 
 @schema

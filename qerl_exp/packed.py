@@ -9,8 +9,9 @@ the HF forward and peft):
   own (causal, aligned to the end). Micro-batches are filled up to `train.micro_batch_tokens`.
 - **The decoder pass** (`hidden_states`): the HF model's own modules and parameters (so optimizer,
   checkpoints and AQN are untouched), run by hand for Llama/Qwen2 blocks. Attention is FlashAttention
-  over variable-length sequences on CUDA, a block mask over the packed tokens elsewhere. RMSNorm,
-  RoPE and SwiGLU are compiled on CUDA (`train.compile`); each projection group (q/k/v, o,
+  over variable-length sequences on CUDA, a block mask over the packed tokens elsewhere. RMSNorm
+  (with the residual add before it), RoPE and SwiGLU are compiled on CUDA (`train.compile`); each
+  projection group (q/k/v, o,
   gate/up, down) is one base product with its LoRA term added in the same GEMM's epilogue
   (`_LoraLinear`), and 4-bit bases are decoded for that product and again in backward, never kept.
 - **Scoring**: the LM head and log-probs on the scored (completion) positions only, in chunks
@@ -215,8 +216,9 @@ def uses_flash(q: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: float, mask: torch.Tensor | None):
-    """Attention `[N, Hq, D]` of packed queries over their sequences' keys (`[N, Hkv, D]`)."""
-    if uses_flash(q):
+    """Attention `[N, Hq, D]` of packed queries over their sequences' keys (`[N, Hkv, D]`): with
+    FlashAttention when `mask` is None, else SDPA under `mask` (`block_mask(p)`)."""
+    if mask is None:
         k, v = (k.index_select(0, p.kv_index), v.index_select(0, p.kv_index)) if p.gather else (k.contiguous(), v.contiguous())
         return _FlashVarlen.apply(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale)
     rep = q.shape[1] // k.shape[1]
@@ -228,13 +230,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: fl
 # The elementwise pieces (compiled on CUDA)
 
 
-def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """`(x + delta, RMSNorm(x + delta))`, rounded as HF's Llama/Qwen2 RMSNorm rounds."""
-    if delta is not None:
-        x = x + delta
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm rounded as HF's Llama/Qwen2 RMSNorm rounds (in fp32, the scale applied in x's dtype)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return x, weight * h.to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """`(x + delta, RMSNorm(x + delta))`: the residual add fused into the next norm."""
+    x = x + delta
+    return x, _rms_norm(x, weight, eps)
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -254,17 +260,18 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class _Elementwise:
-    """The three elementwise pieces, compiled once per process on first CUDA use (dynamic token
-    counts, so a new micro-batch length does not recompile)."""
+    """The elementwise pieces, compiled once per process on first CUDA use (dynamic token counts, so
+    a new micro-batch length does not recompile)."""
 
     def __init__(self):
         self.compiled = None
 
     def get(self, compiled: bool):
+        pieces = (_rms_norm, _add_rms_norm, _rope, _swiglu)
         if not compiled:
-            return _add_rms_norm, _rope, _swiglu
+            return pieces
         if self.compiled is None:
-            self.compiled = tuple(torch.compile(f, dynamic=True) for f in (_add_rms_norm, _rope, _swiglu))
+            self.compiled = tuple(torch.compile(f, dynamic=True) for f in pieces)
         return self.compiled
 
 
@@ -399,10 +406,14 @@ def _check_model(lm) -> None:
 def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, compiled: bool):
     """One decoder block on the residual stream `x + delta`; returns the next `(x, delta)` (the
     residual add is left to the next norm, which it is compiled into)."""
-    add_norm, rope, swiglu = _ELEMENTWISE.get(compiled)
+    norm, add_norm, rope, swiglu = _ELEMENTWISE.get(compiled)
     attn, mlp = layer.self_attn, layer.mlp
     n = x.shape[0]
-    x, h = add_norm(x, delta, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    eps = layer.input_layernorm.variance_epsilon
+    if delta is None:  # the first block: x is the embedding
+        h = norm(x, layer.input_layernorm.weight, eps)
+    else:
+        x, h = add_norm(x, delta, layer.input_layernorm.weight, eps)
     qkv = _group([attn.q_proj, attn.k_proj, attn.v_proj], adapter, h)
     d = attn.head_dim
     hq, hkv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
@@ -437,7 +448,7 @@ def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, comp
         recompute = i < checkpointed and torch.is_grad_enabled()
         x, delta = checkpoint(_block, *args, use_reentrant=False) if recompute else _block(*args)
     x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
-    return _ELEMENTWISE.get(compiled)[0](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
+    return _ELEMENTWISE.get(compiled)[1](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
 
 
 def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:

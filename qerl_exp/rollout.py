@@ -256,7 +256,7 @@ def make_sampler(engine: str, model, tokenizer, device: torch.device):
 
 
 def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device,
-           ignore_eos: bool = False, seeds: list[int] | None = None) -> Rollout:
+           ignore_eos: bool = False, seeds: list[int] | None = None, lengths: list[int] | None = None) -> Rollout:
     """Draw `algo.group_size` completions for each prompt text.
 
     Args:
@@ -269,6 +269,8 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
         seeds: one per completion (`row_seeds`); the HF engine samples each row from its own
             stream, the fast engine the whole batch from one stream seeded by `seeds[0]`. None:
             drawn from torch's global generator.
+        lengths: benchmarks, with `ignore_eos`: row i ends after `lengths[i % len(lengths)]` tokens,
+            as if it had sampled EOS there (`rollout.lengths`).
 
     Returns:
         A `Rollout` with `len(prompts) * group_size` rows, each group's rows adjacent.
@@ -284,6 +286,10 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
         seeds = torch.randint(0, 2**62, (len(repeated),)).tolist()
     completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id, seeds)
     cmask, terminated = completion_mask(completion, eos_id)
+    if lengths:
+        cut = torch.tensor([lengths[i % len(lengths)] for i in range(len(repeated))], device=cmask.device)
+        cmask = cmask * (torch.arange(cmask.shape[1], device=cmask.device) < cut.unsqueeze(1))
+        terminated = cut < cmask.shape[1]
     if not torch.isfinite(logp[cmask.bool()]).all():  # the fast engine samples on without complaint
         raise NonFiniteLogitsError("the sampler's log-probabilities are not finite")
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_id))

@@ -214,7 +214,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             try:
                 with _phase(M.Phase.ROLLOUT), aqn.applied(sampling):
                     rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos,
-                                     seeds=row_seeds(cfg.seed, step, share, G))
+                                     seeds=row_seeds(cfg.seed, step, share, G), lengths=cfg.rollout.lengths)
             except NonFiniteLogitsError:
                 rollout = None
             if distributed.any_rank(rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
@@ -243,11 +243,12 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
             # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else
             # only every monitor.kl_every steps, for the `kl` metric.
-            t_ref, ref_logp = learner.clock(device), None
+            ref_logp, reference_s = None, 0.0
             if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
+                t_ref = learner.clock(device)
                 with _phase(M.Phase.REFERENCE):
                     ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
-            reference_s = learner.clock(device) - t_ref
+                reference_s = learner.clock(device) - t_ref
 
             # Monitor before the update: the policy that sampled, against the reference.
             step_metrics: dict[str, float] = {}

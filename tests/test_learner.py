@@ -116,10 +116,14 @@ def _sgd_delta(policy, rollout, cfg, **changes):
 
 
 @pytest.mark.parametrize("agg", ["token", "sequence"])
-def test_micro_batches_give_the_whole_batch_loss_and_gradient(setup, agg):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_micro_batches_give_the_whole_batch_loss_and_gradient(setup, agg, padding_free):
     cfg, policy, rollout = setup
-    whole, d_whole = _sgd_delta(policy, rollout, cfg, micro_batch_size=0, grad_clip=0.0, algo={"loss_agg": agg})
-    micro, d_micro = _sgd_delta(policy, rollout, cfg, micro_batch_size=3, grad_clip=0.0, algo={"loss_agg": agg})
+    size = {"micro_batch_tokens": 60} if padding_free else {"micro_batch_size": 3}
+    whole, d_whole = _sgd_delta(policy, rollout, cfg, padding_free=padding_free, micro_batch_size=0,
+                                micro_batch_tokens=0, grad_clip=0.0, algo={"loss_agg": agg})
+    micro, d_micro = _sgd_delta(policy, rollout, cfg, padding_free=padding_free, **size, grad_clip=0.0,
+                                algo={"loss_agg": agg})
     assert micro.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
     assert any(d.abs().max() > 0 for d in d_whole)
     for a, b in zip(d_micro, d_whole):
@@ -202,5 +206,5 @@ def test_learner_gradient_is_finite_where_cudnn_attention_backward_is_not():
                       [""] * b)
     params = [q for q in policy.parameters() if q.requires_grad]
     update = update_policy(policy, torch.optim.SGD(params, lr=0.0), params, rollout, torch.linspace(-1, 1, b).cuda(),
-                           rollout.completion_mask, AlgoConfig(), TrainConfig(micro_batch_size=0))
+                           rollout.completion_mask, AlgoConfig(), TrainConfig(padding_free=False, micro_batch_size=0))
     assert update.skipped == 0 and math.isfinite(update.grad_norm) and update.grad_norm > 0
