@@ -392,26 +392,19 @@ class TrainConfig:
         deterministic: ask torch for deterministic kernels.
         max_nonfinite: a step whose loss or gradients are not finite is skipped (no update) and
             counted; this many in a row stop the run, its last good checkpoint intact.
-        micro_batch_size: completions per forward/backward of the padded learner
-            (`padding_free=false`) and per pass of the full-vocabulary monitor; gradients accumulate
-            over micro-batches to exactly the full batch's (the loss uses the whole batch's
-            normaliser). 0: the whole mini-batch at once. Lower it when they run out of memory.
-        padding_free: the learner packs each micro-batch's rows into one sequence without padding,
-            attention kept within each row, and runs its own decoder pass (`qerl_exp.packed`: LoRA
-            added inside the base product, compiled elementwise ops on CUDA); false: HF's forward
-            through peft over left-padded rows. Same loss and gradients up to rounding.
-        micro_batch_tokens: padding_free only: most packed tokens per forward/backward (prompts
-            counted once per group with `shared_prefix`); rows are never split, a longer one goes
-            alone. 0: the whole mini-batch at once.
-        shared_prefix: padding_free only: a group's completions attend to one packed copy of their
-            prompt (its hidden states computed once per micro-batch) instead of one copy each.
-        gradient_checkpointing: recompute decoder blocks' activations in backward instead of keeping
-            them (the paper does at 14B and 32B): less memory, one more forward. `true`: every
-            block; `false`: none; `auto`: padding_free on CUDA, the fewest blocks that let the
-            micro-batch's activations fit in 80 % of the free device memory (none elsewhere, and
-            none with the padded learner).
-        compile: padding_free on CUDA: compile the decoder's elementwise ops (RMSNorm with the
-            residual add, RoPE, SwiGLU) with torch.compile (the first step pays the compilation).
+        micro_batch_size: completions per forward/backward of the padded learner and per pass of
+            the monitor; gradients accumulate to exactly the whole batch's. 0: all at once.
+        padding_free: the learner packs each micro-batch's rows into one sequence without padding
+            and runs its own decoder pass (`qerl_exp.packed`); false: HF's forward through peft
+            over left-padded rows. Same loss and gradients up to rounding.
+        micro_batch_tokens: padding_free: most packed tokens per forward/backward (rows are never
+            split; a longer one goes alone). 0: the whole mini-batch at once.
+        shared_prefix: padding_free: a group's completions attend to one packed copy of their prompt.
+        gradient_checkpointing: recompute decoder blocks in backward instead of keeping their
+            activations (the paper does at 14B and 32B): `true` every block, `false` none, `auto`
+            (padding_free on CUDA) the fewest that fit the micro-batch in 80 % of free memory.
+        compile: padding_free on CUDA: torch.compile the decoder's elementwise ops (RMSNorm with
+            the residual add, RoPE, SwiGLU); the first step pays the compilation.
         dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
             metric gathering) for the others before the run ends with an error: longer than the
             slowest step plus an evaluation and a checkpoint, short enough that a hung rank does
