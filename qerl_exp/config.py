@@ -10,10 +10,7 @@ one-line message that names the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
-import textwrap
 import typing
 from dataclasses import dataclass, field
 
@@ -431,7 +428,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.micro_batch_size >= 0, f"train.micro_batch_size must be >= 0 (0: the whole batch), got {self.micro_batch_size}")
         _check(self.micro_batch_tokens >= 0, f"train.micro_batch_tokens must be >= 0 (0: the whole batch), got {self.micro_batch_tokens}")
-        self.gradient_checkpointing = str(self.gradient_checkpointing).lower()
+        self.gradient_checkpointing = str(self.gradient_checkpointing).lower()  # YAML's true/false arrive as "True"/"False"
         _choice("train.gradient_checkpointing", self.gradient_checkpointing, ("auto", "true", "false"))
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
@@ -501,9 +498,8 @@ class RolloutConfig:
             (the "NVFP4 rollouts only" strategy; the learner keeps quant.format).
         ignore_eos: sample every completion to exactly `algo.max_new_tokens` tokens (EOS is kept
             as an ordinary token): fixed, long completions for speed and memory benchmarks.
-        lengths: benchmarks, with `ignore_eos`: completion i of each step's batch ends after
-            `lengths[i % len(lengths)]` tokens, as if it had sampled EOS there (the learner sees
-            these lengths; the rollout still samples `algo.max_new_tokens`). Empty: off.
+        lengths: benchmarks, with `ignore_eos`: completion i of a step ends after
+            `lengths[i % len(lengths)]` tokens, as if it sampled EOS there. Empty: off.
     """
 
     engine: str = "auto"
@@ -514,8 +510,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
         _choice("rollout.quant", self.quant, QUANT_FORMATS)
-        _check(not self.lengths or self.ignore_eos, "rollout.lengths needs rollout.ignore_eos=true")
-        _check(all(n >= 1 for n in self.lengths), "rollout.lengths entries must be >= 1")
+        _check(all(n >= 1 for n in self.lengths) and (self.ignore_eos or not self.lengths),
+               "rollout.lengths needs rollout.ignore_eos=true and entries >= 1")
 
 
 @schema
@@ -526,9 +522,8 @@ class MonitorConfig:
     Args:
         every: steps between monitor evaluations on the rollout batch; 0 disables the
             reference model (for models too large to hold twice).
-        kl_every: with `algo.beta == 0`, steps between the reference passes (the base without LoRA
-            scoring the rollout) that log `kl`; 0 never runs them. With beta > 0 the loss needs
-            the reference every step, and it runs every step.
+        kl_every: at `algo.beta == 0`, steps between reference passes (the base without LoRA on
+            the rollout) that log `kl`; 0: never. At beta > 0 the loss needs one every step.
     """
 
     every: int = 1
@@ -606,8 +601,7 @@ class Config:
         # numpy's global seed takes 0 .. 2**32 - 1
         _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         _check(not (self.train.padding_free and self.noise.apply_to == "both" and self.noise.resample == "forward"),
-               "noise.resample=forward with noise.apply_to=both redraws the noise before each HF forward, which the "
-               "packed learner does not call; set train.padding_free=false or noise.resample=step")
+               "noise.resample=forward with apply_to=both needs train.padding_free=false (it redraws per HF forward)")
         batch = self.train.prompts_per_step * self.algo.group_size
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
@@ -670,46 +664,3 @@ def from_dict(data: dict) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in data.items() if k in fields})
     return to_config(merged)
-
-
-def field_docs(schema: type) -> dict[str, str]:
-    """Each field's description from the `Args:` block of a schema's docstring, on one line."""
-    docs, name = {}, None
-    lines = (schema.__doc__ or "").split("Args:", 1)[-1].splitlines()
-    for line in lines:
-        entry = re.match(r"^ {8}(\w+): (.*)$", line)
-        if entry:
-            name = entry.group(1)
-            docs[name] = entry.group(2).strip()
-        elif name and line.startswith(" " * 12):
-            docs[name] += " " + line.strip()
-    return docs
-
-
-def _yaml_scalar(value) -> str:
-    """JSON is YAML, but YAML 1.1 readers (PyYAML) read `1e-05` as a string: write `1.0e-05`."""
-    text = json.dumps(value)
-    if isinstance(value, float) and "e" in text and "." not in text.split("e")[0]:
-        text = text.replace("e", ".0e")
-    return text
-
-
-def flat_yaml(schema: type = Config, indent: str = "") -> str:
-    """Every field of the run config with its default and its description (`conf/flat.yaml`, which
-    a test compares with the schemas, so that a renamed field or a changed default shows in a diff)."""
-    out = [] if indent else ["# Generated from the schemas in qerl_exp/config.py by `python -m qerl_exp.config > conf/flat.yaml`;",
-                             "# do not edit. Every field of a run, its default, and its description.", ""]
-    docs, defaults = field_docs(schema), schema()
-    for f in dataclasses.fields(schema):
-        out += [f"{indent}# {line}" for line in textwrap.wrap(docs.get(f.name, "(undocumented)"), 100 - len(indent) - 2)]
-        value = getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            out += [f"{indent}{f.name}:", flat_yaml(type(value), indent + "  ").rstrip("\n")]
-        else:
-            out.append(f"{indent}{f.name}: {_yaml_scalar(value)}")
-        out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
-
-
-if __name__ == "__main__":
-    print(flat_yaml(), end="")

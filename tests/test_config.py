@@ -11,7 +11,8 @@ import yaml
 
 from conftest import ROOT, qerl
 from qerl_exp.cli import UsageError, compose_config, group_options, validate
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, field_docs, flat_yaml, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, to_config
+from qerl_exp.flat_config import field_docs, flat_yaml
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -63,7 +64,7 @@ def test_schema_fields_are_documented():
 
 def test_flat_yaml_is_generated_from_the_schemas():
     committed = (ROOT / "conf" / "flat.yaml").read_text()
-    assert committed == flat_yaml(), "conf/flat.yaml is stale: python -m qerl_exp.config > conf/flat.yaml"
+    assert committed == flat_yaml(), "conf/flat.yaml is stale: python -m qerl_exp.flat_config > conf/flat.yaml"
     assert yaml.safe_load(committed) == as_dict(Config())
 
 
