@@ -23,6 +23,7 @@ activations fit in the free device memory (`checkpointed_layers`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -319,22 +320,30 @@ def _adjacent(ws: list[torch.Tensor]) -> bool:
 
 
 class _LoraLinear(torch.autograd.Function):
-    """`x @ W^T + bias + (xa @ A^T) @ B^T` in one base GEMM whose epilogue adds the LoRA term.
+    """`x @ W^T + bias + sum_i s_i (xa @ A_i^T) @ B_i^T` (each adapter's output in its own columns) in
+    one base GEMM whose epilogue adds the LoRA term.
 
     W (the group's frozen base, stacked) is fetched from `base` in forward and again in backward, so
-    autograd keeps only `x` (for A's gradient) and the `[N, R]` LoRA activations. A `[R, K]` holds
-    the group's adapters' A stacked, B `[O, R]` their B block-diagonally, scaling folded in.
-    `xa` is the adapters' input (x after LoRA dropout); None: x itself.
+    autograd keeps only `x` (for A's gradient) and the `[N, R]` LoRA activations. The adapters'
+    A `[r_i, K]` and B `[O_i, r_i]` come as they are (fp32 parameters): they are stacked, B
+    block-diagonally with its scale, and cast inside, and their gradients split back, so that a
+    group costs one autograd node, not one per cast and stack. `xa` is the adapters' input (x after
+    LoRA dropout); None: x itself.
     """
 
     @staticmethod
-    def forward(ctx, x, a, b, base, xa):
+    def forward(ctx, x, base, scales, xa, *ab):
+        n = len(scales)
+        a_list, b_list = ab[:n], ab[n:]
+        a = torch.cat(a_list).to(x.dtype) if n > 1 else a_list[0].to(x.dtype)
+        b = torch.block_diag(*[bi * s for bi, s in zip(b_list, scales)]).to(x.dtype)
         w, bias = base.weight(x.dtype), base.bias(x.dtype)
         lora_in = x if xa is None else xa
         t = lora_in @ a.t()  # [N, R]
         c = torch.addmm(bias, t, b.t()) if bias is not None else t @ b.t()
         y = torch.addmm(c, x, w.t())
-        ctx.base, ctx.dropout = base, xa is not None
+        ctx.base, ctx.dropout, ctx.scales = base, xa is not None, scales
+        ctx.ranks, ctx.outs = [ai.shape[0] for ai in a_list], [bi.shape[0] for bi in b_list]
         ctx.save_for_backward(lora_in, t, a, b)
         return y
 
@@ -349,7 +358,13 @@ class _LoraLinear(torch.autograd.Function):
                 gx, gxa = gy @ w, g @ a
             else:
                 gx = torch.addmm(g @ a, gy, w)
-        return gx, g.t() @ lora_in, gy.t() @ t, None, gxa
+        ga = (g.t() @ lora_in).split(ctx.ranks)
+        gb_full = gy.t() @ t  # [O, R]: the diagonal blocks are B's gradients (times their scales)
+        gb, r0 = [], 0
+        for rows, r, o0, s in zip(ctx.outs, ctx.ranks, [0, *itertools.accumulate(ctx.outs)], ctx.scales):
+            gb.append(gb_full[o0 : o0 + rows, r0 : r0 + r] * s)
+            r0 += r
+        return (gx, None, None, gxa, *ga, *gb)
 
 
 def _frozen_linear(x: torch.Tensor, base: _Base) -> torch.Tensor:
@@ -382,13 +397,10 @@ def _group(layers: list[nn.Module], adapter: bool, x: torch.Tensor) -> torch.Ten
     if len(adapters) != len(layers) or any(len(m.active_adapters) != 1 for m, _ in adapters):
         raise PackingError("the packed learner needs one active adapter on every module of a projection group; "
                            "set train.padding_free=false")
-    a = torch.cat([m.lora_A[name].weight for m, name in adapters]).to(x.dtype)
-    b = torch.block_diag(*[m.lora_B[name].weight * m.scaling[name] for m, name in adapters]).to(x.dtype)
-    dropouts = [m.lora_dropout[name] for m, name in adapters]
-    xa = None
-    if not isinstance(dropouts[0], nn.Identity) and dropouts[0].training:
-        xa = dropouts[0](x)  # peft's dropout module; the group's modules share one config
-    return _LoraLinear.apply(x, a, b, base, xa)
+    dropout = adapters[0][0].lora_dropout[adapters[0][1]]
+    xa = dropout(x) if not isinstance(dropout, nn.Identity) and dropout.training else None  # one config a group
+    return _LoraLinear.apply(x, base, [float(m.scaling[name]) for m, name in adapters], xa,
+                             *[m.lora_A[name].weight for m, name in adapters], *[m.lora_B[name].weight for m, name in adapters])
 
 
 # ---------------------------------------------------------------------------------------------

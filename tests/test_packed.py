@@ -178,8 +178,8 @@ def test_the_packed_update_equals_the_padded_update(setup):
     assert packed_.loss == pytest.approx(padded.loss, rel=1e-5, abs=1e-7)
     assert packed_.grad_norm == pytest.approx(padded.grad_norm, rel=1e-5)
     torch.testing.assert_close(packed_.entropy, padded.entropy, rtol=1e-5, atol=1e-5)
-    for a, b in zip(d_packed, d_padded):
-        _close(a, b)
+    for a, b in zip(d_packed, d_padded):  # an SGD step: fp32 sums over every token, summed again per micro-batch
+        _close(a, b, 1e-4)
 
 
 def test_padding_free_runs_log_the_padded_runs_metrics_and_skip_the_reference(tmp_path):
