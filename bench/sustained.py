@@ -3,7 +3,7 @@
     python bench/sustained.py                 # M = 64, 128, 256; about two minutes on an H200
     python bench/sustained.py --m 128 --seconds 1
 
-At RL batch sizes both engines run against the board's power limit (docs/engine.md, sessions 25-27),
+At RL batch sizes both engines run against the board's power limit (docs/engine.md, "Known limits"),
 so a launch timed for a few replays on a cool GPU runs faster than it does inside a rollout. Here
 each case is replayed from one CUDA graph for `--seconds` (weights cycled beyond L2, as in
 bench/kernels.py) while `gpu_power.PowerMeter` reads the energy counter and samples the SM clock:
