@@ -154,13 +154,14 @@ def _product_files() -> list[Path]:
         out = subprocess.run(["git", "ls-files", "-z", "--", *PRODUCT], cwd=ROOT, capture_output=True, check=True)
         paths = [ROOT / p for p in out.stdout.decode().split("\0") if p]
     except (OSError, subprocess.CalledProcessError):
-        paths = [p for name in PRODUCT for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
+        paths = [p for name in PRODUCT
+                 for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
     return [p for p in paths if p.is_file() and b"\0" not in p.read_bytes()[:8192]]
 
 
 def test_history_patterns_catch_our_phrasing_only():
-    said = ["docs/engine.md, session 27", "one GEMM (session", "(sessions 25-27)", "what this session measured", "issue 25 of this repository",
-            "Issue 21's next runs", "see #22", "DESIGN.md 2.4", "(STYLE.md)"]
+    said = ["docs/engine.md, session 27", "one GEMM (session", "(sessions 25-27)", "what this session measured",
+            "issue 25 of this repository", "Issue 21's next runs", "see #22", "DESIGN.md 2.4", "(STYLE.md)"]
     fine = ["pytorch/pytorch#196678", "pytorch#196678", '@pytest.fixture(scope="session")', "A session of their own",
             "start_new_session=True", "open an issue", "# 4 rows", "color #fff"]
     assert all(any(r.search(line) for r in HISTORY.values()) for line in said)
