@@ -322,20 +322,14 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
     if len(values) == 1:
         return paths, [f"study {study_name}: every complete trial has {names[0]} = {values.pop():g}; "
                        "parameter importance is undefined, so optuna_importance is not drawn"]
-    # PED-ANOVA (Optuna's default; fANOVA would need scikit-learn): how much each parameter's
-    # distribution differs between the best trials and all trials. It ranks for low targets.
-    sign = -1.0 if study.directions[0] == optuna.study.StudyDirection.MAXIMIZE else 1.0
-    evaluator = optuna.importance.PedAnovaImportanceEvaluator()
-    with warnings.catch_warnings():  # its reminder that it ranks for low targets: handled by `sign`
-        warnings.filterwarnings("ignore", message="PedAnovaImportanceEvaluator computes")
-        importances = optuna.importance.get_param_importances(study, evaluator=evaluator,
-                                                              target=lambda t: sign * t.values[0])
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(importances) + 1.8))
-    params = list(importances)[::-1]
-    ax.barh(params, [importances[p] for p in params], label=f"PED-ANOVA importance for {names[0]}")
-    ax.set_xlabel("importance (normalized to sum 1)")
-    ax.set_ylabel("parameter")
-    ax.legend(fontsize=8, loc="lower right")
+    # Optuna's own plot with its default evaluator, called as `qerl_exp.sweep.report` calls it, so
+    # the sweep's report and these figures draw one definition of importance
+    from optuna.visualization import matplotlib as vis
+
+    target = None if len(names) == 1 else (lambda t: t.values[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's experimental-API and evaluator notices
+        fig = vis.plot_param_importances(study, target=target, target_name=names[0]).figure
     paths += _save(fig, out_dir, "optuna_importance", f"Optuna parameter importance: {study_name}", band_note=False)
     return paths, []
 

@@ -51,7 +51,7 @@ class Claim:
         exploration: the claimed exploration (entropy gain): "slight" or "significant" increase, or
             "similar" to that of the strategy `similar_to`.
         similar_to: the strategy whose entropy gain a "similar" claim is compared with.
-        paper_weights_ratio: weights over bf16 measured in the paper at 7B (DESIGN.md 2.4).
+        paper_weights_ratio: weights over bf16 measured in the paper at 7B (docs/method.md, section 4).
         paper_speedup: rollout tokens/s over bf16 LoRA measured in the paper at 7B, batch 8.
     """
 
@@ -63,7 +63,7 @@ class Claim:
     paper_speedup: float | None = None
 
 
-# The design's comparison table (issue 25). The paper's 7B measurements come from DESIGN.md 2.4:
+# The comparison the harness was built to check. The paper's 7B measurements (docs/method.md, section 4):
 # weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s 1641 BF16 LoRA, 2092 QeRL,
 # 1362 QLoRA. "Similar to NVFP4" is read against NVFP4 + LoRA, the other LoRA-on-4-bit strategy.
 CLAIMS = {
@@ -74,11 +74,11 @@ CLAIMS = {
                     paper_weights_ratio=5.7 / 15.2, paper_speedup=1362 / 1641),
 }
 CLAIMS_SOURCE = (
-    "Claims: the design's comparison table (issue 25 of this repository): NVFP4 only (nvfp4_rollout) "
+    "Claims: the comparison this harness checks (docs/method.md, section 4): NVFP4 only (nvfp4_rollout) "
     "-75% memory, 1.5x faster, slight exploration increase; NVFP4 + LoRA (nvfp4_lora) -85%, 1.5x, "
     "significant increase; double quant (nf4_dq) -80%, 1.3x, exploration similar to NVFP4 (read as "
     "nvfp4_lora). Paper 7B: the QeRL paper's measurements on one H100 (arXiv 2510.11696, as summarized in "
-    "DESIGN.md 2.4): weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s at batch 8: 1641 "
+    "docs/method.md): weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s at batch 8: 1641 "
     "BF16 LoRA, 2092 QeRL, 1362 QLoRA. A memory claim holds when the measured weight-memory reduction is "
     "at most 5 points below it, a speed claim when rollout tokens/s over full precision is at most 5% "
     "below it; 'slight' holds when the mean entropy gain is above 0, 'significant' when its 95% "

@@ -2,7 +2,7 @@
 
 At 64 sequences and more the H200 runs the large 4-bit and bf16 products at its board power limit:
 the driver lowers the SM clock until the draw fits ("SW Power Cap"), so a tokens/s ratio there is a
-ratio of energy per token, and it moves with the board's limit (docs/engine.md, session 25). The
+ratio of energy per token, and it moves with the board's limit (docs/engine.md, "Known limits"). The
 benchmarks print these readings beside their timings so that a capped row can be seen as one.
 
     with PowerMeter() as pm:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import dispatch, launch, layout  # noqa: E402
+from qerl_exp.engine import dispatch, layout, linear  # noqa: E402
 from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
@@ -34,12 +34,8 @@ SHAPES_05B = [("qkv 896x1152", 896, 1152), ("o 896x896", 896, 896),
 LAUNCHES_7B = [("qkv", 3584, 4608), ("o", 3584, 3584), ("gate|up", 3584, 37888), ("down", 18944, 3584)]
 SWEEP_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # launches whose input the GLU epilogue writes: where they take nvfp4_wgmma it writes that kernel's fp16
-# operand itself (`launch.takes_x16`), so the engine runs them with no conversion launch, and so they are timed
+# operand itself (`LinearPlan.takes_x16`), so the engine runs them with no conversion launch, and so they are timed
 FED_BY_GLU = ("down",)
-# `_nvfp4_mma_kernel` tiles tried beside `mma_kernels.TILES`' row (BLOCK_M from that row)
-MMA_TILES = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-             dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-             dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)]
 
 
 def wgmma_tiles(m: int) -> list[dict]:
@@ -107,10 +103,10 @@ def _packed(fmt: str, w: torch.Tensor) -> layout.PackedWeight:
     return layout.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
 
 
-def operand(name: str, plan, x: torch.Tensor, kernel: str | None = None) -> tuple[torch.Tensor, dict]:
+def operand(name: str, plan, x: torch.Tensor, kind: str | None = None) -> tuple[torch.Tensor, dict]:
     """(input, fused_linear keywords) of a launch as the engine runs it: x, or for a launch fed by the
-    GLU epilogue that takes nvfp4_wgmma (by `kernel` or by the table), x / 16 in fp16 with `x16=True`."""
-    wgmma = kernel == "wgmma" or kernel is None and launch.takes_x16(plan, x.shape[0], x.device)
+    GLU epilogue that takes nvfp4_wgmma (by `kind` or by the table), x / 16 in fp16 with `x16=True`."""
+    wgmma = kind == "wgmma" or kind is None and plan.takes_x16(x.shape[0], x.device)
     if name.split()[0] in FED_BY_GLU and wgmma:
         return (x / 16).half(), dict(x16=True)
     return x, {}
@@ -129,8 +125,8 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws = [pw] + [layout.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
-    scratch = torch.zeros(launch.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
-    return [launch.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
+    scratch = torch.zeros(linear.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
+    return [linear.make_plan(fmt, [wi], [None], None, [0.0], 0, False, dev, workspace=scratch) for wi in ws], nbytes
 
 
 def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -> list[tuple]:
@@ -151,7 +147,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -
         t_cublas = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense_copies])
         rows.append(("cublas_bf16", m, t_cublas, w.numel() * 2 / t_cublas / 1e9, 1.0, 0.0))
         for v in variants:
-            fmt, _, mode = v.partition("_")
+            fmt = v.partition("_")[0]
             try:
                 if v == "bnb_nf4":
                     import bitsandbytes as bnb
@@ -166,7 +162,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -
                     deq = w.float() if fmt == "dense" else packs[fmt].dequantize()
                     ref = x.float() @ deq.t()
                     xin, kw = operand(name, plans[0], x) if fmt == "nvfp4" else (x, {})
-                    fns = [lambda p=p: launch.fused_linear(p, xin, out, f16=mode == "f16", **kw) for p in plans]
+                    fns = [lambda p=p: linear.fused_linear(p, xin, out, **kw) for p in plans]
                     t = time_graph(fns)
                     out.fill_(float("nan"))
                     fns[0]()
@@ -179,7 +175,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], variants: list[str]) -
     return rows
 
 
-def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool = True) -> dict | None:
+def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4") -> dict | None:
     """Time every tile config of `sweep_configs()` for one shape and M; print and return the best."""
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -187,32 +183,33 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4", f16: bool
     plans, _ = _plans(fmt, w, packs, [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)])
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-    base = launch.linear_config(m, n, k, fmt, n, False)
+    base = linear.linear_config(m, n, k, fmt, n, False)
     results = []
     for c in sweep_configs():
         cfg = {**base, **c}
         if n % cfg["BLOCK_N"] or (k // cfg["BLOCK_K"]) % cfg["SPLIT"]:
             continue
         try:
-            t = time_graph([lambda p=p: launch.fused_linear(p, x, out, f16=f16, config=cfg) for p in plans])
+            t = time_graph([lambda p=p: linear.fused_linear(p, x, out, choice=dispatch.Choice("small", cfg))
+                            for p in plans])
         except Exception as e:
             print(f"  sweep {name} {fmt} M={m} {c}: {type(e).__name__}", flush=True)
             continue
         results.append((t, cfg))
     results.sort(key=lambda r: r[0])
-    t0 = time_graph([lambda p=p: launch.fused_linear(p, x, out, f16=f16) for p in plans])
+    t0 = time_graph([lambda p=p: linear.fused_linear(p, x, out) for p in plans])
     for t, cfg in results[:3]:
         print(f"  sweep {name} {fmt} M={m}: {t * 1e6:7.1f} us  {cfg}   (heuristic: {t0 * 1e6:.1f} us)", flush=True)
     return results[0][1] if results else None
 
 
 def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) -> dict:
-    """Time cuBLAS bf16, dequantize + cuBLAS, the decode kernels, `nvfp4_wgmma` and `_nvfp4_mma_kernel`
-    (its tile table and `MMA_TILES`) for every launch shape and M; print them side by side and write the
+    """Time cuBLAS bf16, the decode kernels ("small") and `nvfp4_wgmma` (its tile table and the
+    `wgmma_tiles` variants) for every launch shape and M; print them side by side and write the
     fastest per (shape, M) as the dispatch table."""
     dev = torch.device("cuda")
     rows = []
-    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'dequant':>8} {'mma':>7} {'wgmma':>7}  best "
+    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'wgmma':>7}  best "
           "(x cuBLAS bf16: higher is faster)")
     for name, k, n in launches:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -222,33 +219,30 @@ def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) 
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             t_ref = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense])
-            cands = {"small": dict(kernel="small"), "dequant": dict(kernel="dequant")}
+            cands = {"small": dispatch.Choice("small")}
             if m >= 16:
-                cands["wgmma"] = dict(kernel="wgmma")
+                cands["wgmma"] = dispatch.Choice("wgmma")
                 for tiles in wgmma_tiles(m):
-                    cands["wgmma " + json.dumps(tiles)] = dict(kernel="wgmma", config=tiles)
-                cands["mma"] = dict(kernel="mma")
-                for tiles in MMA_TILES:
-                    cands["mma " + json.dumps(tiles)] = dict(kernel="mma", config=tiles)
+                    cands["wgmma " + json.dumps(tiles)] = dispatch.Choice("wgmma", tiles)
             us = {}
-            for cand, kw in cands.items():
-                xin, x16 = operand(name, plans[0], x, kw["kernel"])
+            for cand, choice in cands.items():
+                xin, x16 = operand(name, plans[0], x, choice.kind)
                 try:
-                    us[cand] = time_graph([lambda p=p: launch.fused_linear(p, xin, out, **kw, **x16) for p in plans]) * 1e6
+                    us[cand] = time_graph([lambda p=p: linear.fused_linear(p, xin, out, choice=choice, **x16)
+                                           for p in plans]) * 1e6
                 except Exception as e:  # keep the sweep going; the failure is printed and never chosen
                     print(f"  {name} M={m} {cand} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     us[cand] = float("nan")
-            rows.append(dict(shape=f"{n}x{k}", m=m, us=us, cublas_us=t_ref * 1e6))
+            rows.append(dict(shape=f"{n}x{k}", m=m, us=us))
             best = min((c for c in us if us[c] == us[c]), key=us.get)
-            mma_best = min([us[c] for c in us if c.startswith("mma") and us[c] == us[c]], default=float("nan"))
             wg_best = min([us[c] for c in us if c.startswith("wgmma") and us[c] == us[c]], default=float("nan"))
             ref = t_ref * 1e6
-            print(f"{name + f' {n}x{k}':22} {m:>4} {ref:>10.1f} {ref / us['small']:>6.2f}x {ref / us['dequant']:>7.2f}x "
-                  f"{ref / mma_best:>6.2f}x {ref / wg_best:>6.2f}x  {best} ({ref / us[best]:.2f}x)",
-                  flush=True)
+            print(f"{name + f' {n}x{k}':22} {m:>4} {ref:>10.1f} {ref / us['small']:>6.2f}x {ref / wg_best:>6.2f}x  "
+                  f"{best} ({ref / us[best]:.2f}x)", flush=True)
         del plans, dense, w
         torch.cuda.empty_cache()
-    header = dict(device=torch.cuda.get_device_name(), command=command)
+    header = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                  command=command)
     return dispatch.write_table(out_path, rows, header)
 
 
@@ -262,8 +256,8 @@ def main(argv: list[str] | None = None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b", help="7b or 0.5b")
     ap.add_argument("--m", default="1,8,64,256", help="rows (batch) to time")
-    ap.add_argument("--variants", default="dense,nvfp4,nf4_f16,bnb_nf4",
-                    help="dense = the Triton bf16 kernel; nvfp4; nf4_f16 / nf4_bf16; bnb_nf4 = bitsandbytes")
+    ap.add_argument("--variants", default="dense,nvfp4,nf4,bnb_nf4",
+                    help="dense = the Triton bf16 kernel; nvfp4; nf4; bnb_nf4 = bitsandbytes")
     ap.add_argument("--tiles", action="store_true", help="search NVFP4 and dense tile configs (M=8 and 64)")
     ap.add_argument("--sweep", action="store_true",
                     help="time every NVFP4 path for the 7B launches at M 1-256 and write the dispatch table")

@@ -40,8 +40,7 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 # engine_bf16: dense products as the harness runs them (dense_gemm="auto"); _triton and _cublas force one
-ROWS = ("hf_bf16", "hf_nf4", "engine_bf16", "engine_bf16_triton", "engine_bf16_cublas", "engine_bf16_torch",
-        "engine_nvfp4", "engine_nf4")
+ROWS = ("hf_bf16", "hf_nf4", "engine_bf16", "engine_bf16_triton", "engine_bf16_cublas", "engine_nvfp4", "engine_nf4")
 
 
 def build(shape: str, rank: int):
@@ -155,8 +154,7 @@ def bench_shape(shape: str, a) -> list[dict]:
                     secs = run_hf(model, ids, mask, a.hf_new)
                     new, build_s, power = a.hf_new, 0.0, {}
                 else:
-                    engine = FastEngine(model, b, a.prompt + a.new, backend="torch" if variant == "torch" else "auto",
-                                        f16_dot=not a.bf16_dot,
+                    engine = FastEngine(model, b, a.prompt + a.new,
                                         dense_gemm=variant if variant in ("triton", "cublas") else "auto")
                     build_s = engine.build_s
                     warm = run_engine(engine, ids, mask, 4)
@@ -215,7 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank (alpha = rank)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--repeats", type=int, default=2, help="timed engine calls per row (best kept)")
-    ap.add_argument("--bf16-dot", action="store_true", help="4-bit kernels multiply in bf16 instead of fp16")
     ap.add_argument("--quick", action="store_true", help="batch 8 only, 64 new tokens, 8 HF tokens")
     ap.add_argument("--kernels", action="store_true", help="also print the kernel table")
     ap.add_argument("--json", default=None, help="write the results here")

@@ -41,7 +41,7 @@ def replay_ms(graph, n: int = 50) -> float:
 def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
     def fn():
         st.slot.fill_(slot)
-        decode_one_token(engine.m, engine.cache, st, engine.backend, False, False, engine.f16_dot)
+        decode_one_token(engine.m, engine.cache, st, False, False)
 
     print_kernels(fn, "one eager step", steps, top)
     print_layer_launches(fn, len(engine.m.layers))
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(3):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            prefill(engine.m, engine.cache, ids, mask, engine.scratch, fused=True)
+            prefill(engine.m, engine.cache, ids, mask, engine.scratch)
             torch.cuda.synchronize()
             pre = min(pre, (time.perf_counter() - t0) * 1e3)
         st.slot.fill_(a.prompt + 2)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {a.shape} {row} batch {a.batch}: decode step {ms:.3f} ms (graph replay, "
               f"{a.batch / ms * 1e3:.0f} tokens/s), prefill {pre:.1f} ms")
         kernel_table(engine, st, a.prompt + 2)
-        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch, fused=True), "one prefill",
+        print_kernels(lambda: prefill(engine.m, engine.cache, ids, mask, engine.scratch), "one prefill",
                       top=12, ops=True)
         del engine, graph
         torch.cuda.empty_cache()

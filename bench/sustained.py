@@ -3,7 +3,7 @@
     python bench/sustained.py                 # M = 64, 128, 256; about two minutes on an H200
     python bench/sustained.py --m 128 --seconds 1
 
-At RL batch sizes both engines run against the board's power limit (docs/engine.md, sessions 25-27),
+At RL batch sizes both engines run against the board's power limit (docs/engine.md, "Known limits"),
 so a launch timed for a few replays on a cool GPU runs faster than it does inside a rollout. Here
 each case is replayed from one CUDA graph for `--seconds` (weights cycled beyond L2, as in
 bench/kernels.py) while `gpu_power.PowerMeter` reads the energy counter and samples the SM clock:
@@ -11,7 +11,7 @@ bench/kernels.py) while `gpu_power.PowerMeter` reads the energy counter and samp
 - `cublas`: cuBLAS bf16 `x @ W^T`, the bf16 engine's product;
 - `nvfp4 kernel`: the 4-bit product alone (`nvfp4_wgmma.launch`, the dispatch table's tiles);
 - `nvfp4 path`: what `bench/kernels.py` times for NVFP4, the product with its norm_shrink and
-  epilogue launches (`launch.fused_linear`);
+  epilogue launches (`linear.fused_linear`);
 - a cuBLAS bf16 8192^3 product first: the best dense rate and energy per FLOP the board sustains.
 
 "% peak" is the rate over Hopper's dense fp16/bf16 tensor rate at the mean clock measured (4096
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels as kb  # noqa: E402
 from gpu_power import PowerMeter  # noqa: E402
 
-from qerl_exp.engine import dispatch, launch, nvfp4_wgmma  # noqa: E402
+from qerl_exp.engine import dispatch, launch, linear, nvfp4_wgmma  # noqa: E402
 
 FLOP_PER_CLOCK_SM = 4096  # Hopper (sm_90) dense fp16/bf16 tensor rate
 
@@ -107,14 +107,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             rows.append(row(name, m, "cublas", flops, sms,
                             *sustain([lambda d=d: torch.mm(x, d.t(), out=y) for d in dense], a.seconds)))
-            choice = dispatch.choose(n, k, m)
+            choice = dispatch.choose(n, k, m, launch.capability(dev))
             if choice.kind == "wgmma":
                 x16 = (x / 16).half()
                 rows.append(row(name, m, "nvfp4 kernel", flops, sms, *sustain(
                     [lambda p=p: nvfp4_wgmma.launch(p, x16, sms, choice.tiles) for p in plans], a.seconds)))
             xin, kw = kb.operand(name, plans[0], x)
             rows.append(row(name, m, "nvfp4 path", flops, sms, *sustain(
-                [lambda p=p: launch.fused_linear(p, xin, y, **kw) for p in plans], a.seconds)))
+                [lambda p=p: linear.fused_linear(p, xin, y, **kw) for p in plans], a.seconds)))
         del w, dense, plans
         torch.cuda.empty_cache()
     return rows

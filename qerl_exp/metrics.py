@@ -1,6 +1,6 @@
 """Every logged metric, defined once, as pure functions from tensors to `dict[str, float]`.
 
-Names follow TRL's GRPO trainer where one exists (DESIGN.md section 3). The run loop only calls
+Names follow TRL's GRPO trainer where one exists (docs/method.md, section 5). The run loop only calls
 these functions; it never builds metric names itself. Token means are over completion tokens
 (`mask == 1`) of the whole batch (in a data-parallel run, every rank's rows: `qerl_exp.distributed`).
 

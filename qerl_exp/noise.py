@@ -1,6 +1,6 @@
 """Adaptive Quantization Noise (AQN): where the noise goes, and how large it is at each step.
 
-Placement (paper, DESIGN.md 2.2): for each decoder block, one Gaussian vector z ~ N(0, sigma^2 I)
+Placement (paper; docs/method.md, section 2): for each decoder block, one Gaussian vector z ~ N(0, sigma^2 I)
 is added to the scale (gamma) of `input_layernorm`, which feeds q, k and v, and another to
 `post_attention_layernorm`, which feeds gate and up. o_proj and down_proj get none; the final
 norm gets none unless `noise.include_final_norm`. This equals row-wise multiplicative noise on the

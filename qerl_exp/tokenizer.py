@@ -66,7 +66,7 @@ class HFTokenizer:
         if self.eos_id is None:
             raise ValueError(f"the tokenizer of {name_or_path} has no EOS token; completions could never end")
         self.bos_id = None  # the chat template adds what the model expects
-        # Some transformers versions leave SmolLM2's tokenizer without a pad token (DESIGN.md 6).
+        # Some transformers versions leave SmolLM2's tokenizer without a pad token.
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
 
     def __len__(self) -> int:

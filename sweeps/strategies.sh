@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The strategy comparison of issue 6: every strategy preset (conf/strategy/) over several seeds,
+# The strategy comparison: every strategy preset (conf/strategy/) over several seeds,
 # plus the one-factor ablations the figures need, then `python -m analysis` on the lot.
 #
 # Each run is its own process, so that a run's peak memory (mem/peak_bytes: the process's peak

@@ -1,6 +1,6 @@
 """FastEngine and its kernels: layouts, sampling semantics, greedy parity with HF generate, in-place
-updates (LoRA, AQN noise) seen without rebuild; Triton kernels through the interpreter on CPU (in a
-subprocess, when triton is installed) and natively on the GPU (`-m gpu`)."""
+updates (LoRA, AQN noise) seen without rebuild; the Triton kernels and the engine through the
+interpreter on CPU (in subprocesses, when triton is installed) and natively on the GPU (`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+import engine_oracle as oracle
 from conftest import import_or_skip, tiny_qwen2, with_lora
-from qerl_exp.engine import launch, layout, reference
+from qerl_exp.engine import dispatch, launch, layout, linear
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
@@ -174,8 +175,8 @@ def test_the_mma_kernel_only_takes_nvfp4_plans_it_can_tile():
     mma = import_or_skip("qerl_exp.engine.nvfp4_mma")
     def plan(sizes, fmt="nvfp4", k=128):
         ws = [_nvfp4_packed(torch.randn(n, k)) if fmt == "nvfp4" else torch.randn(n, k) for n in sizes]
-        return launch.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False,
-                                torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 16, sum(sizes)))
+        return linear.make_plan(fmt, ws, [None] * len(sizes), None, [0.0] * len(sizes), 0, False,
+                                torch.device("cpu"), workspace=torch.zeros(linear.SPLIT_MAX, 16, sum(sizes)))
 
     assert mma.usable(plan([128, 64, 64]), 8)
     assert not mma.usable(plan([128, 64, 64]), 9)  # more rows: _splitk_kernel
@@ -218,42 +219,99 @@ def test_nf4_relayout_matches_bitsandbytes():
 
 
 # ---------------------------------------------------------------------------------------------
-# the engine on CPU (torch backend, eager)
+# the engine on CPU: through the Triton interpreter (`_interp_main`, below), and what needs no kernel
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
-def test_engine_greedy_equals_hf_generate(quant, family):
-    model = tiny_model(quant=quant, family=family)
-    ids, mask = prompts()
-    ref = hf_greedy(model, ids, mask, 10)
-    eng = FastEngine(model, max_batch_size=4, max_seq_len=32, backend="torch")
-    out = eng.generate(ids, mask, 10, temperature=0, eos_id=-1, pad_id=0)
-    assert len(set(ref.flatten().tolist())) > 3  # not a degenerate repetition
-    assert torch.equal(out.completion_ids, ref)
-    assert out.completion_mask.all()
+def _check_greedy_equals_hf_generate() -> None:
+    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
+        model = tiny_model(quant=quant, family=family)
+        ids, mask = prompts()
+        ref = hf_greedy(model, ids, mask, 6)
+        out = FastEngine(model, 4, 32).generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
+        assert len(set(ref.flatten().tolist())) > 3, (quant, family)  # not a degenerate repetition
+        assert torch.equal(out.completion_ids, ref) and out.completion_mask.all(), (quant, family)
+    model = tiny_model()  # dense products by torch.mm (cuBLAS on CUDA) into the epilogue's "raw" input
+    a = FastEngine(model, 4, 32, dense_gemm="cublas").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
+    assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), "dense_gemm=cublas"
 
 
-def test_engine_sees_inplace_lora_and_norm_updates_and_rebuilds_on_realloc():
+def _check_inplace_updates_and_rebuilds() -> None:
+    # LoRA and norm scales updated in place are seen without a rebuild; a re-allocated tensor rebuilds
     model = tiny_model()
     ids, mask = prompts()
-    eng = FastEngine(model, 4, 32, backend="torch")
-    before = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    eng = FastEngine(model, 4, 32)
+    before = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
     base = model.get_base_model()
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # an in-place update must not trigger a rebuild
+        # an in-place update must not rebuild (UserWarning); numpy's RuntimeWarnings are the interpreter's
+        warnings.simplefilter("error", UserWarning)
         for blk in base.model.layers:
             blk.input_layernorm.weight.add_(torch.randn_like(blk.input_layernorm.weight) * 0.3)  # AQN, in place
             blk.mlp.down_proj.lora_B["default"].weight.mul_(-20)  # an optimizer step, in place
-        after = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
+        after = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
     assert not torch.equal(before, after)
-    assert torch.equal(after, hf_greedy(model, ids, mask, 8))
+    assert torch.equal(after, hf_greedy(model, ids, mask, 6))
     lin = base.model.layers[0].self_attn.q_proj.lora_A["default"]
     lin.weight.data = lin.weight.data * 3  # re-allocated: the engine must notice
     with pytest.warns(UserWarning, match="re-allocated"):
-        out = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    assert torch.equal(out, hf_greedy(model, ids, mask, 8))
+        out = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert torch.equal(out, hf_greedy(model, ids, mask, 6))
+    # the nvfp4_rollout sampler is re-quantized after every update: the engine must sample the new
+    # weights (it once kept the first ones), whether a layer changed in place or was replaced
+    model = tiny_model(quant="nvfp4")
+    eng = FastEngine(model, 4, 32)
+    before = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    _requantize_every_fp4_layer(model, -1.5)
+    after = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert not torch.equal(before, after)
+    assert torch.equal(after, hf_greedy(model, ids, mask, 6))
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    q.base_layer = FP4Linear.from_linear(nn.Linear(64, 64), "nvfp4")
+    with pytest.warns(UserWarning, match="layer replaced"):
+        out = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert torch.equal(out, hf_greedy(model, ids, mask, 6))
+
+
+def _check_eos_sampling_growth_and_release() -> None:
+    model = tiny_model()
+    ids, mask = prompts()
+    eng = FastEngine(model, 4, 32)
+    # EOS stops a row (EOS kept), pad_id fills it, log-probs are 0 after it
+    full = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0)
+    eos = int(full.completion_ids[1, 2])  # row 1 stops at its third token (or earlier)
+    out = eng.generate(ids, mask, 8, temperature=0, eos_id=eos, pad_id=7)
+    for row in range(3):
+        seq = full.completion_ids[row].tolist()
+        stop = seq.index(eos) + 1 if eos in seq else len(seq)
+        assert out.completion_mask[row, :stop].all() and not out.completion_mask[row, stop:].any()
+        assert out.completion_ids[row, :stop].tolist() == seq[:stop]
+        assert (out.completion_ids[row, stop:] == 7).all()
+        assert (out.logprobs[row, stop:] == 0).all() and (out.logprobs[row, :stop] <= 0).all()
+    assert out.completion_ids.shape[1] == int(out.completion_mask.sum(1).max())
+    # top-p sampling (the torch sampler): a generator reproduces it; log-probs and entropies are the
+    # teacher-forced softmax's before top-p
+    a, b = (eng.generate(ids, mask, 5, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
+                         generator=torch.Generator().manual_seed(3)) for _ in range(2))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    fmask = torch.cat([mask, torch.ones_like(a.completion_ids)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids, a.completion_ids], 1), attention_mask=fmask,
+                       position_ids=(fmask.cumsum(1) - 1).clamp_min(0)).logits[:, ids.shape[1] - 1:-1].float()
+    lp = torch.log_softmax(logits / 0.9, -1)
+    torch.testing.assert_close(a.logprobs, lp.gather(2, a.completion_ids[..., None])[..., 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
+    # a call larger than the engine grows it; release() frees the cache until the next call
+    small = FastEngine(model, 2, 16)
+    before = small.nbytes
+    ids, mask = prompts(b=3)
+    grown = small.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert small.max_batch_size == 3 and small.max_seq_len >= ids.shape[1] + 12 and small.nbytes > before
+    fresh = FastEngine(model, 3, ids.shape[1] + 12)
+    assert torch.equal(grown, fresh.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids)
+    fresh.release()
+    assert fresh.cache is None and fresh.nbytes < small.nbytes
+    assert torch.equal(grown, fresh.generate(ids, mask, 12, temperature=0, eos_id=-1, pad_id=0).completion_ids)
 
 
 def _requantize_every_fp4_layer(model, factor):
@@ -265,60 +323,6 @@ def _requantize_every_fp4_layer(model, factor):
     return layers
 
 
-def test_engine_follows_fp4_layers_requantized_in_place_or_replaced():
-    # the nvfp4_rollout sampler is re-quantized after every update: the engine must sample the new
-    # weights (it once kept the first ones), whether a layer changed in place or was replaced
-    model = tiny_model(quant="nvfp4")
-    ids, mask = prompts()
-    eng = FastEngine(model, 4, 32, backend="torch")
-    before = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    _requantize_every_fp4_layer(model, -1.5)
-    after = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    assert not torch.equal(before, after)
-    assert torch.equal(after, hf_greedy(model, ids, mask, 8))
-    q = model.get_base_model().model.layers[0].self_attn.q_proj
-    q.base_layer = FP4Linear.from_linear(nn.Linear(64, 64), "nvfp4")
-    with pytest.warns(UserWarning, match="layer replaced"):
-        out = eng.generate(ids, mask, 8, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    assert torch.equal(out, hf_greedy(model, ids, mask, 8))
-
-
-def test_engine_eos_stop_padding_and_logprobs():
-    model = tiny_model()
-    ids, mask = prompts()
-    eng = FastEngine(model, 4, 32, backend="torch")
-    full = eng.generate(ids, mask, 10, temperature=0, eos_id=-1, pad_id=0)
-    eos = int(full.completion_ids[1, 2])  # row 1 stops at its third token (or earlier)
-    out = eng.generate(ids, mask, 10, temperature=0, eos_id=eos, pad_id=7)
-    for row in range(3):
-        seq = full.completion_ids[row].tolist()
-        stop = seq.index(eos) + 1 if eos in seq else len(seq)
-        assert out.completion_mask[row, :stop].all() and not out.completion_mask[row, stop:].any()
-        assert out.completion_ids[row, :stop].tolist() == seq[:stop]
-        assert (out.completion_ids[row, stop:] == 7).all()
-        assert (out.logprobs[row, stop:] == 0).all() and (out.logprobs[row, :stop] <= 0).all()
-    assert out.completion_ids.shape[1] == int(out.completion_mask.sum(1).max())
-
-
-def test_engine_sampling_logprobs_match_teacher_forcing_and_generator_reproduces():
-    model = tiny_model()
-    ids, mask = prompts()
-    eng = FastEngine(model, 4, 32, backend="torch")
-    a = eng.generate(ids, mask, 6, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
-                     generator=torch.Generator().manual_seed(3))
-    b = eng.generate(ids, mask, 6, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
-                     generator=torch.Generator().manual_seed(3))
-    assert torch.equal(a.completion_ids, b.completion_ids)
-    full = torch.cat([ids, a.completion_ids], 1)
-    fmask = torch.cat([mask, torch.ones_like(a.completion_ids)], 1)
-    pos = (fmask.cumsum(1) - 1).clamp_min(0)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, ids.shape[1] - 1:-1].float()
-    lp = torch.log_softmax(logits / 0.9, -1)
-    torch.testing.assert_close(a.logprobs, lp.gather(2, a.completion_ids[..., None])[..., 0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(a.entropy, -(lp.exp() * lp).sum(-1), rtol=1e-4, atol=1e-4)
-
-
 def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
     # cuBLAS multiplies q/k/v (and gate/up) in one GEMM: the model's parameters re-pointed to one
     # storage, not copied; every engine stacks, so a later one re-points nothing an earlier one read
@@ -328,7 +332,7 @@ def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
     ids, mask = prompts()
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
-    first = FastEngine(model, 4, 32, backend="triton", dense_gemm="triton")
+    first = FastEngine(model, 4, 32, dense_gemm="triton")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
     groups = [(blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj) for blk in base.model.layers] + \
@@ -338,7 +342,7 @@ def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
         for a, b in zip(ws, ws[1:]):
             assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    eng = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
+    eng = FastEngine(model, 4, 32, dense_gemm="cublas")
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     for blk, ly in zip(base.model.layers, eng.m.layers):
         stacked, _ = ly.qkv.plan.cublas
@@ -360,27 +364,16 @@ def test_a_model_whose_weights_an_engine_stacked_saves_and_loads_whole(tmp_path)
 
     model = tiny_model(lora=False)
     ids, mask = prompts()
-    FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas")
+    FastEngine(model, 4, 32, dense_gemm="cublas")
     model.save_pretrained(tmp_path)
     back = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits)
 
 
-def test_engine_rejects_bad_backends_and_grows_to_a_larger_call():
-    model = tiny_model(lora=False)
-    with pytest.raises(ValueError, match="backend"):
-        FastEngine(model, 2, 16, backend="cuda")
-    eng = FastEngine(model, 2, 16, backend="torch")
-    small = eng.nbytes
-    ids, mask = prompts(b=3)
-    grown = eng.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    assert eng.max_batch_size == 3 and eng.max_seq_len >= ids.shape[1] + 20 and eng.nbytes > small
-    fresh = FastEngine(model, 3, ids.shape[1] + 20, backend="torch")
-    assert torch.equal(grown, fresh.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids)
-    fresh.release()  # the KV cache goes back to the allocator between rollouts, and is made again
-    assert fresh.cache is None and fresh.nbytes < eng.nbytes
-    assert torch.equal(grown, fresh.generate(ids, mask, 20, temperature=0, eos_id=-1, pad_id=0).completion_ids)
+def test_engine_rejects_an_unknown_dense_gemm_in_one_line():
+    with pytest.raises(ValueError, match=r"^dense_gemm='cuda' is not valid; choose one of: auto, cublas, triton$"):
+        FastEngine(tiny_model(lora=False), 2, 16, dense_gemm="cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,8 +408,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             sc = [2.0] * len(segs)
             # raw: cuBLAS (torch.mm) multiplies the stacked segments into one buffer, one GEMM
             raw = (torch.cat(ws), torch.empty(256, sum(segs), device=device, dtype=dtype)) if fmt == "raw" else None
-            wsp = torch.full((launch.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
-            plan = launch.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device),
+            wsp = torch.full((linear.SPLIT_MAX, 256, 256), float("nan"), device=device)  # slices are overwritten
+            plan = linear.make_plan("dense" if raw else fmt, ws, bias, bb, sc, 8, glu, torch.device(device),
                                     cublas=raw, workspace=wsp)
             a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
             gamma = (1 + 0.1 * torch.randn(kk)).to(device, dtype)
@@ -429,9 +422,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                 splits = [1, 2] if fmt in ("dense", "nvfp4", "nf4") else [None]
                 if fmt == "nvfp4" and device == "cuda":
                     splits.append(None)
-                for f16, split in [(f, sp) for f in (False, True) for sp in splits]:
-                    use_norm = f16 != (split == 2)
-                    xd = (reference.rms_norm_ref(x, gamma, 1e-6) if use_norm else x).double().cpu()
+                for split, use_norm in [(sp, u) for sp in splits for u in (False, True)]:
+                    xd = (oracle.rms_norm(x, gamma, 1e-6) if use_norm else x).double().cpu()
                     outs = []
                     for s, wd in enumerate(dense):
                         y = xd @ wd.T + (xd @ a[s].double().cpu().T) @ bb[s].double().cpu().T * 2.0
@@ -444,22 +436,22 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
                     out = torch.full((m, ref.shape[1]), float("nan"), device=device, dtype=dtype)
                     t = torch.zeros(m, 64, device=device)
                     ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=device)
-                    cfg = None
+                    choice = None
                     if split:
-                        cfg = {**launch.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu), "SPLIT": split}
+                        tiles = linear.linear_config(m, plan.n, kk, fmt, plan.seg_gcd, glu)
+                        choice = dispatch.Choice("small", {**tiles, "SPLIT": split})
                     # `norm_on_load` picks one path per shape; at 33 rows the one-slice cases take
                     # the other (a norm_shrink launch first), so both stay covered; so does the mma
                     # kernel at 8 rows (its rule: on load unless the launch has many tiles)
                     patch = nullcontext()
                     if m > 16 and split == 1:
-                        patch = mock.patch.object(launch, "norm_on_load", lambda *_: False)
+                        patch = mock.patch.object(linear, "norm_on_load", lambda *_: False)
                     elif fmt == "nvfp4" and split is None and m == 8:
-                        patch = mock.patch.object(launch.nvfp4_mma, "norm_on_load", lambda *_: False)
+                        patch = mock.patch.object(linear.nvfp4_mma, "norm_on_load", lambda *_: False)
                     with patch:
-                        launch.fused_linear(plan, x, out, t=t, residual=None if glu else res, f16=f16,
-                                            config=cfg, norm=(gamma, 1e-6, ss) if use_norm else None,
-                                            shrink=a_tab, ss_out=ss_out)
-                    case = (fmt, glu, m, f16, split, use_norm)
+                        linear.fused_linear(plan, x, out, t=t, residual=None if glu else res, choice=choice,
+                                            norm=(gamma, 1e-6, ss) if use_norm else None, shrink=a_tab, ss_out=ss_out)
+                    case = (fmt, glu, m, split, use_norm)
                     tref = torch.cat([torch.nn.functional.pad(xd @ ai.double().cpu().T, (0, 8)) for ai in a], 1)
                     assert (t.double().cpu()[:, : tref.shape[1]] - tref).abs().max() < tol * 10, case
                     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
@@ -470,7 +462,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)
     h = torch.empty_like(x)
     launch.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
-    torch.testing.assert_close(h.float(), reference.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(h.float(), oracle.rms_norm(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
     hq, hkv, d, b, s = 4, 2, 32, 3, 16
     qkv = torch.randn(b, (hq + 2 * hkv) * d).to(device, dtype)
     ang = torch.arange(s)[:, None] * torch.rand(d // 2)[None]
@@ -484,8 +476,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     launch.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
     qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], 1)
     c, sn = cos[pos][:, None], sin[pos][:, None]
-    torch.testing.assert_close(q, reference.rope_ref(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
-    torch.testing.assert_close(kc[:b, :, 11], reference.rope_ref(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(q, oracle.rope(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc[:b, :, 11], oracle.rope(kr.view(b, hkv, d), c, sn), rtol=tol, atol=tol)
     torch.testing.assert_close(vc[:b, :, 11], vr.view(b, hkv, d))
     # the prefill's rope: p rows a sequence, into q [B, hq, p, d] and cache slots 2..p+1
     p = 5
@@ -496,8 +488,8 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     launch.rope_cache(qkv, cos, sin, pos, torch.tensor([2], device=device), q, kc, vc, hq, hkv, d, p)
     qr, kr, vr = qkv.view(b, p, -1).split([hq * d, hkv * d, hkv * d], -1)
     c, sn = cos[pos].view(b, p, 1, d), sin[pos].view(b, p, 1, d)
-    torch.testing.assert_close(q, reference.rope_ref(qr.view(b, p, hq, d), c, sn).transpose(1, 2), rtol=tol, atol=tol)
-    torch.testing.assert_close(kc[:b, :, 2:2 + p], reference.rope_ref(kr.view(b, p, hkv, d), c, sn).transpose(1, 2),
+    torch.testing.assert_close(q, oracle.rope(qr.view(b, p, hq, d), c, sn).transpose(1, 2), rtol=tol, atol=tol)
+    torch.testing.assert_close(kc[:b, :, 2:2 + p], oracle.rope(kr.view(b, p, hkv, d), c, sn).transpose(1, 2),
                                rtol=tol, atol=tol)
     torch.testing.assert_close(vc[:b, :, 2:2 + p], vr.view(b, p, hkv, d).transpose(1, 2))
     assert not kc[:b, :, :2].any() and not kc[:b, :, 2 + p:].any()
@@ -510,12 +502,10 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
     h, t = torch.empty_like(x), torch.zeros(37, 32, device=device)  # 2 segments of rank 8, padded to 16
     launch.norm_shrink(x, gamma, 1e-6, h, a_tab, 2, 8, t, ldt, exact=True)
-    torch.testing.assert_close(h.float(), reference.rms_norm_ref(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(h.float(), oracle.rms_norm(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
     tref = torch.cat([torch.nn.functional.pad(h.double() @ ai.double().T, (0, 8)) for ai in a], 1)
     assert ((t.double() - tref).abs().max() / tref.abs().max()).item() < 1e-5
     # decode attention over the live slots pad[b]..slot, against SDPA with the engine's mask
-    from qerl_exp.engine.decode import _attend
-
     hq, hkv, d, s = 6, 2, 32, 128
     q = torch.randn(b, hq, d).to(device, dtype)
     kc, vc = (torch.randn(4, hkv, s, d).to(device, dtype) for _ in range(2))
@@ -523,7 +513,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
     mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
     att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
-    torch.testing.assert_close(att, _attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
+    torch.testing.assert_close(att, oracle.attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
     # the prefill epilogue (LoRA term, GLU, residual on cuBLAS outputs) into a column slice, against
     # float64 with the model-dtype roundings where HF rounds
     m, n, r, ldt = 37, 96, 8, lora_dtype or dtype
@@ -586,35 +576,29 @@ def patch_interpreter() -> None:
     ti._patch_lang_tensor = patched
 
 
-def _interp_main() -> None:
-    patch_interpreter()
-    _check_kernels("cpu", torch.float32, 2e-3)
-    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
-        model = tiny_model(quant=quant, family=family)
-        ids, mask = prompts()
-        a = FastEngine(model, 4, 32, backend="triton").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
-        assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), (quant, family)
-    model = tiny_model()  # dense products by torch.mm (cuBLAS on CUDA) into the epilogue's "raw" input
-    a = FastEngine(model, 4, 32, backend="triton", dense_gemm="cublas").generate(ids, mask, 6, temperature=0, eos_id=-1,
-                                                                               pad_id=0)
-    assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), "dense_gemm=cublas"
-    print("INTERPRETER CHECKS OK")
+INTERPRETED = {  # the checks that run Triton kernels on CPU: one subprocess each
+    "kernels": lambda: _check_kernels("cpu", torch.float32, 2e-3),
+    "greedy": _check_greedy_equals_hf_generate,
+    "updates": _check_inplace_updates_and_rebuilds,
+    "semantics": _check_eos_sampling_growth_and_release,
+}
 
 
-def run_interpreted(script: str, marker: str, timeout: int) -> None:
-    """Run `script --interp` with TRITON_INTERPRET=1 (it must be set before triton is first imported)
-    and check that it printed `marker`."""
+def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
+    """Run `script --interp ARGS` with TRITON_INTERPRET=1 (it must be set before triton is first
+    imported) and check that it printed `marker`."""
     import_or_skip("triton")
     if CUDA:
         pytest.skip("the GPU tests run the kernels natively")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, script, "--interp"], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, script, "--interp", *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_triton_kernels_and_engine_in_the_interpreter():
-    run_interpreted(__file__, "INTERPRETER CHECKS OK", 900)
+@pytest.mark.parametrize("check", list(INTERPRETED))
+def test_the_kernels_and_the_engine_in_the_interpreter(check):
+    run_interpreted(__file__, f"{check} OK", 900, check)
 
 
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
@@ -622,18 +606,18 @@ def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
     # CPU tensors, and fused_linear says so in one line instead of failing inside Triton
     import_or_skip("triton")
     code = ("import os, torch\n"
-            "from qerl_exp.engine import FastEngine, launch\n"
+            "from qerl_exp.engine import FastEngine, linear\n"
             "assert 'TRITON_INTERPRET' not in os.environ, 'TRITON_INTERPRET set by an import'\n"
-            "plan = launch.make_plan('dense', [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device('cpu'),"
-            " workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))\n"
-            "launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64))\n")
+            "plan = linear.make_plan('dense', [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device('cpu'),"
+            " workspace=torch.zeros(linear.SPLIT_MAX, 4, 64))\n"
+            "linear.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         "RuntimeError: Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "
-        "before triton is imported, or use FastEngine(backend='torch')"), proc.stderr[-3000:]
+        "before triton is imported (the rollout engine runs on CUDA)"), proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,7 +637,7 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
     # the prefill's Triton norm + shrink and epilogue against the torch composition they replace
     # (HF's and peft's rounding): q|k|v into column slices, GLU, residual, with and without the
     # norm; the fp32 sums (the norm's mean, the LoRA terms) may differ in their last bits
-    from qerl_exp.engine.decode import _Linear, _linear_torch, _prefill_linear
+    from qerl_exp.engine.decode import _Linear, _prefill_linear
 
     torch.manual_seed(0)
     x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
@@ -666,8 +650,8 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
         lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
                       [None] * len(segs), a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
-        ref = _linear_torch(lin, reference.rms_norm_ref(x, *norm) if norm else x) + (res if res is not None else 0)
-        out = _prefill_linear(lin, x, None, residual=res, norm=norm, fused=True)
+        ref = oracle.linear(lin, oracle.rms_norm(x, *norm) if norm else x) + (res if res is not None else 0)
+        out = _prefill_linear(lin, x, None, residual=res, norm=norm)
         assert out.shape == ref.shape
         assert (out != ref).float().mean() < 1e-3, (glu, segs, norm is not None)
         torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
@@ -680,11 +664,11 @@ def test_gpu_fp32_models_get_fp32_products():
     torch.manual_seed(0)
     dev = torch.device("cuda")
     w, a, b = torch.randn(64, 256, device=dev), torch.randn(8, 256, device=dev), torch.randn(64, 8, device=dev)
-    plan = launch.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
-                            workspace=torch.zeros(launch.SPLIT_MAX, 16, 64, device=dev))
+    plan = linear.make_plan("dense", [w], [None], [b], [0.5], 8, False, dev,
+                            workspace=torch.zeros(linear.SPLIT_MAX, 16, 64, device=dev))
     x = torch.randn(5, 256, device=dev)
     t, out = torch.zeros(5, 16, device=dev), torch.empty(5, 64, device=dev)
-    launch.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
+    linear.fused_linear(plan, x, out, t=t, shrink=torch.tensor([a.data_ptr()], device=dev))
     xd = x.double()
     ref = xd @ w.double().T + (xd @ a.double().T) @ b.double().T * 0.5
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
@@ -700,11 +684,11 @@ def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
     dev = torch.device("cuda")
     w = torch.randn(64, 256) * 0.1
     pw = _to(_nvfp4_packed(w) if fmt == "nvfp4" else _nf4_packed(w), dev)
-    plan = launch.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
-                            workspace=torch.zeros(launch.SPLIT_MAX, 16, 64, device=dev))
+    plan = linear.make_plan(fmt, [pw], [None], None, [0.0], 0, False, dev,
+                            workspace=torch.zeros(linear.SPLIT_MAX, 16, 64, device=dev))
     x = (torch.randn(8, 256, device=dev) * 3e4).to(torch.bfloat16)  # |x| up to ~1e5
     assert x.float().abs().max() > 65520
-    out = launch.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16), f16=True)
+    out = linear.fused_linear(plan, x, torch.empty(8, 64, device=dev, dtype=torch.bfloat16))
     ref = x.double() @ layout.weight_of(pw, torch.float64).T
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
@@ -730,7 +714,7 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     ids, mask = prompts(b=5, p=9, vocab=512, device="cuda")
     ref = hf_greedy(model, ids, mask, 16)
     eng = FastEngine(model, 8, 64)
-    assert eng.backend == "triton" and eng.use_graph
+    assert eng.use_graph
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     print("exact agreement with HF greedy:", (out.completion_ids == ref).float().mean().item())
     # A 4-bit weight (E2M1 x E4M3 x fp32 tensor scale) is not a bf16 number: HF multiplies its bf16
@@ -826,4 +810,6 @@ def test_gpu_sampled_logprobs_match_teacher_forcing():
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
-    _interp_main()
+    patch_interpreter()
+    INTERPRETED[sys.argv[-1]]()
+    print(f"{sys.argv[-1]} OK")

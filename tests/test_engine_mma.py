@@ -1,8 +1,7 @@
-"""The NVFP4 paths for 16-256 rows (`engine.mma_kernels`: the tensor-core kernel and dequantize +
-cuBLAS) against dequantize + matmul in float64, with norm, LoRA shrink and expand, bias, GLU,
-residual and the down projection's LoRA shrink fused as the engine launches them; the GLU
-epilogue's fp16 operand for a down projection on `nvfp4_wgmma`; and `engine.dispatch`'s table
-lookup."""
+"""The NVFP4 paths for 16-256 rows (`nvfp4_wgmma`; `_splitk_kernel`) against dequantize + matmul in
+float64, with norm, LoRA shrink and expand, bias, GLU, residual and the down projection's LoRA
+shrink fused as the engine launches them; the GLU epilogue's fp16 operand for a down projection on
+`nvfp4_wgmma`; and `engine.dispatch`'s table, its lookup and its fallback on other GPUs."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from qerl_exp.engine import dispatch, launch, mma_kernels, reference
+import engine_oracle as oracle
+from qerl_exp.engine import dispatch, launch, linear
 from qerl_exp.engine.fast_engine import FastEngine
 from test_engine import (_nvfp4_packed, _to, assert_greedy_like_hf, gpu, hf_greedy, needs_cuda, patch_interpreter,
                          prompts, run_interpreted, tiny_model)
@@ -24,8 +24,8 @@ ROWS = (16, 17, 64, 100, 256)
 
 
 def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, cases: list, lora_dtype=None) -> None:
-    """Each shape (name, segments, k, glu) with its cases (rows, kernel, tiles) through `fused_linear`
-    against float64, on `device`."""
+    """Each shape (name, segments, k, glu) with its cases (rows, kind or None for the plan's own
+    choice, tiles) through `fused_linear` against float64, on `device`."""
     torch.manual_seed(0)
     dev = torch.device(device)
     ldt = lora_dtype or dtype
@@ -36,15 +36,15 @@ def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, case
         a = [(torch.randn(8, k) * 0.1).to(dev, ldt) for _ in segs]
         b = [(torch.randn(n, 8) * 0.1).to(dev, ldt) for n in segs]
         total = sum(segs)
-        wsp = torch.full((launch.SPLIT_MAX, max(ROWS), total), float("nan"), device=dev)  # slices overwritten
-        plan = launch.make_plan("nvfp4", ws, bias, b, [2.0] * len(segs), 8, glu, dev, workspace=wsp)
+        wsp = torch.full((linear.SPLIT_MAX, max(ROWS), total), float("nan"), device=dev)  # slices overwritten
+        plan = linear.make_plan("nvfp4", ws, bias, b, [2.0] * len(segs), 8, glu, dev, workspace=wsp)
         a_tab = torch.tensor([t.data_ptr() for t in a], dtype=torch.int64, device=dev)
         gamma = (1 + 0.1 * torch.randn(k)).to(dev, dtype)
-        for m, kernel, cfg in tiles:
+        for m, kind, cfg in tiles:
             x = torch.randn(m, k).to(dev, dtype)
             ss = x.float().pow(2).reshape(m, 4, -1).sum(-1).t().contiguous()  # 4 partial sums a row
             res = torch.randn(m, segs[0] if glu else total).to(dev, dtype)
-            xd = reference.rms_norm_ref(x, gamma, 1e-6).double()
+            xd = oracle.rms_norm(x, gamma, 1e-6).double()
             outs = []
             for s, wd in enumerate(dense):
                 y = xd @ wd.T + (xd @ a[s].double().T) @ b[s].double().T * 2.0
@@ -55,10 +55,10 @@ def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, case
             ss_out = torch.full((ref.shape[1] // 16, m), float("nan"), device=dev)
             # GLU feeds the down projection's LoRA shrink (rank 8 of a 16-wide accumulator)
             a_next, t_next = (torch.randn(8, segs[0]).to(dev, ldt), torch.zeros(m, 16, device=dev)) if glu else (None, None)
-            launch.fused_linear(plan, x, out, t=t, residual=None if glu else res, norm=(gamma, 1e-6, ss),
+            linear.fused_linear(plan, x, out, t=t, residual=None if glu else res, norm=(gamma, 1e-6, ss),
                                 shrink=a_tab, ss_out=ss_out, a_next=a_next, t_next=t_next, r_next=8 if glu else 0,
-                                kernel=kernel, config=cfg)
-            case = (name, m, kernel, cfg)
+                                choice=dispatch.Choice(kind, cfg) if kind else None)
+            case = (name, m, kind, cfg)
             err = ((out.double() - ref).norm() / ref.norm()).item()
             assert err < tol, (*case, err)
             torch.testing.assert_close(ss_out.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-4)
@@ -70,14 +70,9 @@ def _check_paths(device: str, dtype: torch.dtype, tol: float, shapes: list, case
 
 def _interp_main() -> None:
     patch_interpreter()
-    # every row count of the issue over the three shapes with the table's tiles (K split 2-4 ways:
-    # 132 "SMs"), plus explicit tiles: 64-input steps split 4 ways, 32-row tiles over 100 rows
-    cases = [[(16, "mma", None), (64, "mma", None),
-              (100, "mma", dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=128, SPLIT=1, num_warps=4, num_stages=4))],
-             [(256, "mma", None), (17, "dequant", None)],
-             [(17, "mma", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT=4, num_warps=4, num_stages=3)),
-              (100, "mma", None), (17, "dequant", None)]]
-    _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, cases)
+    # on the CPU every NVFP4 launch takes `_splitk_kernel` (wgmma is Gluon, which the interpreter
+    # cannot run): 16-256 rows over the three shapes, with every fused term
+    _check_paths("cpu", torch.float32, 2e-3, SHAPES_CPU, [[(17, None, None), (100, None, None)]] * 3)
     _check_h16()
     _check_glu_out16()
     _check_split_remainder_epilogue()
@@ -103,7 +98,7 @@ def _check_h16() -> None:
         xp = h if g is not None else x
         assert torch.equal(h16, (xp / 16).half()), g
         assert torch.equal(t16, t)
-        torch.testing.assert_close(xp, reference.rms_norm_ref(x, g, 1e-6) if g is not None else x)
+        torch.testing.assert_close(xp, oracle.rms_norm(x, g, 1e-6) if g is not None else x)
 
 
 def _check_glu_out16() -> None:
@@ -116,8 +111,8 @@ def _check_glu_out16() -> None:
         w = [torch.randn(n, k) * 0.1 for _ in range(2)]
         ws = [_nvfp4_packed(wi) for wi in w] if fmt == "nvfp4" else w
         a = [torch.randn(8, k) * 0.1 for _ in range(2)]
-        plan = launch.make_plan(fmt, ws, [None, None], [torch.randn(n, 8) * 0.1 for _ in range(2)], [2.0, 2.0], 8,
-                                True, torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 64, 2 * n))
+        plan = linear.make_plan(fmt, ws, [None, None], [torch.randn(n, 8) * 0.1 for _ in range(2)], [2.0, 2.0], 8,
+                                True, torch.device("cpu"), workspace=torch.zeros(linear.SPLIT_MAX, 64, 2 * n))
         a_tab = torch.tensor([t.data_ptr() for t in a], dtype=torch.int64)
         gamma = 1 + 0.1 * torch.randn(k)
         a_next = torch.randn(8, n)
@@ -128,7 +123,7 @@ def _check_glu_out16() -> None:
             for out16 in (False, True):
                 out = torch.full((m, n), float("nan"), dtype=torch.float16 if out16 else torch.float32)
                 t, t_next = torch.zeros(m, 32), torch.zeros(m, 16)  # ranks padded to 16
-                launch.fused_linear(plan, x, out, t=t, norm=(gamma, 1e-6, ss), shrink=a_tab, a_next=a_next,
+                linear.fused_linear(plan, x, out, t=t, norm=(gamma, 1e-6, ss), shrink=a_tab, a_next=a_next,
                                     t_next=t_next, r_next=8, out16=out16)
                 got[out16] = out, t_next
             (out, t_next), (out16, t_next16) = got[False], got[True]
@@ -137,12 +132,12 @@ def _check_glu_out16() -> None:
             assert not out.isnan().any() and torch.equal(out16, conv) and torch.equal(out16, (out / 16).half()), (fmt, m)
             assert torch.equal(t_next16, t_next), (fmt, m)
     # one-line errors: out16 outside GLU; x16 where the launch does not take nvfp4_wgmma (on the CPU none does)
-    down = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
-                            torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 32, 128))
-    assert not launch.takes_x16(down, 32, torch.device("cpu"))
-    for kw, msg in ((dict(out16=True), "this launch is not GLU"), (dict(x16=True), "takes 'small'")):
+    down = linear.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
+                            torch.device("cpu"), workspace=torch.zeros(linear.SPLIT_MAX, 32, 128))
+    assert not down.takes_x16(32, torch.device("cpu"))
+    for kw, msg in ((dict(out16=True), "this launch is not GLU"), (dict(x16=True), "takes splitk")):
         try:
-            launch.fused_linear(down, torch.randn(32, 64), torch.empty(32, 128), **kw)
+            linear.fused_linear(down, torch.randn(32, 64), torch.empty(32, 128), **kw)
         except ValueError as e:
             assert msg in str(e) and "\n" not in str(e), e
         else:
@@ -155,7 +150,7 @@ def _check_split_remainder_epilogue() -> None:
     # with the plain epilogue over the same slices with zeros there
     torch.manual_seed(2)
     m, n, k = 5, 256, 64
-    plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, k)) for _ in range(2)], [None, None], None,
+    plan = linear.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, k)) for _ in range(2)], [None, None], None,
                             [0.0, 0.0], 0, True, torch.device("cpu"), workspace=torch.zeros(8, 16, 2 * n))
     ws = torch.randn(3, m, 2 * n)
     sk_from = 128
@@ -163,39 +158,23 @@ def _check_split_remainder_epilogue() -> None:
         ws[1:, :, half:half + sk_from] = float("nan")
     zeroed = ws.nan_to_num(0.0)
     x = torch.randn(m, k)
-    epi = launch.linear_config(m, n, k, "raw", plan.seg_gcd, True)
+    epi = linear.linear_config(m, n, k, "raw", plan.seg_gcd, True)
     outs = []
     for part, sk in ((ws, True), (zeroed, False)):
         out = torch.full((m, n), float("nan"))
-        launch._launch_linear(plan, x, out, None, None, None, None, 0, False, {**epi, "NSPLIT": 3, "SK": sk},
-                              None, part, sk_from if sk else 0)
+        linear._epilogue(plan, x, out, None, None, None, None, 0, {**epi, "NSPLIT": 3, "SK": sk}, None, part,
+                         sk_from if sk else 0)
         outs.append(out)
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
-def test_nvfp4_mma_kernel_and_dequant_fallback_in_the_interpreter():
+def test_nvfp4_paths_in_the_interpreter():
     run_interpreted(__file__, "MMA INTERPRETER CHECKS OK", 600)
 
 
-def test_mma_config_fills_the_gpu_and_fits_the_segments():
-    # 7B o at 16 rows: 28 tiles of 128 rows, K split until 2 programs an SM or until its 28 steps of
-    # 128 inputs no longer split evenly (4 slices of 7); at 64 rows (64-input steps) 8 slices
-    cfg = mma_kernels.mma_config(16, 3584, 3584, 3584, 132, launch.SPLIT_MAX)
-    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT"]) == (16, 128, 128, 4)
-    assert mma_kernels.mma_config(64, 3584, 3584, 3584, 132, launch.SPLIT_MAX)["SPLIT"] == 8
-    # gate/up at 256 rows: 296 tiles x 2 m blocks already fill the GPU; k/v segments of 512 cap
-    # nothing, segments of 48 cut the tile to 16 rows; measured tiles override the table's
-    assert mma_kernels.mma_config(256, 37888, 3584, 18944, 132, 8)["SPLIT"] == 1
-    assert mma_kernels.mma_config(64, 144, 256, 48, 132, 8)["BLOCK_N"] == 16
-    got = mma_kernels.mma_config(64, 4608, 3584, 512, 132, 8, dict(BLOCK_N=256, BLOCK_K=128, SPLIT=2))
-    assert (got["BLOCK_M"], got["BLOCK_N"], got["BLOCK_K"], got["SPLIT"]) == (64, 256, 128, 2)
-    # a step that does not divide K falls back to one chunk a step
-    assert mma_kernels.mma_config(16, 4608, 3584 + 64, 512, 132, 8)["BLOCK_K"] == 64
-
-
-@pytest.mark.skipif(launch.nvfp4_wgmma is None, reason="this Triton has no Gluon")
+@pytest.mark.skipif(linear.nvfp4_wgmma is None, reason="this Triton has no Gluon")
 def test_wgmma_config_fills_whole_waves_then_splits_the_rest_and_takes_whole_128_row_tiles():
-    wg = launch.nvfp4_wgmma
+    wg = linear.nvfp4_wgmma
     # 7B down at 64 rows: 28 tiles, less than a wave: one program an SM at 128 registers -> 4 K
     # slices of 74 chunks; two an SM at 80 registers -> 9 would fit, the workspace holds 8 -> 8 of 37
     cfg = wg.config(64, 28, 296, 132, 8)
@@ -222,51 +201,64 @@ def test_wgmma_config_fills_whole_waves_then_splits_the_rest_and_takes_whole_128
     assert (fixed["DP"], fixed["SPLIT"], fixed["CPS"], fixed["SK_FROM"]) == (0, 2, 28, 0)
     assert wg.config(128, 296, 56, 97, 8)["SK_FROM"] == 291 * 128  # not GLU: the tiles in order
     # whole 128-row tiles of NVFP4, 16 rows and more
-    plan = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, 64)) for n in (256, 128)], [None, None], None,
+    plan = linear.make_plan("nvfp4", [_nvfp4_packed(torch.randn(n, 64)) for n in (256, 128)], [None, None], None,
                             [0.0, 0.0], 0, False, torch.device("cpu"), workspace=torch.zeros(8, 16, 384))
     assert wg.usable(plan, 16) and not wg.usable(plan, 8)
-    assert not wg.usable(launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(48, 64))], [None], None, [0.0], 0,
+    assert not wg.usable(linear.make_plan("nvfp4", [_nvfp4_packed(torch.randn(48, 64))], [None], None, [0.0], 0,
                                           False, torch.device("cpu"), workspace=torch.zeros(8, 16, 48)), 64)
 
 
-def test_dispatch_follows_the_table_nearest_shape_and_default(tmp_path):
-    rows = [dict(shape="4608x3584", m=m, us=us, cublas_us=20.0) for m, us in
-            [(8, {"small": 9.0, "dequant": 30.0, "mma": float("nan")}),
-             (64, {"small": 20.0, "dequant": 18.0, 'mma {"BLOCK_N": 256, "num_stages": 4}': 15.0}),
-             (256, {"small": 60.0, "dequant": 40.0, "mma": 41.0})]]
+def test_dispatch_writes_compact_runs_and_follows_them_on_their_capability_only(tmp_path):
+    wg = 'wgmma {"BLOCK_M": 64, "maxnreg": 80}'
+    rows = [dict(shape="4608x3584", m=m, us=us) for m, us in
+            [(4, {"small": 9.0}), (8, {"small": 9.0}), (16, {"small": 20.0, "wgmma": 21.0}),
+             (64, {"small": 20.0, "wgmma": float("nan"), wg: 15.0}), (128, {"small": 60.0, wg: 40.0}),
+             (256, {"small": 60.0, "wgmma": 41.0, wg: 42.0})]]
     path = tmp_path / "dispatch.json"
-    written = dispatch.write_table(path, rows, {"device": "test"})
+    written = dispatch.write_table(path, rows, {"device": "test", "capability": [9, 0], "command": "by hand"})
     assert json.loads(path.read_text()) == json.loads(json.dumps(written))
+    assert written["shapes"] == {"4608x3584": [[16, "small"], [128, "wgmma", {"BLOCK_M": 64, "maxnreg": 80}],
+                                               [256, "wgmma"]]}  # a NaN (failed) candidate is never chosen
     table = dispatch.load_table(path)
-    assert dispatch.choose(4608, 3584, 1, table) == dispatch.Choice("small")
-    assert dispatch.choose(4608, 3584, 9, table) == dispatch.Choice("mma", {"BLOCK_N": 256, "num_stages": 4})
-    assert dispatch.choose(4608, 3584, 100, table) == dispatch.Choice("dequant")
-    assert dispatch.choose(4608, 3584, 4096, table) == dispatch.Choice("dequant")  # beyond the last entry
-    assert dispatch.choose(3584, 3584, 64, table).kind == "mma"  # nearest measured shape
-    assert {dispatch.choose(1, 1, m, {}).kind for m in (1, 16, 17, 128, 256)} == {"small"}  # unmeasured
+    hopper = (9, 0)
+    assert dispatch.choose(4608, 3584, 1, hopper, table) == dispatch.Choice("small")
+    assert dispatch.choose(4608, 3584, 17, hopper, table) == dispatch.Choice("wgmma", {"BLOCK_M": 64, "maxnreg": 80})
+    assert dispatch.choose(4608, 3584, 4096, hopper, table) == dispatch.Choice("wgmma")  # beyond the last entry
+    assert dispatch.choose(3584, 3584, 64, hopper, table).kind == "wgmma"  # nearest measured shape
+    # any other GPU, and no GPU, take the decode kernels at every M: never a Hopper-only kernel
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0), None):
+        assert {dispatch.choose(4608, 3584, m, cap, table).kind for m in (1, 16, 64, 256)} == {"small"}, cap
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"shapes": {"1x1": [{"m": 4, "kernel": "cutlass"}]}}))
+    bad.write_text(json.dumps({"capability": [9, 0], "shapes": {"1x1": [[4, "cutlass"]]}}))
     with pytest.raises(ValueError, match="regenerate it with"):
         dispatch.load_table(bad)
 
 
-def test_fused_linear_rejects_an_unknown_kernel_in_one_line():
-    plan = launch.make_plan("dense", [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device("cpu"),
-                            workspace=torch.zeros(launch.SPLIT_MAX, 4, 64))
-    with pytest.raises(ValueError, match=r"^kernel='mma' is not one of .* \(mma, wgmma and dequant take NVFP4 only\)$"):
-        launch.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64), kernel="mma")
-    nv = launch.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
-                          torch.device("cpu"), workspace=torch.zeros(launch.SPLIT_MAX, 16, 128))
-    with pytest.raises(ValueError, match=r"^kernel='wgmma' takes NVFP4 launches of 16 rows or more .* not 2 rows "
+def test_the_committed_table_was_measured_on_hopper_and_names_only_kept_kernels():
+    table = dispatch.load_table()
+    assert table.capability == (9, 0)
+    assert {c.kind for entries in table.shapes.values() for _, c in entries} == {"small", "wgmma"}
+
+
+def test_fused_linear_rejects_a_kind_a_plan_cannot_take_in_one_line():
+    plan = linear.make_plan("dense", [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device("cpu"),
+                            workspace=torch.zeros(linear.SPLIT_MAX, 4, 64))
+    with pytest.raises(ValueError, match=r"^choice 'wgmma' takes NVFP4 only; a dense launch takes 'small'$"):
+        linear.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64), choice=dispatch.Choice("wgmma"))
+    nv = linear.make_plan("nvfp4", [_nvfp4_packed(torch.randn(128, 64))], [None], None, [0.0], 0, False,
+                          torch.device("cpu"), workspace=torch.zeros(linear.SPLIT_MAX, 16, 128))
+    with pytest.raises(ValueError, match=r"^'wgmma' takes NVFP4 launches of 16 rows or more .* not 2 rows "
                                          r"of 128 columns on cpu$"):
-        launch.fused_linear(nv, torch.randn(2, 64), torch.empty(2, 128), kernel="wgmma")
+        linear.fused_linear(nv, torch.randn(2, 64), torch.empty(2, 128), choice=dispatch.Choice("wgmma"))
+    with pytest.raises(ValueError, match=r"^unknown weight format 'int4'; valid: dense, nvfp4, nf4, mxfp4$"):
+        linear.make_plan("int4", [torch.randn(64, 64)], [None], None, [0.0], 0, False, torch.device("cpu"))
 
 
 @gpu
 @needs_cuda
 def test_gpu_nvfp4_paths_match_dequantize_matmul_on_every_7b_shape():
-    tiles = [(m, kernel, None) for m in ROWS for kernel in ("mma", "wgmma", "dequant")]
-    tiles += [(m, None, None) for m in (1, 8, 16, 64, 256)]  # as the dispatch table picks
+    tiles = [(m, kind, None) for m in ROWS for kind in ("small", "wgmma")]
+    tiles += [(m, None, None) for m in (1, 8, 16, 17, 32, 64, 256)]  # as the dispatch table picks
     # two wgmma programs an SM (gate/up: a whole wave, then 8 slices of the rest), a uniform split,
     # one m block of 256 rows (and of 200 in it)
     tiles += [(64, "wgmma", dict(BLOCK_M=64, maxnreg=80)), (100, "wgmma", dict(SPLIT=2)),
@@ -286,8 +278,8 @@ def test_gpu_wgmma_products_are_exact_and_repeat_at_every_tile_width():
     sms = launch.sm_count(dev)
     for n, k in ((18944, 3584), (3584, 18944)):
         pw = _to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev)
-        wsp = torch.zeros(launch.SPLIT_MAX, 256, n, device=dev)
-        plan = launch.make_plan("nvfp4", [pw], [None], None, [0.0], 0, False, dev, workspace=wsp)
+        wsp = torch.zeros(linear.SPLIT_MAX, 256, n, device=dev)
+        plan = linear.make_plan("nvfp4", [pw], [None], None, [0.0], 0, False, dev, workspace=wsp)
         wd = pw.dequantize().to(dev, torch.float64)
         for m, tiles in ((16, dict(BLOCK_M=16, maxnreg=80)), (64, dict(BLOCK_M=64, maxnreg=80)), (128, None),
                          (256, None), (256, dict(BLOCK_M=256)), (200, dict(BLOCK_M=256, STAGES=3))):
@@ -296,7 +288,7 @@ def test_gpu_wgmma_products_are_exact_and_repeat_at_every_tile_width():
             runs = []
             for _ in range(3):
                 wsp.fill_(float("nan"))
-                split, sk_from, ws = launch.nvfp4_wgmma.launch(plan, x16, sms, tiles)
+                split, sk_from, ws = linear.nvfp4_wgmma.launch(plan, x16, sms, tiles)
                 got = ws[0].clone()
                 got[:, sk_from:] += ws[1:split, :, sk_from:].sum(0)
                 runs.append(got)
@@ -312,30 +304,30 @@ def test_gpu_glu_launch_writes_the_operand_down_takes_with_nvfp4_wgmma():
     # out16 is what the conversion launch makes of its bf16 output, and down from it is down from that
     torch.manual_seed(4)
     dev, k, n = torch.device("cuda"), 3584, 18944
-    wsp = torch.full((launch.SPLIT_MAX, max(ROWS), 2 * n), float("nan"), device=dev)
+    wsp = torch.full((linear.SPLIT_MAX, max(ROWS), 2 * n), float("nan"), device=dev)
     lora = [(torch.randn(n2, 8) * 0.1).to(dev) for n2 in (n, n, k)]
-    glu = launch.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev) for _ in range(2)],
+    glu = linear.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev) for _ in range(2)],
                            [None, None], lora[:2], [2.0, 2.0], 8, True, dev, workspace=wsp)
-    down = launch.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(k, n) * 0.1), dev)], [None], lora[2:], [2.0], 8,
+    down = linear.make_plan("nvfp4", [_to(_nvfp4_packed(torch.randn(k, n) * 0.1), dev)], [None], lora[2:], [2.0], 8,
                             False, dev, workspace=wsp)
     gamma = (1 + 0.1 * torch.randn(k)).to(dev, torch.bfloat16)
     a_next = (torch.randn(8, n) * 0.1).to(dev)
     for m in ROWS:
-        assert launch.takes_x16(down, m, dev), m
+        assert down.takes_x16(m, dev), m
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ss = x.float().pow(2).sum(-1)[None]
         t = torch.randn(m, 32, device=dev) * 0.1  # given, not shrunk here: no atomics, both runs alike
         inter, inter16 = (torch.full((m, n), float("nan"), device=dev, dtype=d) for d in (torch.bfloat16, torch.float16))
         t_next = torch.zeros(m, 16, device=dev)
         for out, out16 in ((inter, False), (inter16, True)):
-            launch.fused_linear(glu, x, out, t=t, norm=(gamma, 1e-6, ss), a_next=a_next, t_next=t_next, r_next=8,
+            linear.fused_linear(glu, x, out, t=t, norm=(gamma, 1e-6, ss), a_next=a_next, t_next=t_next, r_next=8,
                                 out16=out16)
         assert torch.equal(inter16, (inter.float() / 16).half()), m
         res = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         outs = []
         for xin, x16 in ((inter, False), (inter16, True)):
             out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
-            launch.fused_linear(down, xin, out, t=t_next, residual=res, x16=x16)
+            linear.fused_linear(down, xin, out, t=t_next, residual=res, x16=x16)
             outs.append(out)
         assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), m
 
@@ -347,7 +339,7 @@ def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate(monkeypatch):
     # shapes take the nearest measured shape's choice, and where dispatch.json's candidates tie a
     # sweep may pick another kind; q/k/v's 64-row segments still take the small kernel), and the GLU
     # epilogue writes down's fp16 operand
-    table = {"3584x3584": [dict(m=256, kernel="wgmma")]}
+    table = dispatch.Table(launch.capability(torch.device("cuda")), {"3584x3584": [(256, dispatch.Choice("wgmma"))]})
     monkeypatch.setattr(dispatch, "load_table", lambda path=dispatch.TABLE_PATH: table)
     model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2,
                        vocab=512)
@@ -355,8 +347,8 @@ def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate(monkeypatch):
     eng = FastEngine(model, 32, 64)
     out = eng.generate(ids, mask, 16, temperature=0, eos_id=-1, pad_id=0)
     ly = eng.m.layers[0]
-    assert all(launch.takes_x16(lin.plan, 32, ids.device) for lin in (ly.o, ly.gate_up, ly.down))
-    assert not launch.takes_x16(ly.qkv.plan, 32, ids.device)
+    assert all(lin.plan.takes_x16(32, ids.device) for lin in (ly.o, ly.gate_up, ly.down))
+    assert not ly.qkv.plan.takes_x16(32, ids.device)
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, hf_greedy(model, ids, mask, 16), tol=0.08)
 
 

@@ -13,7 +13,7 @@ from bitsandbytes.functional import has_avx512bf16
 
 from conftest import TINY_RUN, qerl
 
-# The notices `qerl_exp.logs.quiet` silences (issue 23), as they read on these machines.
+# The notices `qerl_exp.logs.quiet` silences, as they read on these machines.
 NOTICES = ("not sharded", "Loading weights", "Writing model shards", "gemm_4bit_forward", "pip install kernels",
            "FutureWarning", "torchao", "register_constant")
 

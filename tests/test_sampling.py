@@ -117,7 +117,7 @@ def _check_engine(dev) -> None:
     # entropies are the teacher-forced softmax's
     model = tiny_model(device=dev)
     ids, mask = prompts(device=dev)
-    eng = FastEngine(model, 4, 32, backend="triton")
+    eng = FastEngine(model, 4, 32)
     runs = [eng.generate(ids, mask, 6, temperature=0.9, eos_id=-1, pad_id=0, generator=torch.Generator().manual_seed(s))
             for s in (3, 3, 4)]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)

@@ -1,14 +1,30 @@
-"""The code's shape (STYLE.md): no import cycle between the modules of qerl_exp/ and analysis/,
-function-level imports counted, and no source file in qerl_exp/ over 700 lines."""
+"""The code's shape: no import cycle between the modules of qerl_exp/ and analysis/ (function-level
+imports counted), no source file in qerl_exp/ over 700 lines and no function there or in analysis/
+over 120, a design document of the engine that stays short, and a repository that speaks of its
+software, not of how it was developed."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("qerl_exp", "analysis")
 MAX_LINES = 700
+MAX_FUNCTION_LINES = 120
+MAX_ENGINE_DOC_LINES = 500
+# what a user reads: the product, its output, docs, benches, presets, sweeps and tests
+PRODUCT = ("README.md", "docs", "qerl_exp", "analysis", "bench", "conf", "sweeps", "tests")
+# development history in the product's own words; upstream references (pytorch/pytorch#196678),
+# pytest's scope="session" and POSIX sessions do not match
+HISTORY = {
+    "a work session": re.compile(r"\bsessions? \d|\(sessions?$|\b(this|that|each|every|next|last|later|earlier|"
+                                 r"previous|work) sessions?\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bissues? #?\d|(?<![\w/.-])#\d+\b", re.IGNORECASE),
+    "notes the repository does not hold": re.compile(r"\b(DESIGN|STYLE)\.md\b"),
+}
 
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of PACKAGES (a package by its __init__.py)."""
@@ -106,3 +122,59 @@ def test_no_source_file_in_qerl_exp_is_over_700_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "qerl_exp").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"split these modules by concept (at most {MAX_LINES} lines each)"
+
+
+def _functions(path: Path):
+    """(qualified name, lines) of every function and method in a module, nested ones included."""
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}.{child.name}" if prefix else child.name
+                if not isinstance(child, ast.ClassDef):
+                    yield name, child.end_lineno - child.lineno + 1
+            yield from walk(child, name)
+
+    yield from walk(ast.parse(path.read_text(), str(path)), "")
+
+
+def test_no_function_in_qerl_exp_or_analysis_is_over_120_lines():
+    long = {f"{p.relative_to(ROOT)}:{name}": n for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+            for name, n in _functions(p) if n > MAX_FUNCTION_LINES}
+    assert long == {}, f"split these functions into phases (at most {MAX_FUNCTION_LINES} lines each)"
+
+
+def test_the_engine_design_document_stays_short():
+    assert len((ROOT / "docs" / "engine.md").read_text().splitlines()) <= MAX_ENGINE_DOC_LINES
+
+
+def _product_files() -> list[Path]:
+    """The tracked text files of PRODUCT (every file below it outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--", *PRODUCT], cwd=ROOT, capture_output=True, check=True)
+        paths = [ROOT / p for p in out.stdout.decode().split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        paths = [p for name in PRODUCT
+                 for p in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))]
+    return [p for p in paths if p.is_file() and b"\0" not in p.read_bytes()[:8192]]
+
+
+def test_history_patterns_catch_our_phrasing_only():
+    said = ["docs/engine.md, session 27", "one GEMM (session", "(sessions 25-27)", "what this session measured",
+            "issue 25 of this repository", "Issue 21's next runs", "see #22", "DESIGN.md 2.4", "(STYLE.md)"]
+    fine = ["pytorch/pytorch#196678", "pytorch#196678", '@pytest.fixture(scope="session")', "A session of their own",
+            "start_new_session=True", "open an issue", "# 4 rows", "color #fff"]
+    assert all(any(r.search(line) for r in HISTORY.values()) for line in said)
+    assert not [line for line in fine if any(r.search(line) for r in HISTORY.values())]
+
+
+def test_no_line_speaks_of_work_sessions_issue_numbers_or_notes_the_repository_lacks():
+    found = []
+    for path in _product_files():
+        if path == Path(__file__).resolve():  # it states the patterns
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{i}: {what}: {line.strip()[:120]}"
+                      for what, r in HISTORY.items() if r.search(line)]
+    assert found == [], "say what the software does and cite docs/method.md; git log keeps the history:\n" + \
+        "\n".join(found[:40])

@@ -5,7 +5,7 @@ temperature=..., top_p=..., eos_id=..., pad_id=...)` returns a `GenerateOutput` 
 semantics as the HF path of `qerl_exp.rollout`. See `docs/engine.md`.
 """
 
-from qerl_exp.engine.decode import BACKENDS, GenerateOutput
+from qerl_exp.engine.decode import GenerateOutput
 from qerl_exp.engine.fast_engine import FastEngine
 
-__all__ = ["BACKENDS", "FastEngine", "GenerateOutput"]
+__all__ = ["FastEngine", "GenerateOutput"]

@@ -1,8 +1,9 @@
-"""FastEngine: gpt-fast style rollouts for HF Llama/Qwen2-family causal LMs.
+"""The decode path of `FastEngine` (`fast_engine`): gpt-fast style rollouts for HF
+Llama/Qwen2-family causal LMs, as free functions.
 
-A static KV cache (`setup_caches`), an eager `prefill()`, and a `decode_one_token()` step
-(forward, sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once
-per batch size in a CUDA graph and replays `max_new_tokens - 1` times (`decode_n_tokens`).
+A static KV cache (`setup_caches`), a `prefill()`, and a `decode_one_token()` step (forward,
+sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once per batch
+size in a CUDA graph and replays `max_new_tokens - 1` times (`decode_n_tokens`).
 
 The engine holds the HF model's own tensors (dense base weights, LoRA A/B, RMSNorm scales,
 embeddings, lm_head), and its Triton kernels read them through address tables, so an optimizer
@@ -23,14 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp.engine.launch import (LinearPlan, decode_attention, fused_linear, norm_shrink,
-                                    prefill_epilogue, rope_cache, takes_x16)
-from qerl_exp.engine.layout import PackedWeight, relayout_nf4
-from qerl_exp.engine.reference import linear_ref, rms_norm_ref, rope_ref
+from qerl_exp.engine.launch import decode_attention, norm_shrink, prefill_epilogue, rope_cache
+from qerl_exp.engine.layout import PackedWeight, relayout_nf4, weight_of
+from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.sampling import fused_sample, sample
 from qerl_exp.engine.triton_kernels import pow2
 
-BACKENDS = ("auto", "torch", "triton")
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
 
 
@@ -304,39 +303,23 @@ class _State:
 # ---------------------------------------------------------------------------------------------
 
 
-def _linear_torch(lin: _Linear, x: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """HF/peft semantics with torch ops: base (+ bias) + lora_B(lora_A(x)) * scaling per projection.
-
-    As peft, the LoRA term and its addition run in the adapters' dtype (fp32 under a bf16 base),
-    here as one `addmm` into the base output. `scratch`: see `layout.weight_of`.
-    """
-    outs = []
-    xa = x.to(lin.lora_a[0].dtype) if lin.lora_a is not None else None  # once for all segments
-    for s, (w, b) in enumerate(zip(lin.weights, lin.biases)):
-        y = linear_ref(x, w, b, scratch)
-        if lin.lora_a is not None:
-            a = lin.lora_a[s]
-            t = F.linear(xa, a)
-            y = torch.addmm(y.reshape(-1, y.shape[-1]).to(a.dtype), t.reshape(-1, t.shape[-1]), lin.lora_b[s].t(),
-                            alpha=lin.scale[s]).to(x.dtype).view(y.shape)
-        outs.append(y)
-    if lin.glu:
-        return F.silu(outs[0]) * outs[1]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+def _rms_norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
+    """HF Llama/Qwen2 RMSNorm, rounding exactly where HF rounds."""
+    xf = x.float()
+    return gamma * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
-                    norm: tuple | None = None, fused: bool = False) -> Tensor:
-    """`_linear_torch(lin, x)` (+ residual) for the prefill, of RMSNorm(x) * gamma with `norm` =
-    (gamma, eps), rounded at the same points. `fused` (the triton backend): one `norm_shrink`
-    launch (the norm and the fp32 LoRA shrink of all segments, where torch makes ~10 launches and
-    an fp32 copy of x), each segment's cuBLAS product, and one Triton pass over each base output
-    (`launch.prefill_epilogue`: LoRA term, GLU, residual) where `_linear_torch` makes five (casts,
-    a copy, addmm) and a concatenation. The fp32 sums (the norm's mean, the shrink, the LoRA term)
-    may differ from torch's in their last bits (another summation order)."""
-    if not fused:
-        y = _linear_torch(lin, rms_norm_ref(x, *norm) if norm is not None else x, scratch)
-        return y if residual is None else residual + y
+                    norm: tuple | None = None) -> Tensor:
+    """A linear group over the prompts, HF's and peft's result: base (+ bias) + lora_B(lora_A(x')) *
+    scaling per projection (GLU: silu(gate) * up) (+ residual), x' = x or RMSNorm(x) * gamma with
+    `norm` = (gamma, eps), rounded where they round (the LoRA term in the adapters' dtype, fp32
+    under a bf16 base). One `norm_shrink` launch (the norm and the fp32 LoRA shrink of all
+    segments, where torch makes ~10 launches and an fp32 copy of x), each segment's cuBLAS product
+    (4-bit weights dequantized into `scratch` first, `layout.weight_of`), and one Triton pass over
+    each base output (`launch.prefill_epilogue`: LoRA term, GLU, residual) where torch makes five
+    (casts, a copy, addmm) and a concatenation. The fp32 sums (the norm's mean, the shrink, the
+    LoRA term) may differ from torch's in their last bits (another summation order)."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     res = residual.reshape(x.shape[0], -1) if residual is not None else None
@@ -352,7 +335,7 @@ def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: T
             x = h
         if t is not None:
             ts, bs = [t[:, s * width:s * width + lin.r] for s in range(len(lin.weights))], lin.lora_b
-    ys = [linear_ref(x, w, b, scratch) for w, b in zip(lin.weights, lin.biases)]
+    ys = [F.linear(x, weight_of(w, x.dtype, scratch), b) for w, b in zip(lin.weights, lin.biases)]
     if lin.glu:
         out = torch.empty_like(ys[0])
         prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
@@ -367,26 +350,13 @@ def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: T
     return out.view(*lead, -1)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float) -> Tensor:
-    """Decode attention over the static cache. q [B, hq, d]; k, v [B, hkv, S, d]; mask [B, 1, 1, S].
-
-    Grouped-query heads are folded into the query length ([B, hkv, hq/hkv, d]), so no K/V repeat.
-    """
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    out = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask, scale=scaling)
-    return out.reshape(b, hq * d)
-
-
-def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None,
-            fused: bool = False) -> Tensor:
+def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
     """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
 
-    `scratch`: a flat buffer as large as the largest 4-bit weight, which NVFP4 weights are
-    dequantized into one linear at a time (`FastEngine.scratch`). `fused` (the triton backend):
-    Triton kernels around the cuBLAS products (`_prefill_linear`), rope and the cache writes in one
-    `rope_cache` launch, and the grouped-query heads folded into the query length (as `_attend`),
-    so no K/V repeat; else HF's torch ops. Both round where HF rounds."""
+    Each linear is `_prefill_linear` (cuBLAS with Triton launches around it); rope and the cache
+    writes are one `rope_cache` launch; the grouped-query heads are folded into the query length,
+    so no K/V repeat. Rounded where HF rounds. `scratch`: a flat buffer as large as the largest
+    4-bit weight, which NVFP4 weights are dequantized into one linear at a time (`FastEngine.scratch`)."""
     b, p = ids.shape
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)  # HF: position ids from the attention mask
     ar = torch.arange(p, device=ids.device)
@@ -396,62 +366,30 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     bias.masked_fill_(~allowed[:, None], float("-inf"))
     x = F.embedding(ids, m.embed)
     g = m.hq // m.hkv
-    if fused:
-        x = x.view(b * p, -1)
-        pos, first = pos.view(-1), torch.zeros(1, dtype=torch.long, device=ids.device)
-        bias = bias.repeat(1, 1, g, 1)  # query row j * P + i of a kv head: head j of its group, token i
-    else:
-        cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]  # [B, 1, P, d]
+    x = x.view(b * p, -1)
+    pos, first = pos.view(-1), torch.zeros(1, dtype=torch.long, device=ids.device)
+    bias = bias.repeat(1, 1, g, 1)  # query row j * P + i of a kv head: head j of its group, token i
     for li, ly in enumerate(m.layers):
-        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps), fused=fused)
-        if fused:
-            q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
-            rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p)
-            k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
-            # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
-            att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
-                                                 scale=m.scaling).unflatten(2, (g, p)).flatten(1, 2)
-        else:
-            q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-            q = rope_ref(q.view(b, p, m.hq, m.d).transpose(1, 2), cos, sin)
-            k = rope_ref(k.view(b, p, m.hkv, m.d).transpose(1, 2), cos, sin)
-            v = v.view(b, p, m.hkv, m.d).transpose(1, 2)
-            cache.k[li, :b, :, :p] = k
-            cache.v[li, :b, :, :p] = v
-            att = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                                 attn_mask=bias, scale=m.scaling)
+        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps))
+        q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
+        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p)
+        k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
+        # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
+        att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
+                                             scale=m.scaling).unflatten(2, (g, p)).flatten(1, 2)
         att = att.transpose(1, 2).reshape(*x.shape[:-1], m.hq * m.d)
-        x = _prefill_linear(ly.o, att, scratch, residual=x, fused=fused)
-        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, m.eps), fused=fused)
-        x = _prefill_linear(ly.down, inter, scratch, residual=x, fused=fused)
+        x = _prefill_linear(ly.o, att, scratch, residual=x)
+        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, m.eps))
+        x = _prefill_linear(ly.down, inter, scratch, residual=x)
     last = x.view(b, p, -1)[:, -1]
-    return F.linear(rms_norm_ref(last, m.norm, m.eps), m.lm_head).float()
+    return F.linear(_rms_norm(last, m.norm, m.eps), m.lm_head).float()
 
 
-def _forward_torch(m: _Model, cache: _Cache, st: _State) -> Tensor:
-    # one token per sequence: st.tok [B] at cache slot st.slot, rotary position st.pos [B]
-    b = st.b
-    live = (st.arange[None, :] >= st.pad[:, None]) & (st.arange[None, :] <= st.slot)
-    amask = torch.zeros(live.shape, dtype=m.embed.dtype, device=live.device).masked_fill_(~live, float("-inf"))
-    amask = amask[:, None, None, :]  # [B, 1, 1, S]
-    x = F.embedding(st.tok, m.embed)  # [B, H]
-    cos, sin = m.cos[st.pos][:, None], m.sin[st.pos][:, None]  # [B, 1, d]
-    for li, ly in enumerate(m.layers):
-        qkv = _linear_torch(ly.qkv, rms_norm_ref(x, ly.ln1, m.eps))
-        q, k, v = qkv.split([m.hq * m.d, m.hkv * m.d, m.hkv * m.d], dim=-1)
-        q = rope_ref(q.view(b, m.hq, m.d), cos, sin)
-        k = rope_ref(k.view(b, m.hkv, m.d), cos, sin)
-        cache.k[li, :b].index_copy_(2, st.slot, k[:, :, None])
-        cache.v[li, :b].index_copy_(2, st.slot, v.view(b, m.hkv, 1, m.d))
-        x = x + _linear_torch(ly.o, _attend(q, cache.k[li, :b], cache.v[li, :b], amask, m.scaling))
-        x = x + _linear_torch(ly.down, _linear_torch(ly.gate_up, rms_norm_ref(x, ly.ln2, m.eps)))
-    return F.linear(rms_norm_ref(x, m.norm, m.eps), m.lm_head).float()
-
-
-def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
-    # the same step with fused kernels, per layer: qkv (norm and LoRA shrink on load), rope + cache,
-    # attention, o (+ its shrink, residual), gate/up (norm, shrink on load; GLU and the down
-    # shrink in the epilogue), down (+ residual); each linear is a split-K launch and an epilogue
+def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
+    # one token per sequence (st.tok [B] at cache slot st.slot, rotary position st.pos [B]), per
+    # layer: qkv (norm and LoRA shrink, on load where the kernel does), rope + cache, attention, o
+    # (+ its shrink, residual), gate/up (norm, shrink; GLU and the down shrink in the epilogue),
+    # down (+ residual); each linear a base-product launch and an epilogue (`linear.fused_linear`)
     b = st.b
     x = F.embedding(st.tok, m.embed)  # [B, H], updated in place by the residual epilogues
     st.t.zero_()
@@ -462,27 +400,25 @@ def _forward_triton(m: _Model, cache: _Cache, st: _State, f16: bool) -> Tensor:
         lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
         fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
-                     shrink=ly.qkv.a_tab, f16=f16)
+                     shrink=ly.qkv.a_tab)
         rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
         att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
-        fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, f16=f16,
-                     ss_out=st.ss)
+        fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, ss_out=st.ss)
         # where down takes nvfp4_wgmma, the GLU epilogue writes its operand (inter / 16 in fp16)
-        down16 = takes_x16(ly.down.plan, b, x.device)
+        down16 = ly.down.plan.takes_x16(b, x.device)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=torch.float16 if down16 else x.dtype, device=x.device)
         fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
                      shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
-                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, f16=f16, out16=down16)
-        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, f16=f16, ss_out=st.ss,
-                     x16=down16)
+                     t_next=t[3] if lora[3] else None, r_next=ly.down.r, out16=down16)
+        fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, ss_out=st.ss, x16=down16)
     norm_shrink(x, m.norm, m.eps, st.h, None, 1, 0, None, ss=st.ss)
     return F.linear(st.h, m.lm_head)  # bf16: fused_sample reads it as fp32, as .float() would
 
 
-def sample_next(st: _State, logits: Tensor, backend: str, greedy: bool, use_top_p: bool) -> None:
-    """Sample every row's next token from `logits` and advance: the triton backend samples in one
-    fused pass (`sampling.fused_sample`, keyed by st.seed and st.step) unless top-p needs a sort."""
-    if backend == "triton" and not use_top_p:
+def sample_next(st: _State, logits: Tensor, greedy: bool, use_top_p: bool) -> None:
+    """Sample every row's next token from `logits` and advance: in one fused pass
+    (`sampling.fused_sample`, keyed by st.seed and st.step) unless top-p needs a sort."""
+    if not use_top_p:
         drawn = fused_sample(logits, st.temperature, st.seed, st.step, greedy)
     else:
         drawn = sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator)
@@ -504,14 +440,9 @@ def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
     st.pos += 1
 
 
-def decode_one_token(m: _Model, cache: _Cache, st: _State, backend: str, greedy: bool, use_top_p: bool,
-                     f16: bool = False) -> None:
+def decode_one_token(m: _Model, cache: _Cache, st: _State, greedy: bool, use_top_p: bool) -> None:
     """One decode step for every sequence: forward st.tok, sample, record, advance (captured)."""
-    if backend == "triton":
-        logits = _forward_triton(m, cache, st, f16)
-    else:
-        logits = _forward_torch(m, cache, st)
-    sample_next(st, logits, backend, greedy, use_top_p)
+    sample_next(st, _forward(m, cache, st), greedy, use_top_p)
 
 
 def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:

@@ -13,37 +13,34 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from qerl_exp.engine.decode import (BACKENDS, PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked,
-                                    base_layers, build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
+from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked, base_layers,
+                                    build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
                                     setup_caches, stack_dense)
-from qerl_exp.engine.launch import SPLIT_MAX, make_plan, set_out_scale
+from qerl_exp.engine.launch import require_device
 from qerl_exp.engine.layout import PackedWeight
-from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2
+from qerl_exp.engine.linear import SPLIT_MAX, make_plan
+from qerl_exp.engine.triton_kernels import pow2
 
 # dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
 # (bench/rollout.py, H200, ms a step) took 4.88 with the Triton split-K kernel against 5.54 with
-# cuBLAS at 16 rows and 6.46 against 5.92 at 32, since cuBLAS multiplies q/k/v in one GEMM (session
-# 26); with three q/k/v GEMMs it had lost up to 64 rows (13.2 against 10.2 at 128, 23.3 against 15.3 at 256).
+# cuBLAS at 16 rows and 6.46 against 5.92 at 32, where cuBLAS multiplies q/k/v in one GEMM
+# (`decode.stack_dense`); 13.2 against 10.2 at 128 rows, 23.3 against 15.3 at 256.
 DENSE_CUBLAS_MIN_BATCH = 32
 
 
 class FastEngine:
     """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
-    optionally peft LoRA), with the decode step in a CUDA graph on GPUs.
+    optionally peft LoRA), with the decode step in a CUDA graph. Its kernels run on CUDA, and on
+    CPU only under the Triton interpreter (the tests).
 
     Args:
         model: the HF causal LM (or a peft model around it). Its tensors are referenced, not copied.
         max_batch_size: most sequences per `generate` call (the KV cache is sized for it).
         max_seq_len: most prompt + new tokens per sequence.
-        backend: "triton" (fused kernels; CUDA, or the Triton interpreter on CPU), "torch"
-            (plain torch ops, cuBLAS for dense and dequantize + matmul for 4-bit weights), or
-            "auto" (triton on CUDA when Triton is installed, torch otherwise).
         cuda_graph: capture the decode step (CUDA only).
-        f16_dot: NF4 kernels multiply in fp16 (faster; activations pre-scaled by 1/16). NVFP4
-            always does (exact for its weights).
-        dense_gemm: triton backend, dense (bf16) weights: "triton" (split-K Triton kernel),
-            "cublas" (cuBLAS into a buffer; both finish with the Triton epilogue: bias, LoRA,
-            residual, GLU), or "auto": cuBLAS from `DENSE_CUBLAS_MIN_BATCH` rows, Triton below.
+        dense_gemm: dense (bf16) weights: "triton" (split-K Triton kernel), "cublas" (cuBLAS into a
+            buffer; both finish with the Triton epilogue: bias, LoRA, residual, GLU), or "auto":
+            cuBLAS from `DENSE_CUBLAS_MIN_BATCH` rows of `max_batch_size`, Triton below.
 
     Example:
         >>> engine = FastEngine(model, max_batch_size=64, max_seq_len=512)
@@ -52,22 +49,14 @@ class FastEngine:
         >>> out.completion_ids.shape  # [64, T], T <= 256
     """
 
-    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, backend: str = "auto",
-                 cuda_graph: bool = True, f16_dot: bool = True, dense_gemm: str = "auto"):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not valid; choose one of: {', '.join(BACKENDS)}")
+    def __init__(self, model: nn.Module, max_batch_size: int, max_seq_len: int, *, cuda_graph: bool = True,
+                 dense_gemm: str = "auto"):
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.seq_cap = -(-max_seq_len // 64) * 64  # cache length, aligned for the attention kernels
         dev = next(model.parameters()).device
-        if backend == "auto":
-            backend = "triton" if dev.type == "cuda" and HAS_TRITON else "torch"
-        if backend == "triton" and not HAS_TRITON:
-            raise RuntimeError("backend='triton' needs the triton package")
-        self.backend = backend
         self.use_graph = cuda_graph and dev.type == "cuda"
-        self.f16_dot = f16_dot
         if dense_gemm not in ("auto", "cublas", "triton"):
             raise ValueError(f"dense_gemm={dense_gemm!r} is not valid; choose one of: auto, cublas, triton")
         if dense_gemm == "auto":
@@ -83,23 +72,22 @@ class FastEngine:
         with torch.no_grad():
             self.m = build_model(self.model, self.seq_cap)
             dev = self.m.embed.device
-            if self.backend == "triton":
-                widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
-                             for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
-                ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
-                raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, n)
-                for ly in self.m.layers:
-                    for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
-                        cublas = None
-                        if lin.fmt == "dense":  # stacked by every engine, so that none re-points what another read
-                            w = stack_dense(lin.weights)
-                            if self.dense_gemm == "cublas":
-                                cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
-                                    self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
-                        lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
-                                             lin.r, lin.glu, dev, cublas=cublas, workspace=ws)
-                        if lin.lora_a is not None:
-                            lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
+            widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
+                         for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
+            ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
+            raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, n)
+            for ly in self.m.layers:
+                for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
+                    cublas = None
+                    if lin.fmt == "dense":  # stacked by every engine, so that none re-points what another read
+                        w = stack_dense(lin.weights)
+                        if self.dense_gemm == "cublas":
+                            cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
+                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
+                    lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
+                                         lin.r, lin.glu, dev, cublas=cublas, workspace=ws)
+                    if lin.lora_a is not None:
+                        lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
             packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
                       if isinstance(w, PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
@@ -149,7 +137,7 @@ class FastEngine:
         return self._states[b]
 
     def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
-        return lambda: decode_one_token(self.m, self.cache, st, self.backend, greedy, use_top_p, self.f16_dot)
+        return lambda: decode_one_token(self.m, self.cache, st, greedy, use_top_p)
 
     def _capture(self, fn, reset, warmups: int):
         """(CUDA graph of `fn()` in the engine's memory pool, what the captured call returned), after
@@ -190,7 +178,7 @@ class FastEngine:
         key = tuple(ids.shape)
 
         def run(ids, mask):
-            return prefill(self.m, self.cache, ids, mask, self.scratch, fused=self.backend == "triton")
+            return prefill(self.m, self.cache, ids, mask, self.scratch)
 
         if not self.use_graph:
             return run(ids, mask)
@@ -237,13 +225,10 @@ class FastEngine:
                     self._build()
                     return
                 lin.weights[s], lin.updates[s] = pw, src.updates
-                if lin.plan is not None:
-                    set_out_scale(lin.plan, s, pw.out_scale)
+                lin.plan.set_out_scale(s, pw.out_scale)
                 rescaled = True
-        if rescaled:  # graphs of the torch path (the prefill's, all of the torch backend's) baked the
-            self._prefills.clear()  # tensor scale into a dequant launch: captured again on next use
-            if self.backend != "triton":
-                self._graphs.clear()
+        if rescaled:  # the prefill's graphs baked the tensor scale into its dequantize launches:
+            self._prefills.clear()  # captured again on next use
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
@@ -264,6 +249,7 @@ class FastEngine:
         Returns:
             `GenerateOutput` with T = the longest completion (at most max_new_tokens).
         """
+        require_device(self.m.embed.device)
         b, p = prompt_ids.shape
         if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
             # Grow to what this call needs (KV cache, buffers and graphs are made anew).
@@ -302,7 +288,7 @@ class FastEngine:
             st.pad.copy_(p - mask.long().sum(1))
             st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
             st.pos.copy_(p - 1 - st.pad)
-            sample_next(st, logits, self.backend, greedy, use_top_p)
+            sample_next(st, logits, greedy, use_top_p)
             step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
             n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
         finally:

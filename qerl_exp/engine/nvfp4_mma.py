@@ -31,7 +31,7 @@ from triton.runtime.jit import constexpr_function
 from qerl_exp.engine.ptx import e2m1x2_asm, e2m1x4_asm
 from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
 
-MAX_M = 8  # rows up to which `launch.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
+MAX_M = 8  # rows up to which `linear.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
 BLOCK_N = 64  # weight rows a program: 4 warps x 16
 MAX_REGS = 56  # registers a thread (ptxas' maxnreg): 9 programs of 128 threads fit an SM's 65536
 RESIDENT = 65536 // (MAX_REGS * 128)  # programs an SM holds at once
@@ -187,7 +187,7 @@ def _tile(x_ptr, stride_xm, tab_ptr, ws_ptr, stride_wm, stride_ws, g_ptr, ss_ptr
     c0 = pid_k * CPS
     n_chunks = gl.minimum(CPS, K // 64 - c0)  # the last slice may be shorter
     seg, start = _segment(n0, N1, N2, NSEG)
-    # 16-byte aligned (`launch.make_plan` checks): without the hint the code and scale loads
+    # 16-byte aligned (`linear.make_plan` checks): without the hint the code and scale loads
     # split into 4-byte ones
     c_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8).to(gl.pointer_type(gl.int32)), 16)
     s_ptr = gl.multiple_of(gl.load(tab_ptr + seg * 8 + 1).to(gl.pointer_type(gl.int32)), 16)
@@ -268,7 +268,7 @@ def nvfp4_splitk_kernel(
 
 
 def usable(plan, m: int) -> bool:
-    """Whether `fused_linear` can take this kernel: NVFP4 segments in whole 64-row tiles, m rows."""
+    """Whether `linear.fused_linear` can take this kernel: NVFP4 segments in whole 64-row tiles, m rows."""
     return plan.fmt == "nvfp4" and m <= MAX_M and plan.seg_gcd % BLOCK_N == 0
 
 

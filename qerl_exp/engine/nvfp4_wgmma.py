@@ -1,7 +1,7 @@
 """The NVFP4 tensor-core kernel for 16-256 rows on Hopper: a TMA ring fed by a producer warp, the
 weights decoded in registers into wgmma's A operand (Gluon, sm_90).
 
-Why this shape (issue 22, docs/engine.md): from 64 rows on, cuBLAS bf16 stops being bound by weight
+Why this shape (docs/engine.md): from 64 rows on, cuBLAS bf16 stops being bound by weight
 bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while it decodes. Here
 - one producer warp (`_load`) streams each K chunk's codes, block scales and activations into a
   `STAGES`-deep shared-memory ring by TMA, as far ahead as the ring allows; the consumers never wait
@@ -15,7 +15,7 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   operand while it runs), and a ring slot goes back to the producer once both wgmmas that read it
   have retired;
 - the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
-  norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `launch.takes_x16`),
+  norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `LinearPlan.takes_x16`),
   so TMA puts them where wgmma reads them with no pass over registers;
 - the schedule fills whole waves: as many tiles as make whole waves of programs take all of K, and
   only the tiles left over are split along K (`config`). At full rate a program's time is its

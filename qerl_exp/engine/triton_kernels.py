@@ -2,11 +2,12 @@
 LoRA shrink, rope + KV-cache write, decode attention, the prefill epilogue and NVFP4 dequantization,
 with the helpers that pass them their arguments.
 
-`launch` decides tiles and launches them (`layout.weight_of` launches the dequantize kernel); the
-weights arrive in the layouts of `layout`, and `reference` holds the torch twins that define what
-each computes. Kernel names keep their leading underscore: docs/engine.md's profiles name them so.
-Without a GPU the kernels run only under the Triton interpreter, which the caller turns on with
-TRITON_INTERPRET=1 before triton is first imported (tests/test_engine.py does, in a subprocess).
+`linear` and `launch` decide tiles and launch them (`layout.weight_of` launches the dequantize
+kernel); the weights arrive in the layouts of `layout`; the tests hold each kernel to a torch
+oracle (tests/engine_oracle.py) or to float64. Kernel names keep their leading underscore: the
+profiles in docs/engine.md name them so. Without a GPU the kernels run only under the Triton
+interpreter, which the caller turns on with TRITON_INTERPRET=1 before triton is first imported
+(tests/test_engine.py does, in a subprocess).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from qerl_exp.engine.ptx import e2m1x4_asm
 
-try:  # CPU builds of torch ship without Triton; everything below has a torch twin.
+try:  # CPU builds of torch ship without Triton (the rollout engine then cannot be built)
     import triton
     import triton.language as tl
 
@@ -28,8 +29,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
     HAS_TRITON = False
 
-FORMATS = ("dense", "nvfp4", "nf4", "mxfp4", "raw")
-FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3, "raw": 4}  # the kernels' FMT constexpr
+FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3, "raw": 4}  # the kernels' FMT constexpr (raw: a cuBLAS buffer)
 
 if HAS_TRITON:
 
@@ -324,7 +324,7 @@ if HAS_TRITON:
         M, K, N1, N2, CPS, NT, NSH, r,
         FMT: tl.constexpr, NSEG: tl.constexpr, ASM: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
         LDT: tl.constexpr, T_PAD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # The base product of a linear for decode shapes (dense FMT 0, NVFP4 1, NF4 2), K split into
         # SPLIT slices so that enough programs keep HBM busy; a raw `_linear_kernel` launch then sums
@@ -338,7 +338,7 @@ if HAS_TRITON:
         # NVFP4: 64 inputs a step, fp16 dot with the weight tile as the wide operand, x pre-scaled by
         # 1/16 (the epilogue's output scale undoes that and the 2^-6 of the decoded values). NF4:
         # the same 64 inputs as its two k-groups of 32 (table lookup times absmax), in fp16 the
-        # same way with F16, else in the model dtype.
+        # same way (the epilogue's output scale undoes the 1/16).
         ACT = x_ptr.dtype.element_ty
         p = tl.program_id(0)
         MB = tl.cdiv(M, BLOCK_M)
@@ -399,16 +399,14 @@ if HAS_TRITON:
                         acc = tl.dot(w_hi, tl.trans(x_hi), acc)
                 else:
                     j16 = tl.arange(0, 16)
-                    DT: tl.constexpr = tl.float16 if F16 else ACT
                     for g in range(c0, c0 + CPS):
                         for h in tl.static_range(2):  # k-groups 2g and 2g + 1
                             k0 = g * 64 + 32 * h
                             x_lo = _x_tile(x_ptr, stride_xm, offs_m, m_ok, k0 + j16, g_ptr, rstd, NORM)
                             x_hi = _x_tile(x_ptr, stride_xm, offs_m, m_ok, k0 + 16 + j16, g_ptr, rstd, NORM)
-                            if F16:
-                                x_lo = _f16_div16(x_lo)
-                                x_hi = _f16_div16(x_hi)
-                            w_lo, w_hi = _nf4_tile(c_ptr, s_ptr, nrows, 2 * g + h, rows, lut_ptr, j16, DT)
+                            x_lo = _f16_div16(x_lo)
+                            x_hi = _f16_div16(x_hi)
+                            w_lo, w_hi = _nf4_tile(c_ptr, s_ptr, nrows, 2 * g + h, rows, lut_ptr, j16, tl.float16)
                             acc = _dot(w_lo, tl.trans(x_lo), acc)
                             acc = _dot(w_hi, tl.trans(x_hi), acc)
                 tl.store(ws_ptr + pid_k * stride_ws + offs_m[None, :] * stride_wm + offs_n[:, None], acc,

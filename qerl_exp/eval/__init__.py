@@ -11,7 +11,7 @@ Two ways in:
   evaluation of the same run writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
-the trained LoRA (DESIGN.md 2.3). Here an answer is judged by the task's own correctness reward
+the trained LoRA (docs/method.md, section 3). Here an answer is judged by the task's own correctness reward
 (`answers_equal`: whole answers, exactly), and `load_adapter` refuses an adapter file that does not
 cover every LoRA weight of the rebuilt policy.
 

@@ -45,7 +45,7 @@ class _NF4:
             layer.bias = nn.Parameter(linear.bias.data.to(self.compute_dtype), requires_grad=False)
         # Moving the Params4bit to a device is what quantizes it.
         layer = layer.to(linear.weight.device)
-        # DESIGN.md section 4: on AVX512-BF16 CPUs the first no-grad forward repacks the weight in
+        # docs/quant.md: on AVX512-BF16 CPUs the first no-grad forward repacks the weight in
         # place, after which backward through the layer is wrong. Keep the portable packing.
         layer.support_avx512bf16_for_cpu = False
         return layer
