@@ -40,7 +40,7 @@ MONITORED = ("entropy_gain",)
 
 # Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
 IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir",
-                "world_size", "train.dist_timeout_s")
+                "world_size", "train.dist_timeout_s", "commit")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 

@@ -133,8 +133,9 @@ def run(
 
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
-    """What `config.json` records: the config, the Hydra choices and the data-parallel world size."""
-    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size()}
+    """What `config.json` records: the config, the Hydra choices, the data-parallel world size and
+    the code's commit."""
+    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit()}
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
@@ -311,7 +312,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
 
         save(run_dir / "final", cfg.train.steps)
         summary = distributed.broadcast({**M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan"))),
-                                         "world_size": distributed.world_size()} if distributed.is_main() else None)
+                                         "world_size": distributed.world_size(), "commit": rundir.source_commit()}
+                                        if distributed.is_main() else None)
         tracker.finish(summary)
         return summary
     except BaseException as e:

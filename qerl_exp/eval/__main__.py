@@ -40,6 +40,7 @@ def run_config(run_dir: str | Path):
     saved = json.loads(path.read_text())
     saved.pop("choices", None)
     saved.pop("world_size", None)  # how many processes trained it (torchrun), not a config field
+    saved.pop("commit", None)  # the code it ran, likewise
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
 
 
