@@ -161,12 +161,19 @@ def build(loaded: Loaded) -> Section:
     return Section(rows, candidates, best, pairs, notes)
 
 
+def _where(run: Run, runs: list[Run]) -> str:
+    """The run's directory relative to the folder holding all the runs (sweeps name every run
+    directory trialNNNN_sS, so names alone repeat)."""
+    root = os.path.commonpath([str(Path(r.source).parent) for r in runs])
+    return os.path.relpath(run.source, root)
+
+
 def _commits(runs: list[Run]) -> str:
     """Where the runs were made: `at commit X`, or each commit with its count, and runs that a
     resume finished at another commit."""
     started = Counter(r.config.get("commit") or "(not recorded)" for r in runs)
     text = ", ".join(f"`{c}` ({n} runs)" for c, n in started.most_common())
-    moved = [r.name for r in runs if r.summary.get("commit") not in (None, r.config.get("commit"))]
+    moved = [_where(r, runs) for r in runs if r.summary.get("commit") not in (None, r.config.get("commit"))]
     return (f"commit `{next(iter(started))}`" if len(started) == 1 else f"commits {text}") + (
         f"; finished at another commit: {', '.join(moved)}" if moved else "")
 
@@ -206,7 +213,7 @@ def _best(section: Section) -> list[str]:
     ranked = sorted(section.candidates, key=lambda r: -r.values["final_reward"].mean)
     rewards = ", ".join(f"{r.label} {r.values['final_reward'].text()}" for r in ranked)
     lines = [f"Chosen on the final training reward, never on held-out pass@1, among the {AQN_FAMILY} rows "
-             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} seeds, with 95 % intervals:", ""]
+             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} seed(s), with 95 % intervals:", ""]
     lines += [f"- {name}: {b.values[f'{split}_start'].text()} -> {b.values[f'{split}_end'].text()}, "
               f"change {b.values[f'{split}_change'].text()}" for split, name in SPLIT_NAMES.items()]
     return lines
@@ -215,16 +222,15 @@ def _best(section: Section) -> list[str]:
 def _pairs(section: Section) -> list[str]:
     if not section.pairs:
         return ["No two runs share a config and a seed here, so the spread between identical runs is not measured."]
-    lines = []
+    lines, everyone = [], [r for c in section.pairs for r in (c.a, c.b)] + [r for row in section.rows for r in row.runs]
     for c in section.pairs:
         name, largest, step = c.largest
+        pair = f"`{_where(c.a, everyone)}` and `{_where(c.b, everyone)}` (seed {c.a.seed}"
         if c.identical:
-            lines.append(f"- `{c.a.name}` and `{c.b.name}` (seed {c.a.seed}): identical in every per-step metric "
-                         f"over {c.steps} steps.")
+            lines.append(f"- {pair}): identical in every per-step metric over {c.steps} steps.")
             continue
         shown = "; ".join(f"{m} {c.diffs[m][0]:.3g}" for m in PAIR_METRICS if m in c.diffs)
-        lines.append(f"- `{c.a.name}` and `{c.b.name}` (seed {c.a.seed}, {c.steps} steps): largest difference "
-                     f"{largest:.3g} ({name}, step {step}); {shown}.")
+        lines.append(f"- {pair}, {c.steps} steps): largest difference {largest:.3g} ({name}, step {step}); {shown}.")
     return lines
 
 

@@ -152,7 +152,8 @@ def test_the_section_names_its_commit_command_and_the_spread_of_identical_runs(s
     assert pairs[("full_precision_s0", "fp_s0")].identical
     moved = pairs[("nvfp4_lora_paper_s1", "q_s1")]
     assert moved.largest == ("reward", pytest.approx(0.25), 7) and "perf/step_s" not in moved.diffs
-    assert "`full_precision_s0` and `fp_s0` (seed 0): identical in every per-step metric over 20 steps." in text
+    assert "`trials/full_precision_s0` and `trials_repeat/fp_s0` (seed 0): identical in every per-step metric " \
+           "over 20 steps." in text
     assert "largest difference 0.25 (reward, step 7)" in text
     assert "fewer than 5 seeds" not in text
 
