@@ -8,6 +8,11 @@ alone. Writes into DIR:
   figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
   strategy_runs.md                 every run used, skipped (with the reason: failed runs with
                                    their error.txt line) or left out
+  results_section.md               pass@1 on both evaluation splits (start, end, change), the
+                                   diagnostics, the best AQN setting, the spread between identical
+                                   runs, the commit and this command (analysis/section.py), for
+                                   docs/results.md to include verbatim (--into docs/results.md
+                                   puts it there, between its begin and end lines)
 
 Example:
     python -m analysis runs/strategies                 # writes runs/strategies/report/
@@ -16,6 +21,8 @@ Example:
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
     python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
     python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
+    python -m analysis docs/smollm2/study --out docs/smollm2/study --into docs/results.md
+    python -m analysis determinism RUN_A RUN_B   (two runs of one config and seed, step by step)
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shlex
 import sys
 from pathlib import Path
 
-from analysis import figures, table
+from analysis import determinism, figures, section, table
 from analysis.runs import load
 
 
@@ -38,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
     p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
     p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
+    p.add_argument("--into", type=Path, metavar="PAGE",
+                   help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
+                        "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
     p.add_argument("--smooth", type=int, default=1, metavar="K",
                    help="moving average over K steps on reward and entropy curves (default 1: none)")
     return p
@@ -79,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: wandb-report needs wandb-workspaces ({e}); pip install 'qerl-exp[dashboards]'", file=sys.stderr)
             return 2
         return wandb_report.main(argv[1:])
+    if argv[:1] == ["determinism"]:
+        return determinism.main(argv[1:])
     args = _parser().parse_args(argv)
     if not args.paths and not args.wandb_project:
         _parser().error("give at least one PATH or --wandb-project")
@@ -100,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("no --optuna-storage: Optuna figures skipped")
     (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
     written.append(args.out / "strategy_runs.md")
+    written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv])))
+    if args.into:
+        try:
+            section.splice(args.into, written[-1])
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        written.append(args.into)
     print(table.to_markdown(rows).split("\n\n")[0])
     print(f"\n{len(loaded.runs)} runs used, {len(loaded.skipped)} skipped (see {args.out / 'strategy_runs.md'})")
     for p in written:

@@ -40,7 +40,7 @@ MONITORED = ("entropy_gain",)
 
 # Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
 IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir",
-                "world_size", "train.dist_timeout_s")
+                "world_size", "train.dist_timeout_s", "commit")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 
@@ -97,11 +97,13 @@ class RunError(ValueError):
 
 @dataclass
 class Loaded:
-    """The result of `load`: usable runs, skipped ones with the reason, and notes."""
+    """The result of `load`: usable runs, skipped ones with the reason, notes, and the strategy
+    presets the runs were labelled with (`strategy_presets`)."""
 
     runs: list[Run]
     skipped: list[tuple[str, str]]
     notes: list[str] = field(default_factory=list)
+    presets: dict[str, dict] = field(default_factory=dict)
 
 
 def _covered(key: str, prefixes: Iterable[str]) -> bool:
@@ -402,6 +404,14 @@ def strategy_presets(conf_dir: Path | None = None) -> tuple[dict[str, dict], lis
     return presets, failed
 
 
+def preset_differences(run: Run, preset: dict, ignore: Iterable[str] = ()) -> list[str]:
+    """The keys of a strategy preset (outside `ignore`) on which the run's config differs from it."""
+    flat = flatten(run.config)
+    # A key missing from an older run's config (e.g. rollout.quant) had its default: none / 0.
+    return [k for k, v in preset.items() if not _covered(k, ignore)
+            and ((k in flat and flat[k] != v) or (k not in flat and v not in ("none", 0, 0.0, False)))]
+
+
 def label(runs: list[Run], presets: dict[str, dict]) -> list[str]:
     """Set `run.strategy` for each run; return notes on runs that claim a preset but differ from it.
 
@@ -411,14 +421,11 @@ def label(runs: list[Run], presets: dict[str, dict]) -> list[str]:
     """
     notes = []
     for run in runs:
-        flat = flatten(run.config)
         recorded = run.choices.get("strategy")
         order = ([recorded] if recorded in presets else []) + [p for p in presets if p != recorded]
         run.strategy = None
         for name in order:
-            # A key missing from an older run's config (e.g. rollout.quant) had its default: none / 0.
-            diffs = [k for k, v in presets[name].items()
-                     if (k in flat and flat[k] != v) or (k not in flat and v not in ("none", 0, 0.0, False))]
+            diffs = preset_differences(run, presets[name])
             if not diffs:
                 run.strategy = name
                 break
@@ -480,4 +487,4 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
         presets, failed = strategy_presets()
         skipped.extend((f"conf/strategy/{name}.yaml", f"preset does not compose: {why}") for name, why in failed)
     notes = label(good, presets)
-    return Loaded(good, skipped, notes)
+    return Loaded(good, skipped, notes, presets)

@@ -30,6 +30,20 @@ class Interval:
     def half_width(self) -> float:
         return (self.high - self.low) / 2
 
+    def text(self, digits: int = 3) -> str:
+        """`mean [low, high]` in fixed point; `mean (1 seed)` without an interval; `n/a` without a mean."""
+        if math.isnan(self.mean):
+            return "n/a"
+        if math.isnan(self.low):
+            return f"{fixed(self.mean, digits)} (1 seed)"
+        return f"{fixed(self.mean, digits)} [{fixed(self.low, digits)}, {fixed(self.high, digits)}]"
+
+
+def fixed(x: float, digits: int) -> str:
+    """Fixed-point, without the sign of a value that rounds to zero ("-0.000")."""
+    text = f"{x:.{digits}f}"
+    return text.lstrip("-") if float(text) == 0 else text
+
 
 def mean(values: list[float]) -> float:
     return math.fsum(values) / len(values) if values else math.nan

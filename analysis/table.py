@@ -10,7 +10,7 @@ One row per strategy preset (`conf/strategy/`), averaged over seeds. Per run (de
 | step time | mean of `perf/step_s` over steps 1.. (same rule) |
 | sampler entropy | mean of `sampler/entropy` over all steps |
 | entropy gain | mean of `entropy_gain` over the steps that logged it (monitor steps) |
-| final reward | mean of `reward` over the last max(1, steps // 10) steps (as `summary.json`) |
+| final reward | mean of `reward` over the last quarter of the steps (`metrics.final_window`: `reward/final` of `summary.json`) |
 | held-out pass@1 | the last `eval/pass@1` logged (`eval.every`; n/a for runs without one) |
 
 Per strategy: the mean over seeds; memory, tokens/s and step time also as the ratio of that mean
@@ -30,6 +30,7 @@ from pathlib import Path
 
 from analysis.runs import STRATEGY_KEYS, Run, differences, settings
 from analysis.stats import Interval, mean, t_interval
+from qerl_exp.metrics import final_window
 
 BASELINE = "full_precision"
 FOUR_WAY = ("full_precision", "nvfp4_rollout", "nvfp4_lora", "nf4_dq")
@@ -149,7 +150,7 @@ def run_values(run: Run) -> dict[str, float]:
         "step_s": mean([r["perf/step_s"] for r in timed]),
         "sampler_entropy": mean([r["sampler/entropy"] for r in h]),
         "entropy_gain": mean(gains),
-        "final_reward": mean(rewards[-max(1, len(rewards) // 10):]),
+        "final_reward": mean(rewards[-final_window(len(rewards)):]),
         "heldout_pass1": evals[-1] if evals else math.nan,
     }
 
@@ -305,20 +306,6 @@ def _x(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.2f}{_TIMES}"
 
 
-def _num(x: float, digits: int) -> str:
-    """Fixed-point, without the sign of a value that rounds to zero ("-0.000")."""
-    text = f"{x:.{digits}f}"
-    return text.lstrip("-") if float(text) == 0 else text
-
-
-def _ci(iv: Interval, digits: int = 3) -> str:
-    if math.isnan(iv.mean):
-        return "n/a"
-    if math.isnan(iv.low):
-        return f"{_num(iv.mean, digits)} (1 seed)"
-    return f"{_num(iv.mean, digits)} [{_num(iv.low, digits)}, {_num(iv.high, digits)}]"
-
-
 def _verdict(holds: bool | None) -> str:
     return "" if holds is None else (": holds" if holds else ": fails")
 
@@ -335,7 +322,7 @@ def _cells(r: Row) -> list[str]:
         r.strategy, str(r.seeds),
         _x(r.weights_ratio), memory, _x(r.peak_ratio),
         _x(r.tok_s_ratio), speed, _x(r.step_s_ratio),
-        _ci(r.sampler_entropy), _ci(r.entropy_gain, 4), explore, _ci(r.final_reward), _ci(r.heldout_pass1), paper,
+        r.sampler_entropy.text(), r.entropy_gain.text(4), explore, r.final_reward.text(), r.heldout_pass1.text(), paper,
     ]
 
 

@@ -214,6 +214,10 @@ class NoiseConfig:
             paper; `fixed` and `adaptive` inject from the first step (`noise/stage` is still logged).
         denominator: `paper` interpolates with (k-1)/(K-1), `code` with (k-1)/(K-2) as in the
             released code, so that its last stage reaches sigma_end exactly.
+        relative: sigma (every sigma here) in units of each noised norm's median |gamma|, taken
+            from the clean scales once at setup: norm k gets z ~ N(0, (sigma * median|gamma_k|)^2),
+            so a schedule carries across models whose norm scales differ (ours; the paper's sigma
+            is absolute, set for 3B-32B Qwen models whose |gamma| is near 1).
         include_final_norm: also perturb the final `model.norm` (the paper does not).
         resample: `step` draws one noise vector per rollout step (paper), `forward` draws anew
             for every forward pass of the sampler (HF engine only: the fast engine's captured decode
@@ -234,6 +238,7 @@ class NoiseConfig:
     sigma_end: float = 5e-4
     num_stages: int = 10
     denominator: str = "paper"
+    relative: bool = False
     include_final_norm: bool = False
     resample: str = "step"
     apply_to: str = "sampler"
@@ -445,8 +450,11 @@ class EvalConfig:
     """Held-out evaluation of the policy (`qerl_exp.eval`).
 
     Args:
-        every: RL steps between evaluations on the task's held-out problems (and after the last
-            step); 0 disables evaluation during training.
+        every: RL steps between evaluations on each of the task's evaluation splits (held-out, and
+            out-of-template where the task has one), and after the last step; 0 disables
+            evaluation during training.
+        at_start: with `every`, also evaluate before the first update (the base: LoRA starts as
+            the identity), logged at step 0 as `eval/start/...`: each run records where it began.
         k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy pass@1 only).
         n: samples per problem for the pass@k estimate (>= k); 0 means k.
         max_new_tokens: completion cap of evaluation; 0 uses algo.max_new_tokens.
@@ -454,6 +462,7 @@ class EvalConfig:
     """
 
     every: int = 0
+    at_start: bool = False
     k: int = 8
     n: int = 0
     max_new_tokens: int = 0
@@ -461,6 +470,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"eval.every must be >= 0, got {self.every}")
+        _check(not self.at_start or self.every > 0, "eval.at_start needs eval.every > 0 (evaluation during training)")
         _check(self.k >= 0, f"eval.k must be >= 2 for sampled pass@k, or 0 or 1 for the greedy pass@1 alone, got {self.k}")
         _check(self.n == 0 or self.n >= self.k, f"eval.n must be 0 or >= eval.k, got {self.n}")
         _check(self.max_new_tokens >= 0, f"eval.max_new_tokens must be >= 0, got {self.max_new_tokens}")

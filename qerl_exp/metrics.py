@@ -21,7 +21,8 @@ these functions; it never builds metric names itself. Token means are over compl
 | entropy_gain | sampler/entropy minus the full-precision reference's entropy on the same tokens |
 | quant/kl | token mean of KL(reference || sampler) over the vocabulary, on the same tokens |
 | sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens (learner before the update; 0 up to rounding when sampler and learner are one clean policy) |
-| noise/sigma, noise/stage | the AQN sigma of this step's rollout, and its stage |
+| noise/sigma, noise/stage | the AQN sigma of this step's rollout (the schedule's value), and its stage |
+| noise/sigma_eff_min, noise/sigma_eff_median, noise/sigma_eff_max | the standard deviation of the noise each noised norm's scale gets, over those norms: noise/sigma, times each norm's median abs(gamma) with `noise.relative` |
 | perf/rollout_tok_s | completion tokens generated per second of rollout wall time (data-parallel: all ranks' tokens over the slowest rank's time) |
 | perf/step_s | wall time of the whole step |
 | timing_s/rollout, timing_s/reference, timing_s/monitor, timing_s/learner, timing_s/optimizer, timing_s/sync | seconds of the step in sampling, in the reference (base without LoRA) forward for `kl` (0 on steps without one), in the noise monitor (0 on steps it skips), in the learner's forward and backward passes, in gradient clipping and optimizer steps (with the gradients' all-reduce in a data-parallel run), in re-quantizing a separate sampler (`rollout.quant`; 0 without one); each the slowest rank's |
@@ -35,6 +36,8 @@ these functions; it never builds metric names itself. Token means are over compl
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 | noise/target_error | `noise=adaptive` only: the controller's set point minus the measured entropy (or entropy gain) |
 | eval/pass@1, eval/pass@k, eval/mean@n, eval/format, eval/reward, eval/clipped_ratio, eval/solution_logp, eval/problems, eval/seconds | held-out evaluation (`eval.every`, `python -m qerl_exp.eval`): greedy exact-answer accuracy, unbiased pass@k over n samples, their mean accuracy, greedy format rate, reward, truncation rate, mean log-prob of the reference solutions, problem count, wall time |
+| eval/ood/pass@1, eval/ood/pass@k, eval/ood/mean@n, eval/ood/format, eval/ood/reward, eval/ood/clipped_ratio, eval/ood/solution_logp, eval/ood/problems, eval/ood/seconds | the same on the task's out-of-template split (`wordprob`'s `ood`), logged beside the held-out ones by every evaluation of a task that has one |
+| eval/start/pass@1, eval/start/pass@k, eval/start/mean@n, eval/start/format, eval/start/reward, eval/start/clipped_ratio, eval/start/solution_logp, eval/start/problems, eval/start/seconds, eval/ood/start/pass@1, eval/ood/start/pass@k, eval/ood/start/mean@n, eval/ood/start/format, eval/ood/start/reward, eval/ood/start/clipped_ratio, eval/ood/start/solution_logp, eval/ood/start/problems, eval/ood/start/seconds | `eval.at_start`: the same, of the policy before its first update (the base: LoRA starts as the identity), logged at step 0 |
 
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
@@ -53,6 +56,8 @@ import sys
 import numpy as np
 import torch
 
+from qerl_exp.tasks.base import HELD_OUT, OOD
+
 # A run's final score is the mean of a metric over the last quarter of its steps: in summary.json
 # (`reward/final`), on the console line, and as the sweep's default objective.
 FINAL_FRACTION = 0.25
@@ -70,10 +75,14 @@ class Phase:
     SYNC = "sync"  # bringing a separate sampler up to the updated policy (re-quantization)
 
 
+# Where each evaluation split's metrics are logged (`eval_prefix`).
+_SPLIT_PREFIX = {HELD_OUT: "eval/", OOD: "eval/ood/"}
+
 # Prefixes of the metrics that measure the machine rather than the run (wall times, process and
 # device peaks): two runs with the same seed agree on everything else.
 MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", f"mem/{Phase.ROLLOUT}_peak_bytes",
-                   f"mem/{Phase.LEARNER}_peak_bytes", "mem/load_peak_bytes", "eval/seconds")
+                   f"mem/{Phase.LEARNER}_peak_bytes", "mem/load_peak_bytes",
+                   *(f"{prefix}{start}seconds" for prefix in _SPLIT_PREFIX.values() for start in ("", "start/")))
 
 
 def _logged_patterns() -> list[str]:
@@ -191,8 +200,12 @@ def entropy_metrics(learner_entropy: torch.Tensor, sampler_entropy: torch.Tensor
     }
 
 
-def noise_metrics(sigma: float, stage: int) -> dict[str, float]:
-    return {"noise/sigma": sigma, "noise/stage": stage}
+def noise_metrics(sigma: float, stage: int, scales: list[float]) -> dict[str, float]:
+    """The schedule's sigma and stage, and the noise's standard deviation per noised norm
+    (`sigma * scale`, `scales` from `noise.AQN.scales`: 1 for absolute noise) as its spread."""
+    effective = sigma * np.asarray(scales, dtype=np.float64)
+    return {"noise/sigma": sigma, "noise/stage": stage, "noise/sigma_eff_min": float(effective.min()),
+            "noise/sigma_eff_median": float(np.median(effective)), "noise/sigma_eff_max": float(effective.max())}
 
 
 def perf_metrics(completion_tokens: int, step_s: float, phases: dict[str, float]) -> dict[str, float]:
@@ -246,6 +259,7 @@ def step_metrics(
     skipped: bool,
     sigma: float,
     stage: int,
+    noise_scales: list[float],
     memory: dict[str, float],
     step_s: float,
     phases: dict[str, float],
@@ -266,7 +280,8 @@ def step_metrics(
         clip: the update's clip counters (`clip_metrics` over every update).
         loss: the optimized loss. grad_norm: the grad norm before clipping. lr: the learning rate.
         skipped: the update was skipped for a non-finite loss or gradient.
-        sigma: this step's AQN sigma. stage: its stage.
+        sigma: this step's AQN sigma. stage: its stage. noise_scales: each noised norm's factor on
+            sigma (`noise.AQN.scales`).
         memory: from `memory_metrics`.
         step_s: wall time of the step. phases: seconds per phase (`perf_metrics`).
 
@@ -280,7 +295,7 @@ def step_metrics(
         **kl_metric(learner_logp, ref_logp, mask),
         **entropy_metrics(learner_entropy, sampler_entropy, mask),
         **logp_gap_metric(sampler_logp, learner_logp, mask),
-        **noise_metrics(sigma, stage),
+        **noise_metrics(sigma, stage, noise_scales),
         **optim_metrics(loss, grad_norm, lr, skipped),
         **memory,
         **perf_metrics(int(mask.sum()), step_s, phases),
@@ -297,24 +312,32 @@ def noise_controller_metrics(target_error: float) -> dict[str, float]:
     return {"noise/target_error": target_error}
 
 
+def eval_prefix(split: str, start: bool = False) -> str:
+    """The prefix of an evaluation's metric names: `eval/` for the held-out split, `eval/ood/` for
+    the out-of-template one; then `start/` for the evaluation before the first update."""
+    return _SPLIT_PREFIX[split] + ("start/" if start else "")
+
+
 def eval_metrics(is_correct: list[bool], in_format: list[bool], rewards: list[float], terminated: list[bool],
-                 solution_logp: torch.Tensor, counts: list[int], n: int, k: int, seconds: float) -> dict[str, float]:
+                 solution_logp: torch.Tensor, counts: list[int], n: int, k: int, seconds: float,
+                 prefix: str = "eval/") -> dict[str, float]:
     """Held-out evaluation: greedy pass@1 (`is_correct`, `in_format`, `rewards`, `terminated` per problem,
     from the greedy completion), the reference solutions' mean log-prob, and, when `k`, the unbiased
-    pass@k and mean@n from `counts` (correct samples of `n` per problem)."""
+    pass@k and mean@n from `counts` (correct samples of `n` per problem); names start with `prefix`
+    (`eval_prefix`)."""
     out = {
-        "eval/pass@1": float(np.mean(is_correct)),
-        "eval/format": float(np.mean(in_format)) if in_format else float("nan"),
-        "eval/reward": float(np.mean(rewards)),
-        "eval/clipped_ratio": float(1 - np.mean(terminated)),
-        "eval/solution_logp": float(solution_logp.mean()),
-        "eval/problems": float(len(is_correct)),
+        "pass@1": float(np.mean(is_correct)),
+        "format": float(np.mean(in_format)) if in_format else float("nan"),
+        "reward": float(np.mean(rewards)),
+        "clipped_ratio": float(1 - np.mean(terminated)),
+        "solution_logp": float(solution_logp.mean()),
+        "problems": float(len(is_correct)),
     }
     if k:
-        out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
-        out[f"eval/mean@{n}"] = float(np.sum(counts) / (n * len(counts)))
-    out["eval/seconds"] = seconds
-    return out
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
+        out[f"mean@{n}"] = float(np.sum(counts) / (n * len(counts)))
+    out["seconds"] = seconds
+    return {prefix + name: value for name, value in out.items()}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

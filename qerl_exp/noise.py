@@ -6,6 +6,11 @@ is added to the scale (gamma) of `input_layernorm`, which feeds q, k and v, and 
 norm gets none unless `noise.include_final_norm`. This equals row-wise multiplicative noise on the
 quantized weights: (z / gamma + 1) * RMSNorm(x).
 
+Scale: the paper's sigma is absolute, so its effect, z / gamma, depends on the model's norm scales.
+With `noise.relative` (ours) norm k's noise is z ~ N(0, (sigma * m_k)^2 I), m_k the median |gamma_k|
+of its clean scale at setup (`AQN.scales`): the same schedule perturbs every model's linears' inputs
+by about the same fraction.
+
 Schedules (`sigma_at`), with K = num_stages stages of equal length, stage k = floor(step * K / steps):
 - `none`: sigma = 0.  `fixed`: sigma = `noise.sigma` at every step.
 - decaying schedules: stage 0 is noise-free; stage k >= 1 uses t = (k - 1) / D, with
@@ -65,9 +70,10 @@ def sigma_at(cfg: NoiseConfig, step: int, total_steps: int) -> tuple[float, int]
     return decay(cfg, (stage - 1) / denominator), stage
 
 
-# AQN's sigma is absolute, its effect relative to the norm scale (z / gamma). On SmolLM2-135M the
-# paper's sigma_start, 45 % of its smallest median |gamma|, stopped learning; 4.5 % learned
-# (docs/results.md). Above this ratio a run starts with a warning.
+# AQN's effect is relative to the norm scale (z / gamma). On SmolLM2-135M the paper's absolute
+# sigma_start, 45 % of its smallest median |gamma|, did not learn (docs/results.md). Where the
+# noise's standard deviation exceeds this fraction of a noised norm's median |gamma|, a run starts
+# with a warning.
 SCALE_WARNING = 0.1
 
 
@@ -141,25 +147,34 @@ class AQN:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.sigma = 0.0
         self.draws: list[torch.Tensor] = []
+        self.medians = [torch.quantile(m.weight.detach().float().abs(), 0.5).item() for _, m in self.norms]
+        # each norm's factor on sigma: its noise's standard deviation is sigma * scale
+        self.scales = list(self.medians) if cfg.relative else [1.0] * len(self.norms)
 
     def scale_warning(self) -> str | None:
-        """One line when the schedule's planned sigma exceeds `SCALE_WARNING` of the smallest median
-        |gamma| of the noised norms (where the same sigma perturbs its linears' inputs the most)."""
+        """One line when the planned noise's standard deviation exceeds `SCALE_WARNING` of a noised
+        norm's median |gamma| (named: the norm where it perturbs its linears' inputs the most)."""
         sigma, option = planned_sigma(self.cfg)
-        gamma, name = min((m.weight.detach().float().abs().median().item(), n) for n, m in self.norms)
+        if self.cfg.relative:
+            if sigma <= SCALE_WARNING:
+                return None
+            return (f"warning: AQN's relative sigma ({sigma:g}, noise.relative=true) is {sigma:.0%} of every noised "
+                    f"norm's median |gamma|: noise that large did not learn on SmolLM2-135M (docs/results.md); "
+                    f"lower {option} (and the schedule's other sigmas)")
+        gamma, name = min(zip(self.medians, (n for n, _ in self.norms)))
         ratio = sigma / max(gamma, 1e-12)
         if ratio <= SCALE_WARNING:
             return None
         return (f"warning: AQN's sigma ({sigma:g}) is {ratio:.0%} of the median |gamma| of {name} ({gamma:.3g}): "
-                f"noise that large stopped learning on SmolLM2-135M (docs/results.md); lower {option} "
-                "(and the schedule's other sigmas)")
+                f"noise that large did not learn on SmolLM2-135M (docs/results.md); lower {option} "
+                "(and the schedule's other sigmas), or set noise.relative=true")
 
     def draw(self, sigma: float) -> None:
         """A fresh noise vector per norm, shared by every completion of the rollout step."""
         self.sigma = sigma
         self.draws = [
-            (torch.randn(m.weight.shape, generator=self.generator) * sigma).to(m.weight.device, m.weight.dtype)
-            for _, m in self.norms
+            (torch.randn(m.weight.shape, generator=self.generator) * (sigma * scale)).to(m.weight.device, m.weight.dtype)
+            for (_, m), scale in zip(self.norms, self.scales)
         ]
 
     @contextmanager

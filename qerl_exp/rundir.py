@@ -10,6 +10,8 @@
   second signal abandons the step); `Interrupted` carries the signal out of the run.
 - `os_error_line` turns a full disk, a read-only path or a file standing where a directory belongs
   into one line that names the path and what to change.
+- `source_commit` names the code a run ran: `config.json` records the commit that started it and
+  keeps it when the run is resumed, `summary.json` the one that finished it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -31,7 +34,9 @@ os.umask(_UMASK)
 # Config keys a rerun or `resume=` may change: they extend the run or change where and how it is
 # logged, never what an already logged step computed.
 RESUMABLE_KEYS = ("train.steps", "tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
-                  "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size")
+                  "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size", "commit")
+# Where there is no git checkout (a copy of the tree on a GPU machine), the commit the copy was made from.
+COMMIT_ENV = "QERL_COMMIT"
 
 
 class RunDirError(RuntimeError):
@@ -95,6 +100,25 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def source_commit() -> str:
+    """The commit of the code that is running, as a run records it.
+
+    Returns:
+        `git rev-parse HEAD` of the checkout holding this package, with `-dirty` when its tracked
+        files differ from that commit; without a checkout, the `QERL_COMMIT` environment
+        variable; else `unknown`.
+    """
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -310,7 +334,8 @@ def claim(run_dir: str | Path, config: dict) -> RunDir:
         lock.write(str(os.getpid()))
         lock.flush()
         saved = read_config(run_dir)
-        merged = config if saved is None else {**config, "choices": saved.get("choices", config.get("choices", {}))}
+        # a resumed run keeps the choices and the commit it started with (`summary.json` gets the one that ends it)
+        merged = config if saved is None else {**config, **{k: saved[k] for k in ("choices", "commit") if k in saved}}
         if merged != saved:
             write_atomic(run_dir / "config.json", json.dumps(merged, indent=2))
     except BaseException:

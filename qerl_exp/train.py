@@ -27,12 +27,12 @@ from qerl_exp import metrics as M
 from qerl_exp import checkpoint, distributed, logs, progress, rundir
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
-from qerl_exp.eval import evaluate
+from qerl_exp.eval import evaluate_in_training
 from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.rollout import NonFiniteLogitsError, engine_for, make_sampler, row_seeds, sample
+from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
 from qerl_exp.tasks import build_task
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
@@ -133,8 +133,9 @@ def run(
 
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
-    """What `config.json` records: the config, the Hydra choices and the data-parallel world size."""
-    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size()}
+    """What `config.json` records: the config, the Hydra choices, the data-parallel world size and
+    the code's commit."""
+    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit()}
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
@@ -195,6 +196,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                       group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
                       run_id=wandb_id) if distributed.is_main() else NoTracker()
+    # Where the run began, before any update (the policy as built: LoRA is the identity); logged at step 0.
+    start_eval = evaluate_in_training(policy, tok, task, cfg, start=True) if cfg.eval.at_start and start == 0 else {}
     bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
     signals = rundir.StopSignals() if stop is None else None
     stop = signals if signals is not None else stop
@@ -251,7 +254,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 reference_s = learner.clock(device) - t_ref
 
             # Monitor before the update: the policy that sampled, against the reference.
-            step_metrics: dict[str, float] = {}
+            step_metrics: dict[str, float] = dict(start_eval) if step == 0 else {}
             t_mon = learner.clock(device)
             if reference is not None and step % cfg.monitor.every == 0:
                 with _phase(M.Phase.MONITOR):
@@ -277,11 +280,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             sync_s = learner.clock(device) - t_sync
 
             if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-                step_metrics.update(evaluate(
-                    policy, tok, task, k=cfg.eval.k, n=cfg.eval.n, temperature=algo.temperature, top_p=algo.top_p,
-                    max_new_tokens=cfg.eval.max_new_tokens or algo.max_new_tokens,
-                    batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.task.system_prompt,
-                    engine=engine_for(cfg.rollout.engine, device)))
+                step_metrics.update(evaluate_in_training(policy, tok, task, cfg))
             # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
             phases = distributed.maximum({M.Phase.ROLLOUT: rollout_s, M.Phase.REFERENCE: reference_s,
                                           M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
@@ -294,6 +293,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
                 learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp), clip=update.clip,
                 loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
+                noise_scales=aqn.scales,
                 memory=distributed.maximum(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks)),
                 step_s=phases.pop("step"), phases=phases,
             ))
@@ -316,7 +316,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
 
         save(run_dir / "final", cfg.train.steps)
         summary = distributed.broadcast({**M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan"))),
-                                         "world_size": distributed.world_size()} if distributed.is_main() else None)
+                                         "world_size": distributed.world_size(), "commit": rundir.source_commit()}
+                                        if distributed.is_main() else None)
         tracker.finish(summary)
         return summary
     except BaseException as e:

@@ -1,4 +1,5 @@
-"""Evaluation: pass@k, and that a finished run is scored with its trained LoRA, loaded from disk."""
+"""Evaluation: pass@k, that a finished run is scored with its trained LoRA, loaded from disk, and
+that every split of the task is scored, in training (from before the first update) and after."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from conftest import ROOT, SUBPROCESS_ENV, run_in_process
 from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
 from qerl_exp.config import EvalConfig
 from qerl_exp.eval import evaluate, solution_logprobs
-from qerl_exp.eval.__main__ import EvalCommand, evaluate_run, load_run
-from qerl_exp.metrics import pass_at_k
+from qerl_exp.eval.__main__ import EvalCommand, evaluate_run, load_run, run_config
+from qerl_exp.metrics import check_logged, pass_at_k
 from qerl_exp.rollout import complete
+from qerl_exp.tasks import build_task
 
 # A run small enough to train in seconds: the suite's cached embedded model (conftest's
 # `tiny_policy` warms up the same one), 2 RL steps of 2 prompts x 4 completions, no reference
@@ -167,6 +169,7 @@ def test_command_line_writes_eval_json(trained_run, tmp_path):
     (["run_dir=RUN", "tracker=loud"], "error: tracker='loud' is not valid; choose one of: run, offline"),
     (["k=2"], "error: run_dir=<a run directory> is required"),
     (["run_dir=RUN"], "error: FileNotFoundError: "),
+    (["run_dir=RUN", "split=train"], "error: split='train' is not valid; choose one of: heldout, ood"),
 ])
 def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
     from qerl_exp.eval.__main__ import main
@@ -175,3 +178,51 @@ def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
         main([a.replace("RUN", str(tmp_path / "none")) for a in args])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code != 0 and len(err) == 1 and err[0].startswith(message), err
+
+
+# Word problems on the embedded model at its random initialization (no warm-up to cache): two
+# splits of 4 problems, evaluated before the first update and after the last (step 1).
+WORDPROB = ["task=wordprob", "model.warmup.max_steps=0", "model.max_positions=512", "tracker.mode=disabled",
+            "train.steps=2", "train.prompts_per_step=2", "algo.group_size=2", "algo.max_new_tokens=6", "monitor.every=0",
+            "checkpoint.every=0", "eval.every=2", "eval.at_start=true", "eval.k=0", "task.eval_size=4"]
+
+
+def test_training_evaluates_both_splits_from_the_start_and_the_command_names_its_split(tmp_path):
+    run_dir = tmp_path / "run"
+    rows = run_in_process(run_dir, *WORDPROB)
+    first, last = rows[0], rows[-1]
+    for prefix in ("eval/start/", "eval/ood/start/"):
+        assert first[f"{prefix}problems"] == 4 and 0 <= first[f"{prefix}pass@1"] <= 1
+    assert not any(k.startswith("eval/") and "/start/" not in k for k in first)  # eval.every=2: none after step 0
+    assert last["eval/problems"] == last["eval/ood/problems"] == 4 and not any("/start/" in k for k in last)
+    # two different problem sets were scored, not one twice
+    assert first["eval/start/solution_logp"] != first["eval/ood/start/solution_logp"]
+    for name in set().union(*rows) - {"step"}:
+        check_logged(name)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval/ood/start/pass@1"] == first["eval/ood/start/pass@1"] and summary["eval/ood/pass@1"] == last["eval/ood/pass@1"]
+
+    # The base, scored afterwards by the command: what the start evaluation measured.
+    settings = dict(eval=EvalConfig(k=0, max_new_tokens=6, batch_size=64), tracker="disabled")
+    base = evaluate_run(EvalCommand(run_dir=str(run_dir), adapter=False, split="ood", **settings))
+    assert base["eval/ood/pass@1"] == first["eval/ood/start/pass@1"]
+    assert base["eval/ood/solution_logp"] == pytest.approx(first["eval/ood/start/solution_logp"], abs=1e-5)
+    record = json.loads((run_dir / "eval_base_ood.json").read_text())
+    assert record["split"] == "ood" and set(record["metrics"]) == set(base)
+    task = build_task(run_config(run_dir).task)
+    trained = evaluate_run(EvalCommand(run_dir=str(run_dir), split="ood", limit=3, **settings))
+    record = json.loads((run_dir / "eval_ood.json").read_text())
+    assert record["split"] == "ood" and trained["eval/ood/problems"] == 3
+    assert [r["question"] for r in record["problems"]] == [p.question for p in task.eval_problems("ood")[:3]]
+    held = evaluate_run(EvalCommand(run_dir=str(run_dir), limit=3, **settings))
+    assert json.loads((run_dir / "eval.json").read_text())["split"] == "heldout" and "eval/pass@1" in held
+
+
+def test_a_split_the_runs_task_lacks_is_refused_before_the_model_is_built(trained_run, capsys):
+    from qerl_exp.eval.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main([f"run_dir={trained_run}", "split=ood"])
+    assert capsys.readouterr().err.strip() == ("error: ValueError: split='ood' is not a split of task arith; "
+                                               "choose one of: heldout")
+    assert not list(trained_run.glob("eval_ood*.json"))

@@ -1,5 +1,5 @@
 """The RL loop's claims, each read off what a tiny run logs or holds, so that a wrong loop fails:
-the learner never sees AQN (`sampling/logp_gap`), the clip acts only when a batch is reused, TIS
+the learner never sees AQN (`sampling/logp_gap`), relative AQN's logged scale, the clip acts only when a batch is reused, TIS
 weights, the entropy bonus, noise on both, the separate sampler re-quantized after each update, the
 reference's LoRA kept equal to the policy's, the LR schedule, and resume with quantized bases or a
 separate sampler (killed, then rerun into the same directory, as tests/test_reliability.py does).
@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from qerl_exp.cli import compose_config
 from qerl_exp.config import AlgoConfig, to_config
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp
+from qerl_exp.noise import noisy_norms
 from qerl_exp.quant import decoder_linears, dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
 from qerl_exp.rollout import HFSampler, sample
@@ -88,6 +90,19 @@ def test_logp_gap_shows_whether_the_learner_sees_the_sampling_noise(tmp_path, ov
             assert g > 1e-4, gaps  # measured 1e-3..3e-3 at sigma 0.01
         else:
             assert g < GAP_ZERO, gaps
+
+
+def test_relative_noise_is_logged_in_units_of_each_norm_scale(tmp_path):
+    keep = {}
+    rows = _run(tmp_path / "run", *NOISY, "noise.relative=true", keep=keep)
+    medians = sorted(torch.quantile(m.weight.detach().float().abs(), 0.5).item()
+                     for _, m in noisy_norms(keep["models"].sampler.module, include_final_norm=False))
+    for r in rows:
+        sigma = r["noise/sigma"]
+        assert sigma == 0.01
+        assert r["noise/sigma_eff_min"] == pytest.approx(sigma * medians[0], rel=1e-6)
+        assert r["noise/sigma_eff_max"] == pytest.approx(sigma * medians[-1], rel=1e-6)
+        assert r["noise/sigma_eff_median"] == pytest.approx(sigma * float(np.median(medians)), rel=1e-6)
 
 
 # --------------------------------------------------------------------------- clipping needs a reused batch

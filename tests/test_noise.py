@@ -176,8 +176,60 @@ def test_a_sigma_large_against_a_norm_scale_is_named_in_one_warning():
         dict(noisy_norms(model, False))["model.layers.1.input_layernorm"].weight.fill_(0.02)
     warning = AQN(model, paper, seed=0).scale_warning()
     assert warning.startswith("warning: AQN's sigma (0.01) is 50% of the median |gamma| of model.layers.1.input_layernorm "
-                              "(0.02): ") and warning.endswith("lower noise.sigma_start (and the schedule's other sigmas)")
+                              "(0.02): ") and warning.endswith("lower noise.sigma_start (and the schedule's other sigmas), or set noise.relative=true")
     assert "\n" not in warning
     assert AQN(model, NoiseConfig(schedule="none"), seed=0).scale_warning() is None
     assert "lower noise.sigma " in AQN(model, NoiseConfig(schedule="fixed", sigma=5e-3), seed=0).scale_warning()
     assert AQN(model, NoiseConfig(schedule="fixed", sigma=1e-3), seed=0).scale_warning() is None  # 5 %
+
+
+def _median(values: list[float]) -> float:
+    """The median by its definition: the middle value, or the mean of the two middle ones."""
+    xs, mid = sorted(values), len(values) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_each_norm_gets_noise_of_the_effective_sigma(relative):
+    """Relative: the std of gamma_noisy - gamma per norm is sigma * median|gamma| of that norm's
+    clean scale (the final norm included); absolute: sigma for every norm, whatever its scale."""
+    model = _tiny_model()
+    norms = noisy_norms(model, include_final_norm=True)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # scales of different sizes and signs, as SmolLM2's 0.02-0.4
+        for i, (_, m) in enumerate(norms):
+            m.weight.copy_((torch.rand(m.weight.shape, generator=generator) - 0.2) * 0.05 * (i + 1))
+    clean = [m.weight.detach().clone() for _, m in norms]
+    sigma = 0.1
+    aqn = AQN(model, NoiseConfig(schedule="fixed", sigma=sigma, relative=relative, include_final_norm=True), seed=0)
+    deltas = [[] for _ in norms]
+    for _ in range(200):  # 200 draws x 64 entries a norm: the std within 1 % or so
+        aqn.draw(sigma)
+        with aqn.applied():
+            for d, (_, m), c in zip(deltas, norms, clean):
+                d.append((m.weight - c).detach().double())
+    expected = [sigma * _median([abs(v) for v in c.tolist()]) if relative else sigma for c in clean]
+    measured = [torch.cat(d).std().item() for d in deltas]
+    assert measured == pytest.approx(expected, rel=0.03)
+    assert len(set(round(e, 6) for e in expected)) == (len(norms) if relative else 1)
+    # the logged spread: min, median and max of those effective sigmas
+    from qerl_exp.metrics import noise_metrics
+
+    logged = noise_metrics(sigma, 1, aqn.scales)
+    assert logged["noise/sigma"] == sigma
+    assert [logged[f"noise/sigma_eff_{k}"] for k in ("min", "median", "max")] == pytest.approx(
+        [min(expected), _median(expected), max(expected)], rel=1e-6)
+
+
+def test_relative_sigma_warns_in_its_own_units():
+    model = _tiny_model()
+    with torch.no_grad():  # a model of SmolLM2's smallest norm scale everywhere
+        for _, m in noisy_norms(model, False):
+            m.weight.fill_(0.02)
+    paper = dict(schedule="exp", sigma_start=1e-2, sigma_end=5e-4)
+    absolute = AQN(model, NoiseConfig(**paper), seed=0).scale_warning()
+    assert absolute.endswith("or set noise.relative=true") and "50% of the median |gamma|" in absolute
+    assert AQN(model, NoiseConfig(**paper, relative=True), seed=0).scale_warning() is None  # 1 % of each scale
+    warning = AQN(model, NoiseConfig(schedule="fixed", sigma=0.3, relative=True), seed=0).scale_warning()
+    assert warning.startswith("warning: AQN's relative sigma (0.3, noise.relative=true) is 30% of every noised norm's "
+                              "median |gamma|: ") and warning.endswith("lower noise.sigma (and the schedule's other sigmas)")

@@ -223,11 +223,30 @@ def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, 
     assert out.returncode == 1 and "the overrides change lora.r: 16 -> 32; seed: 0 -> 2" in out.stderr, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1
     assert _tree(run_dir) == before
-    # train.steps may change: the run is extended and its config.json says so
+    # train.steps may change: the run is extended and its config.json says so; it keeps the commit
+    # that started the run (here another one's), and summary.json gets the one that finished it
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "commit": "c0ffee"}))
     out = qerl(f"resume={run_dir}", "train.steps=3")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 3
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["train"]["steps"] == 3 and config["commit"] == "c0ffee"
+    assert json.loads((run_dir / "summary.json").read_text())["commit"] == _commit(SUBPROCESS_ENV)
     assert [r["step"] for r in metrics_rows(run_dir)] == [0, 1, 2]
+
+
+def _commit(env: dict) -> str:
+    code = "from qerl_exp.rundir import source_commit; print(source_commit())"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_commit_comes_from_git_or_for_a_copy_without_git_from_the_environment(tmp_path):
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert _commit(SUBPROCESS_ENV).removesuffix("-dirty") == (git.stdout.strip() if git.returncode == 0 else "unknown")
+    copy = {**SUBPROCESS_ENV, "GIT_DIR": str(tmp_path / "no-repository")}  # git finds no checkout
+    assert _commit({**copy, "QERL_COMMIT": "a051848"}) == "a051848"
+    assert _commit(copy) == "unknown"
 
 
 def test_each_eval_writes_its_own_file(finished, tmp_path):

@@ -103,6 +103,18 @@ def test_shipped_specs_validate_against_the_config():
     assert sampler.grid and sampler.n_trials == 9 and "model=smollm2-135m" in sampler.overrides
 
 
+def test_the_smollm2_study_specs_share_one_base():
+    """The real-model study, its repeats and its learning-rate sweep: analysis pairs and groups runs
+    only when every setting matches, so the three specs' runs must differ in their configs alone."""
+    study, repeat, lr = (load_plan(ROOT / "sweeps" / f"smollm2_{name}.yaml", []) for name in ("study", "repeat", "lr"))
+    assert study.grid and (study.n_trials, repeat.n_trials, lr.n_trials) == (20, 2, 8)
+    assert study.overrides == repeat.overrides == lr.overrides
+    assert {"task=wordprob", "eval.at_start=true", "eval.every=50", "task.eval_size=100"} <= set(study.overrides)
+    assert all(study.configs[name] == overrides for name, overrides in repeat.configs.items())
+    assert study.configs["nvfp4_lora_relative"] == ["strategy=nvfp4_lora", "noise.relative=true"]
+    assert {o.split("=")[1] for c in lr.configs.values() for o in c if o.startswith("train.lr=")} == {"2.5e-4", "1e-3", "2e-3"}
+
+
 def test_objective_reads_the_tail_or_the_area():
     rewards = [0.0, 1.0, 2.0, 3.0]
     assert Objective("reward", last=0.5).value(rewards, 4) == pytest.approx(2.5)

@@ -1,4 +1,5 @@
-"""task=wordprob: generated word problems, their fixed split, and the natural-answer reward."""
+"""task=wordprob: generated word problems, their fixed splits (in and out of template), and the
+natural-answer reward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from qerl_exp.cli import compose_config
 from qerl_exp.config import ConfigError, TaskConfig, to_config
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.rewards import correctness_reward, natural_answer
-from qerl_exp.tasks.wordprob import held_out
+from qerl_exp.tasks.wordprob import OOD_TEMPLATES, TRAIN, Templates, held_out
 
 OPS = ["+", "-", "*", "/"]
 
@@ -95,6 +96,56 @@ def test_train_and_held_out_never_overlap_and_the_split_is_fixed():
     assert any(held_out(make_problem(["+"], rng).question) for _ in range(500))
     # a smaller eval_size is a prefix of a larger one
     assert [p.question for p in task(difficulty=1, eval_size=50).eval_problems()] == [p.question for p in held[:50]]
+
+
+def _patterns(templates: Templates) -> list[str]:
+    """Each template sentence as a regex over the words the generator puts in: names and objects
+    are single words, operands whole numbers."""
+    fill = {"{a}": "[A-Z][a-z]+", "{b}": "[A-Z][a-z]+", "{x}": "[a-z]+", "{n}": r"\d+"}
+    return ["".join(fill.get(part, re.escape(part)) for part in re.split(r"(\{[abnx]\})", sentence))
+            for theme in templates.themes for sentence in theme.sentences()]
+
+
+def test_the_out_of_template_words_share_nothing_with_training():
+    sentences = [{s for t in words.themes for s in t.sentences()} for words in (TRAIN, OOD_TEMPLATES)]
+    assert sentences[0].isdisjoint(sentences[1])
+    questions = [{t.question for t in words.themes} for words in (TRAIN, OOD_TEMPLATES)]
+    assert questions[0].isdisjoint(questions[1]) and all(len(q) == len(w.themes) for q, w in zip(questions, (TRAIN, OOD_TEMPLATES)))
+    assert set(TRAIN.names).isdisjoint(OOD_TEMPLATES.names) and set(TRAIN.objects).isdisjoint(OOD_TEMPLATES.objects)
+
+
+@pytest.mark.parametrize("difficulty", [1, 3])
+def test_out_of_template_questions_match_no_training_template_and_have_one_more_step(difficulty):
+    t = task(difficulty=difficulty, eval_size=300)
+    ood = t.eval_problems("ood")
+    drawn = t.sample(300, np.random.default_rng(0)) + t.eval_problems()
+    train_patterns, ood_patterns = _patterns(TRAIN), _patterns(OOD_TEMPLATES)
+    for questions, own, other in (([p.question for p in ood], ood_patterns, train_patterns),
+                                  ([p.question for p in drawn], train_patterns, ood_patterns)):
+        alternatives = "|".join(own)
+        whole = re.compile(f"(?:{alternatives})(?: (?:{alternatives}))*")
+        foreign = re.compile("|".join(other))
+        for q in questions:
+            assert whole.fullmatch(q), q  # sentence by sentence, its own templates (the patterns work)
+            assert not foreign.search(q), q  # and not one sentence of the other set's
+    for p in ood:
+        assert len(re.findall(r" = ", p.solution)) == difficulty + 1, p
+        assert str(_replay(p.solution)) == p.answer, p
+    used = {op for p in ood for op in re.findall(r"\d+ ([-+x/]) \d+ =", p.solution)}
+    assert used == {"+", "-", "x", "/"} and len({p.question for p in ood}) == 300
+    # fixed for every seed and every call; a smaller eval_size is a prefix of a larger one
+    assert [p.question for p in task(difficulty=difficulty, eval_size=300).eval_problems("ood")] == [p.question for p in ood]
+    assert [p.question for p in task(difficulty=difficulty, eval_size=40).eval_problems("ood")] == [p.question for p in ood[:40]]
+
+
+def test_a_split_the_task_lacks_is_refused_in_one_line():
+    assert task().splits == ("heldout", "ood")
+    arith = build_task(TaskConfig(name="arith"))
+    assert arith.splits == ("heldout",)
+    with pytest.raises(ValueError, match=r"^split='ood' is not a split of task arith; choose one of: heldout$"):
+        arith.eval_problems("ood")
+    with pytest.raises(ValueError, match=r"^split='test' is not a split of task wordprob; choose one of: heldout, ood$"):
+        task().eval_problems("test")
 
 
 def test_preset_turns_the_format_reward_off_and_judges_natural_answers():

@@ -1,21 +1,28 @@
 """Held-out evaluation with the trained LoRA applied: greedy pass@1 and sampled pass@k.
 
-Two ways in:
-- `evaluate(policy, tokenizer, task, k=...)` scores a live policy on the task's held-out problems
-  and returns `eval/...` metrics; the run loop calls it every `eval.every` steps, and the embedded
-  model's warm-up measures its progress with `greedy_pass_at_1`.
-- `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...` (`__main__.py` here) rebuilds a
-  finished run's policy from `RUN/config.json` (the same base, for the embedded model its cached
-  warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
-  the run's held-out split and writes `RUN/eval.json` (and a W&B run of job type `eval`); a later
-  evaluation of the same run writes `RUN/eval-2.json`, and so on: none replaces another.
+Three ways in:
+- `evaluate(policy, tokenizer, task, k=..., split=...)` scores a live policy on one of the task's
+  evaluation splits (`heldout`, phrased as training is; `ood`, out of template, for tasks that have
+  one) and returns its metrics; the embedded model's warm-up measures its progress with
+  `greedy_pass_at_1`.
+- `evaluate_in_training(policy, tokenizer, task, cfg)`: every split of the task with the run's
+  `eval.*` settings, what the run loop logs every `eval.every` steps (and with `eval.at_start`
+  before the first update).
+- `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] [split=ood] ...` (`__main__.py` here)
+  rebuilds a finished run's policy from `RUN/config.json` (the same base, for the embedded model
+  its cached warm-up, and the same quantization), loads the trained adapter from
+  `RUN/final/adapter`, scores one split and writes `RUN/eval.json` (`eval_ood.json` for the
+  out-of-template split; and a W&B run of job type `eval`); a later evaluation of the same run and
+  split writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
 the trained LoRA (docs/method.md, section 3). Here an answer is judged by the task's own correctness reward
 (`answers_equal`: whole answers, exactly), and `load_adapter` refuses an adapter file that does not
 cover every LoRA weight of the rebuilt policy.
 
-Metrics (all over the held-out problems):
+Metrics (over the held-out problems; the out-of-template split's are named `eval/ood/...`, and
+those of the evaluation before the first update `eval/start/...` and `eval/ood/start/...`,
+`metrics.eval_prefix`):
 
 | name                  | meaning                                                                   |
 |-----------------------|---------------------------------------------------------------------------|
@@ -37,9 +44,11 @@ import time
 import torch
 
 from qerl_exp import metrics as M
+from qerl_exp.config import Config
 from qerl_exp.loss import score_completions
-from qerl_exp.rollout import Sequences, complete, encode_prompts
+from qerl_exp.rollout import Sequences, complete, encode_prompts, engine_for
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
+from qerl_exp.tasks.base import HELD_OUT
 
 
 def _device(policy) -> torch.device:
@@ -116,7 +125,8 @@ def samples_per_problem(k: int, n: int) -> int:
 
 def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
-          on_batch=None, engine: str = "hf") -> tuple[dict[str, float], list[dict]]:
+          on_batch=None, engine: str = "hf", split: str = HELD_OUT,
+          start: bool = False) -> tuple[dict[str, float], list[dict]]:
     """`evaluate`'s metrics and one row per problem (question, reference, greedy completion,
     verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
     if k < 0:
@@ -125,9 +135,9 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     k = 0 if k == 1 else k  # pass@1 is the greedy one, always reported
     if k and n < k:
         raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
-    problems = list(task.eval_problems() if problems is None else problems)
+    problems = list(task.eval_problems(split) if problems is None else problems)
     prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
-    start, was_training = time.perf_counter(), policy.training
+    t0, was_training = time.perf_counter(), policy.training
     device = _device(policy)
     policy.eval()
     try:
@@ -153,14 +163,16 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     counts = [sum(correct(t, p) > 0 for t in sampled[i * n:(i + 1) * n]) for i, p in enumerate(problems)] if k else []
     for row, c in zip(rows, counts):
         row["samples_correct"] = f"{c}/{n}"
-    metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - start)
+    metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - t0,
+                             prefix=M.eval_prefix(split, start))
     return metrics, rows
 
 
 def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
-             problems: list[Problem] | None = None, engine: str = "hf") -> dict[str, float]:
-    """Score `policy` on held-out problems: greedy pass@1, and pass@k from sampling.
+             problems: list[Problem] | None = None, engine: str = "hf", split: str = HELD_OUT,
+             start: bool = False) -> dict[str, float]:
+    """Score `policy` on one evaluation split: greedy pass@1, and pass@k from sampling.
 
     Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
     `aqn.applied(...)`). The policy's train/eval mode is restored afterwards, and the global RNG
@@ -169,7 +181,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
     Args:
         policy: the (peft-wrapped) model; its adapters are used as they are.
         tokenizer: the policy's tokenizer (`CharTokenizer` or `HFTokenizer`).
-        task: the task; its `eval_problems()` are scored and its `correct` reward judges answers.
+        task: the task; its `eval_problems(split)` are scored and its `correct` reward judges answers.
         k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy metrics only).
         n: samples per problem for the pass@k estimate; 0 means `k`.
         temperature: sampling temperature of the pass@k samples (greedy ignores it).
@@ -178,12 +190,14 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         batch_size: sequences per `generate` call.
         seed: seed of the sampling stream.
         system_prompt: the system prompt for chat-template tokenizers.
-        problems: score these instead of `task.eval_problems()`.
+        problems: score these instead of `task.eval_problems(split)`.
         engine: `hf` (transformers `generate`) or `fast` (the CUDA-graph rollout engine; the run
             loop and `python -m qerl_exp.eval` pass `rollout.engine`, so `auto` is fast on CUDA).
+        split: one of `task.splits`: `heldout` (its metrics are `eval/...`) or `ood` (`eval/ood/...`).
+        start: name the metrics as the evaluation before the first update (`eval/start/...`).
 
     Returns:
-        The `eval/...` metrics listed in this module's docstring.
+        The metrics listed in this module's docstring.
 
     Example:
         >>> metrics = evaluate(models.policy, models.tokenizer, task, k=8)  # doctest: +SKIP
@@ -191,4 +205,29 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
     """
     return score(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt,
-                 engine=engine)[0]
+                 engine=engine, split=split, start=start)[0]
+
+
+def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = False) -> dict[str, float]:
+    """The run loop's evaluation: every split of the task, with the run's `eval.*` settings, its
+    sampling temperature and top-p, and its rollout engine.
+
+    Args:
+        policy: the policy being trained (adapters on, AQN off).
+        tokenizer: its tokenizer.
+        task: the run's task; each of `task.splits` is scored.
+        cfg: the run config.
+        start: the evaluation before the first update (`eval.at_start`): its metrics are named
+            `eval/start/...` and `eval/ood/start/...`.
+
+    Returns:
+        The metrics of every split, e.g. `eval/pass@1` and `eval/ood/pass@1` for `task=wordprob`.
+    """
+    out = {}
+    for split in task.splits:
+        out.update(evaluate(
+            policy, tokenizer, task, k=cfg.eval.k, n=cfg.eval.n, temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.algo.max_new_tokens, batch_size=cfg.eval.batch_size,
+            seed=cfg.seed, system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, _device(policy)),
+            split=split, start=start))
+    return out

@@ -1,10 +1,11 @@
-"""`python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] ...`: evaluate a finished run.
+"""`python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] [split=ood] ...`: evaluate a finished run.
 
 Rebuilds the run's policy from `RUN/config.json` (the same base, for the embedded model its cached
 warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
-the run's held-out split with `qerl_exp.eval` and writes `RUN/eval.json` (and a W&B run of job
-type `eval`); a later evaluation of the same run writes `RUN/eval-2.json`, and so on: none
-replaces another.
+one of the run's evaluation splits with `qerl_exp.eval` and writes `RUN/eval.json` (the held-out
+split) or `RUN/eval_ood.json` (the out-of-template one), and a W&B run of job type `eval`; a later
+evaluation of the same run and split writes `RUN/eval-2.json`, and so on: none replaces another.
+The file names its split (`"split"`), and so do its metrics (`eval/ood/...` for `ood`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from qerl_exp.model import build_models, resolve_device
 from qerl_exp.rollout import engine_for
 from qerl_exp.rundir import write_atomic
 from qerl_exp.tasks import build_task
+from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
 
@@ -38,6 +40,7 @@ def run_config(run_dir: str | Path):
     saved = json.loads(path.read_text())
     saved.pop("choices", None)
     saved.pop("world_size", None)  # how many processes trained it (torchrun), not a config field
+    saved.pop("commit", None)  # the code it ran, likewise
     return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
 
 
@@ -75,7 +78,9 @@ class EvalCommand:
         run_dir: the finished run's directory (holds `config.json` and `final/adapter`).
         eval: k, n, max_new_tokens (0 uses the run's `algo.max_new_tokens`) and batch_size.
         adapter: load the trained LoRA; false scores the quantized base alone (the baseline).
-        limit: score only the first `limit` held-out problems; 0 scores all. The split itself is
+        split: `heldout` (phrased as training is) or `ood` (out of template, for tasks that have
+            one: wordprob).
+        limit: score only the first `limit` problems of the split; 0 scores all. The split itself is
             always the run's (`task.eval_size` from its config), so training problems never leak in.
         temperature: temperature of the pass@k samples; 0 uses the run's `algo.temperature`.
         top_p: nucleus threshold of the pass@k samples; 0 uses the run's `algo.top_p`.
@@ -84,13 +89,15 @@ class EvalCommand:
         tracker: W&B mode for the results: `run` follows the run's `tracker.mode`; or `offline`,
             `online`, `disabled`.
         out: output file name inside run_dir, refused when it exists; empty means the first free
-            one of `eval.json`, `eval-2.json`, ... (`eval_base*.json` when adapter=false).
+            one of `eval.json`, `eval-2.json`, ... (`eval_base*.json` when adapter=false;
+            `eval_ood*.json`, `eval_base_ood*.json` for split=ood).
         verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
     """
 
     run_dir: str = ""
     eval: EvalConfig = field(default_factory=EvalConfig)
     adapter: bool = True
+    split: str = HELD_OUT
     limit: int = 0
     temperature: float = 0.0
     top_p: float = 0.0
@@ -109,6 +116,7 @@ class EvalCommand:
         for name in ("limit", "temperature", "top_p"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
         check(self.top_p <= 1, "top_p must be <= 1")
+        check(self.split in SPLITS, f"split={self.split!r} is not valid; choose one of: {', '.join(SPLITS)}")
         check(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
         check(self.tracker in ("run", "offline", "online", "disabled"),
               f"tracker={self.tracker!r} is not valid; choose one of: run, offline, online, disabled")
@@ -148,9 +156,9 @@ def parse_args(argv: list[str]) -> EvalCommand:
     return EvalCommand(eval=settings, **values)
 
 
-def _new_output(run_dir: Path, out: str, adapter: bool) -> Path:
+def _new_output(run_dir: Path, out: str, adapter: bool, split: str) -> Path:
     """Create the empty output file of this evaluation (never one another evaluation wrote)."""
-    stem = "eval" if adapter else "eval_base"
+    stem = ("eval" if adapter else "eval_base") + ("" if split == HELD_OUT else f"_{split}")
     names = [out] if out else (f"{stem}.json" if i == 1 else f"{stem}-{i}.json" for i in itertools.count(1))
     for name in names:
         try:
@@ -178,10 +186,11 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     run_dir = Path(args.run_dir)
     if args.out and (run_dir / args.out).exists():
         raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
+    check_split(build_task(run_config(run_dir).task), args.split)  # before the model is built
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
     algo = cfg.algo
-    problems = task.eval_problems()[: args.limit or None]
+    problems = task.eval_problems(args.split)[: args.limit or None]
     settings = args.eval
     bar = progress.Progress(len(problems) * (1 + samples_per_problem(settings.k, settings.n)), "eval", unit="seq",
                             fields=())
@@ -191,11 +200,12 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
         max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
         seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
         engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
+        split=args.split,
     )
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
-              "args": asdict(args), "metrics": metrics, "problems": rows}
-    out = _new_output(run_dir, args.out, args.adapter)
+              "split": args.split, "args": asdict(args), "metrics": metrics, "problems": rows}
+    out = _new_output(run_dir, args.out, args.adapter, args.split)
     write_atomic(out, json.dumps(record, indent=2))
     args.out = out.name
     mode = cfg.tracker.mode if args.tracker == "run" else args.tracker

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks.base import Problem
+from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
 from qerl_exp.tasks.rewards import default_rewards
 
 _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream
@@ -17,6 +17,7 @@ _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream
 
 class ArithTask:
     name = "arith"
+    splits = (HELD_OUT,)
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
@@ -28,7 +29,8 @@ class ArithTask:
         ops = rng.choice(len(self.cfg.ops), size=n)
         return [self._problem(int(x), int(y), self.cfg.ops[o]) for x, y, o in zip(a, b, ops)]
 
-    def eval_problems(self) -> list[Problem]:
+    def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
+        check_split(self, split)
         return self.sample(self.cfg.eval_size, np.random.default_rng(_EVAL_SEED))
 
     @staticmethod

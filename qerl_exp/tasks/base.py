@@ -1,6 +1,6 @@
-"""What every task is made of: `Problem`, the reward function type, the `Task` protocol, and a
-problem's reference completion. The task modules import these from here, so that the package
-(`qerl_exp.tasks`) can import the task modules at its top."""
+"""What every task is made of: `Problem`, the reward function type, the `Task` protocol, its
+evaluation splits, and a problem's reference completion. The task modules import these from here,
+so that the package (`qerl_exp.tasks`) can import the task modules at its top."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class Problem:
 
 RewardFn = Callable[[str, Problem], float]
 
+# Evaluation splits: every task holds problems out of training (`heldout`, phrased as training's
+# are); a task whose problems come from templates may also have an out-of-template split (`ood`).
+HELD_OUT, OOD = "heldout", "ood"
+SPLITS = (HELD_OUT, OOD)
+
 
 def reference_completion(problem: Problem) -> str:
     """The problem's worked solution and answer in the paper's format: what the embedded model's
@@ -31,11 +36,18 @@ def reference_completion(problem: Problem) -> str:
 class Task(Protocol):
     name: str
     rewards: dict[str, RewardFn]
+    splits: tuple[str, ...]  # its evaluation splits, HELD_OUT first
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         """`n` training problems drawn with `rng` (the run's data stream)."""
         ...
 
-    def eval_problems(self) -> list[Problem]:
-        """The held-out problems, the same on every call."""
+    def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
+        """The problems of one of `splits`, the same on every call and for every seed."""
         ...
+
+
+def check_split(task: Task, split: str) -> None:
+    """Raise a one-line `ValueError` unless `split` is one of the task's evaluation splits."""
+    if split not in task.splits:
+        raise ValueError(f"split={split!r} is not a split of task {task.name}; choose one of: {', '.join(task.splits)}")

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks.base import Problem
+from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
 from qerl_exp.tasks.answer import last_boxed, parse_number
 from qerl_exp.tasks.rewards import default_rewards
 
@@ -238,6 +238,8 @@ class FileTask:
         fingerprint: a digest of the data and the split; equal fingerprints mean equal problems.
     """
 
+    splits = (HELD_OUT,)
+
     def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str):
         self.name, self.cfg = name, cfg
         self.train, self.held_out, self.fingerprint = train, held_out, fingerprint
@@ -248,7 +250,8 @@ class FileTask:
         idx = rng.choice(len(self.train), size=n, replace=n > len(self.train))
         return [self.train[i] for i in idx]
 
-    def eval_problems(self) -> list[Problem]:
+    def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
+        check_split(self, split)
         return self.held_out
 
 

@@ -4,12 +4,21 @@ A problem is a short story about a running quantity (objects, money, a length in
 `task.difficulty` operations change, each drawn from `task.ops` (+, -, x, /), every intermediate
 result a positive whole number, then a question. The numbers grow with the difficulty too:
 
-    Mia has 24 marbles. She splits them equally into 4 bags and gives one bag to Omar. Omar finds
-    9 more marbles. How many marbles does Omar have now?  -> 15
+    Mia has 24 marbles. Mia splits the marbles equally into 4 bags and gives one bag to Omar. Omar
+    finds 9 more marbles. How many marbles does Omar have now?  -> 15
 
-The split is by the question's text, fixed for every seed: a question is held out when its digest
-falls in the held-out share, so no training draw can ever equal a held-out problem, and the
-held-out problems (`task.eval_size` of them) come from a fixed seed.
+Two evaluation splits, each of `task.eval_size` problems and fixed for every seed (they come from
+fixed seeds, never from the run's):
+
+- `heldout`: phrased as training is (the `TRAIN` templates). A question is held out when its digest
+  falls in the held-out share, so no training draw can ever equal a held-out problem.
+- `ood`: out of template. Its stories come from `OOD_TEMPLATES`, whose themes (a farm, a rain barrel, a hike,
+  a quiz), sentence forms, question forms, names and objects no training draw uses, and each has
+  one operation more than training's `task.difficulty` (numbers of training's size). It asks
+  whether RL taught arithmetic in words or the training phrasings.
+
+The template lists are data: widening the training generator is adding themes, names or objects
+to `TRAIN` (the tests keep it disjoint from `OOD_TEMPLATES`).
 """
 
 from __future__ import annotations
@@ -20,16 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from qerl_exp.config import TaskConfig
-from qerl_exp.tasks.base import Problem
+from qerl_exp.tasks.base import HELD_OUT, OOD, Problem, check_split
 from qerl_exp.tasks.rewards import default_rewards
 
 _EVAL_SEED = 2_718_281  # fixed: the held-out problems never move with the run's seed
+_OOD_SEED = 1_414_213  # likewise for the out-of-template problems
 _HELD_OUT_SHARE = 8  # one question text in 8 is reserved for evaluation
-NAMES = (
-    "Mia", "Omar", "Lena", "Ravi", "Sofia", "Tom", "Aisha", "Ben", "Chloe", "Diego", "Emma", "Felix", "Grace",
-    "Hugo", "Ines", "Jack", "Kira", "Liam", "Maya", "Noah", "Olga", "Pablo", "Rosa", "Sam",
-)
-OBJECTS = ("apple", "marble", "sticker", "book", "cookie", "pencil", "shell", "card", "stamp", "balloon")
 
 
 @dataclass(frozen=True)
@@ -48,32 +53,98 @@ class Theme:
     div: tuple[str, ...]
     question: str
 
+    def sentences(self) -> tuple[str, ...]:
+        """Every template of the theme."""
+        return (self.start, *self.add, *self.sub, *self.mul, *self.div, self.question)
 
-THEMES = (
-    Theme(
-        start="{a} has {n} {x}.",
-        add=("{a} buys {n} more {x}.", "{b} gives {a} {n} more {x}.", "{a} finds {n} more {x}."),
-        sub=("{a} gives {n} of the {x} to {b}.", "{a} loses {n} {x}.", "{a} sells {n} {x}."),
-        mul=("{b} has {n} times as many {x} as {a}.",),
-        div=("{a} splits the {x} equally into {n} bags and gives one bag to {b}.",),
-        question="How many {x} does {a} have now?",
+
+@dataclass(frozen=True)
+class Templates:
+    """What a problem's words are drawn from.
+
+    Args:
+        themes: the kinds of story.
+        names: people; a problem of k operations needs k + 1 distinct ones.
+        objects: what a theme's `{x}` counts, in the plural.
+    """
+
+    themes: tuple[Theme, ...]
+    names: tuple[str, ...]
+    objects: tuple[str, ...]
+
+
+TRAIN = Templates(
+    themes=(
+        Theme(
+            start="{a} has {n} {x}.",
+            add=("{a} buys {n} more {x}.", "{b} gives {a} {n} more {x}.", "{a} finds {n} more {x}."),
+            sub=("{a} gives {n} of the {x} to {b}.", "{a} loses {n} {x}.", "{a} sells {n} {x}."),
+            mul=("{b} has {n} times as many {x} as {a}.",),
+            div=("{a} splits the {x} equally into {n} bags and gives one bag to {b}.",),
+            question="How many {x} does {a} have now?",
+        ),
+        Theme(
+            start="{a} has ${n}.",
+            add=("{a} earns ${n} more.", "{b} gives {a} ${n}."),
+            sub=("{a} spends ${n} on a book.", "{a} pays ${n} for lunch."),
+            mul=("{b} has {n} times as much money as {a}.",),
+            div=("{a} shares the money equally among {n} friends, one of whom is {b}.",),
+            question="How many dollars does {a} have now?",
+        ),
+        Theme(
+            start="{a} has a ribbon that is {n} cm long.",
+            add=("{a} ties on another piece that is {n} cm long.",),
+            sub=("{a} cuts {n} cm off the ribbon.",),
+            mul=("{b} has a ribbon {n} times as long as {a}'s.",),
+            div=("{a} cuts the ribbon into {n} equal pieces and gives one piece to {b}.",),
+            question="How long, in cm, is {a}'s ribbon now?",
+        ),
     ),
-    Theme(
-        start="{a} has ${n}.",
-        add=("{a} earns ${n} more.", "{b} gives {a} ${n}."),
-        sub=("{a} spends ${n} on a book.", "{a} pays ${n} for lunch."),
-        mul=("{b} has {n} times as much money as {a}.",),
-        div=("{a} shares the money equally among {n} friends, one of whom is {b}.",),
-        question="How many dollars does {a} have now?",
+    names=("Mia", "Omar", "Lena", "Ravi", "Sofia", "Tom", "Aisha", "Ben", "Chloe", "Diego", "Emma", "Felix", "Grace",
+           "Hugo", "Ines", "Jack", "Kira", "Liam", "Maya", "Noah", "Olga", "Pablo", "Rosa", "Sam"),
+    objects=("apples", "marbles", "stickers", "books", "cookies", "pencils", "shells", "cards", "stamps", "balloons"),
+)
+
+# The out-of-template split's words: no theme, sentence, question, name or object of TRAIN.
+OOD_TEMPLATES = Templates(
+    themes=(
+        Theme(
+            start="On a farm, {a} looks after {n} {x}.",
+            add=("{a} brings home another {n} {x} from the fair.", "Then {n} new {x} are born on the farm of {a}."),
+            sub=("A storm scares away {n} of the {x} of {a}.", "{a} trades {n} {x} to a neighbour."),
+            mul=("The farm of {b} keeps {n} times the number of {x} that {a} keeps.",),
+            div=("{a} sorts the {x} into {n} pens of equal size, and {b} takes charge of one pen.",),
+            question="What number of {x} is {a} looking after at the end?",
+        ),
+        Theme(
+            start="A barrel belonging to {a} contains {n} liters of rainwater.",
+            add=("A shower adds {n} liters to the barrel of {a}.", "{a} tops up the barrel with {n} liters."),
+            sub=("{a} waters the garden with {n} liters from the barrel.",
+                 "A crack lets {n} liters drain from the barrel of {a}."),
+            mul=("A barrel owned by {b} contains {n} times the rainwater in the barrel of {a}.",),
+            div=("{a} pours the rainwater evenly into {n} buckets, and {b} carries off one bucket.",),
+            question="What volume of rainwater, in liters, does {a} end up with?",
+        ),
+        Theme(
+            start="{a} walks {n} km on a hiking trip.",
+            add=("After lunch, {a} covers {n} km more.", "{a} adds a detour of {n} km."),
+            sub=("{a} turns back early and walks {n} km less.",),
+            mul=("{b} hikes {n} times the distance that {a} hikes.",),
+            div=("The route of {a} is cut into {n} equal stages, and {b} hikes just one of those stages.",),
+            question="What total distance, in km, does {a} hike?",
+        ),
+        Theme(
+            start="{a} scores {n} points in the first round of a quiz.",
+            add=("In the next round {a} earns {n} extra points.", "A bonus question gives {a} another {n} points."),
+            sub=("{a} loses {n} points for a wrong answer.",),
+            mul=("{b} finishes with {n} times the score of {a}.",),
+            div=("The points of {a} are divided evenly among {n} teammates, {b} being one of them.",),
+            question="At the end, what is the score of {a}?",
+        ),
     ),
-    Theme(
-        start="{a} has a ribbon that is {n} cm long.",
-        add=("{a} ties on another piece that is {n} cm long.",),
-        sub=("{a} cuts {n} cm off the ribbon.",),
-        mul=("{b} has a ribbon {n} times as long as {a}'s.",),
-        div=("{a} cuts the ribbon into {n} equal pieces and gives one piece to {b}.",),
-        question="How long, in cm, is {a}'s ribbon now?",
-    ),
+    names=("Yuki", "Kwame", "Priya", "Lars", "Nadia", "Oscar", "Zara", "Mateo", "Hana", "Ivan", "Leila", "Tariq",
+           "Wendy", "Xavier", "Bianca", "Dmitri"),
+    objects=("goats", "hens", "ducks", "rabbits", "geese", "ponies", "cows", "pigs"),
 )
 _SYMBOL = {"+": "+", "-": "-", "*": "x", "/": "/"}
 
@@ -96,21 +167,22 @@ def _operand(op: str, value: int, scale: int, rng: np.random.Generator) -> int |
     return int(rng.choice(divisors)) if divisors else None
 
 
-def make_problem(ops: list[str], rng: np.random.Generator, scale: int = 1) -> Problem:
+def make_problem(ops: list[str], rng: np.random.Generator, scale: int = 1, templates: Templates = TRAIN) -> Problem:
     """One word problem whose steps are `ops`, in order.
 
     Args:
         ops: the operations, one per step, e.g. `["+", "/"]`.
         rng: the random stream (people, objects, theme, numbers and phrasings).
         scale: the size of the numbers: the start is below 20 * scale, addends below 10 * scale.
+        templates: the words: `TRAIN` (training and the held-out split) or `OOD_TEMPLATES`.
 
     Returns:
         The problem: question, the whole-number answer, and a worked solution (one equation a step).
     """
-    theme = THEMES[int(rng.integers(len(THEMES)))]
-    x = OBJECTS[int(rng.integers(len(OBJECTS)))] + "s"
+    theme = templates.themes[int(rng.integers(len(templates.themes)))]
+    x = templates.objects[int(rng.integers(len(templates.objects)))]
     while True:  # redraw the numbers until every step has a whole, positive result
-        people = [str(p) for p in rng.choice(NAMES, size=len(ops) + 1, replace=False)]
+        people = [str(p) for p in rng.choice(templates.names, size=len(ops) + 1, replace=False)]
         a, others = people[0], people[1:]
         value = int(rng.integers(2, 20 * scale))
         sentences, steps = [theme.start.format(a=a, n=value, x=x)], []
@@ -132,28 +204,39 @@ def make_problem(ops: list[str], rng: np.random.Generator, scale: int = 1) -> Pr
 
 
 class WordProblemTask:
-    """Generated word problems; training draws never equal a held-out problem."""
+    """Generated word problems; training draws never equal a held-out problem, nor share a template
+    with an out-of-template one."""
 
     name = "wordprob"
+    splits = (HELD_OUT, OOD)
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         self.rewards = default_rewards(cfg)
 
-    def _draw(self, rng: np.random.Generator, want_held_out: bool) -> Problem:
+    def _draw(self, rng: np.random.Generator, want_held_out: bool = False) -> Problem:
         while True:
             ops = [self.cfg.ops[i] for i in rng.integers(len(self.cfg.ops), size=self.cfg.difficulty)]
             problem = make_problem(ops, rng, scale=self.cfg.difficulty)
             if held_out(problem.question) == want_held_out:
                 return problem
 
-    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
-        return [self._draw(rng, want_held_out=False) for _ in range(n)]
+    def _draw_ood(self, rng: np.random.Generator) -> Problem:
+        ops = [self.cfg.ops[i] for i in rng.integers(len(self.cfg.ops), size=self.cfg.difficulty + 1)]
+        return make_problem(ops, rng, scale=self.cfg.difficulty, templates=OOD_TEMPLATES)
 
-    def eval_problems(self) -> list[Problem]:
-        rng, seen, out = np.random.default_rng(_EVAL_SEED), set(), []
+    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
+        return [self._draw(rng) for _ in range(n)]
+
+    def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
+        check_split(self, split)
+        if split == HELD_OUT:
+            rng, draw = np.random.default_rng(_EVAL_SEED), lambda r: self._draw(r, want_held_out=True)
+        else:
+            rng, draw = np.random.default_rng(_OOD_SEED), self._draw_ood
+        seen, out = set(), []
         while len(out) < self.cfg.eval_size:
-            problem = self._draw(rng, want_held_out=True)
+            problem = draw(rng)
             if problem.question not in seen:
                 seen.add(problem.question)
                 out.append(problem)

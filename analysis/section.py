@@ -1,0 +1,301 @@
+"""The results section: held-out pass@1 on both splits, why a strategy does or does not learn, the
+best AQN setting, and the spread between identical runs, as one Markdown file that
+docs/results.md includes verbatim (`results_section.md`, written by `python -m analysis`).
+
+Rows are the runs grouped by their settings (all but the seed and where and how a run was stored
+and logged, `runs.IGNORED_KEYS`), named by the sweep config that made them (`choices.config`),
+else by their strategy preset. Per run, from `metrics.jsonl`:
+
+| quantity | per run |
+| --- | --- |
+| final training reward | mean `reward` over the last quarter of the steps (`reward/final` of `summary.json`) |
+| pass@1 start | `eval/start/pass@1` (out of template: `eval/ood/start/pass@1`), greedy, before the first update (`eval.at_start`) |
+| pass@1 end | `eval/pass@1` (`eval/ood/pass@1`) of the last step |
+| change | end - start |
+| quant/kl at step 0 | `quant/kl` at step 0: the sampler against the full-precision reference before any update (stage 0 of a decaying AQN schedule is noise-free: the quantization error alone) |
+| quant/kl | mean `quant/kl` over the steps that logged it (`monitor.every`) |
+| reply tokens, replies cut | mean `completions/mean_length` and `completions/clipped_ratio` over the last quarter of the steps |
+| held-out replies cut | `eval/clipped_ratio` of the last step (greedy held-out replies cut at the length cap) |
+| no reward spread | mean `frac_reward_zero_std` over all steps: groups whose completions all earned one reward, which give GRPO no signal |
+| sampler-learner gap | mean `sampling/logp_gap` |
+
+Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). The best AQN
+setting is, among the nvfp4_lora rows (settings equal to the `nvfp4_lora` preset's outside
+`noise.*`; AQN off is one of them), the one with the highest mean final training reward: chosen
+on training reward, never on held-out pass@1. Two runs of one row with one seed are a determinism
+pair: the first enters the row, and the section states their spread (`analysis.determinism`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from analysis import determinism
+from analysis.runs import Loaded, Run, preset_differences, settings
+from analysis.stats import Interval, mean, t_interval
+from analysis.table import order
+from qerl_exp.metrics import eval_prefix, final_window
+from qerl_exp.rundir import flatten
+from qerl_exp.tasks.base import HELD_OUT, OOD
+
+FILE = "results_section.md"
+MIN_SEEDS = 5  # fewer seeds per row and the section says the row is too thin to conclude from
+AQN_FAMILY = "nvfp4_lora"
+SPLIT_NAMES = {HELD_OUT: "held-out (in template)", OOD: "out of template"}
+DIAGNOSTICS = {  # column: (header, digits)
+    "quant_kl_0": ("quant/kl at step 0", 3), "quant_kl": ("quant/kl", 3), "length": ("reply tokens", 1),
+    "clipped": ("replies cut", 2), "eval_clipped": ("held-out replies cut (end)", 2),
+    "zero_std": ("no reward spread", 2), "logp_gap": ("sampler-learner gap", 3),
+}
+# Metrics a determinism pair reports besides its largest difference.
+PAIR_METRICS = ("reward", "entropy", "kl", "loss", "grad_norm", "eval/pass@1", "eval/ood/pass@1")
+# Settings the section names when every run shares them.
+SHOWN = ("model.name", "task.name", "task.difficulty", "task.eval_size", "train.steps", "train.prompts_per_step",
+         "algo.group_size", "algo.max_new_tokens", "train.lr", "lora.r", "monitor.every", "eval.every")
+
+
+def _last(run: Run, metric: str, window: int | None = None) -> float:
+    """The metric's mean over the last `window` steps that logged it (None: its last value)."""
+    _, values = run.series(metric)
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return math.nan
+    return values[-1] if window is None else mean(values[-window:])
+
+
+def run_values(run: Run) -> dict[str, float]:
+    """The per-run quantities of the section (the module docstring defines them)."""
+    window = final_window(len(run.history))
+    out = {"final_reward": _last(run, "reward", window)}
+    for split in SPLIT_NAMES:
+        first = run.history[0].get(eval_prefix(split, start=True) + "pass@1") if run.history else None
+        start = float(first) if isinstance(first, (int, float)) else math.nan
+        end_steps, end_values = run.series(eval_prefix(split) + "pass@1")
+        end = end_values[-1] if end_steps and end_steps[-1] == run.history[-1]["step"] else math.nan
+        out.update({f"{split}_start": start, f"{split}_end": end, f"{split}_change": end - start})
+    kl0 = run.history[0].get("quant/kl") if run.history else None
+    _, kl = run.series("quant/kl")
+    _, zero_std = run.series("frac_reward_zero_std")
+    _, gap = run.series("sampling/logp_gap")
+    out.update({
+        "quant_kl_0": float(kl0) if isinstance(kl0, (int, float)) else math.nan, "quant_kl": mean(kl),
+        "length": _last(run, "completions/mean_length", window), "clipped": _last(run, "completions/clipped_ratio", window),
+        "eval_clipped": _last(run, "eval/clipped_ratio"), "zero_std": mean(zero_std), "logp_gap": mean(gap),
+    })
+    return out
+
+
+@dataclass
+class Row:
+    """One setting: its runs (one per seed) and each quantity over seeds."""
+
+    label: str
+    runs: list[Run]
+    values: dict[str, Interval] = field(default_factory=dict)
+
+    @property
+    def seeds(self) -> int:
+        return len(self.runs)
+
+
+@dataclass
+class Section:
+    """What the section shows: rows, the AQN selection, determinism pairs, and notes."""
+
+    rows: list[Row]
+    candidates: list[Row]
+    best: Row | None
+    pairs: list[determinism.Comparison]
+    notes: list[str]
+
+
+def _label(runs: list[Run]) -> str:
+    configs = Counter(r.choices.get("config") for r in runs if r.choices.get("config"))
+    if configs:
+        return configs.most_common(1)[0][0]
+    return runs[0].strategy or f"like {runs[0].name}"
+
+
+def _family(run: Run, presets: dict[str, dict]) -> str | None:
+    """The run's strategy preset, else the first one it equals outside `noise.*`."""
+    return run.strategy or next((p for p in order(presets) if not preset_differences(run, presets[p], ignore=("noise",))), None)
+
+
+def build(loaded: Loaded) -> Section:
+    """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in sorted(loaded.runs, key=lambda r: r.source):
+        key = tuple(sorted((k, repr(v)) for k, v in settings(run).items()))
+        groups.setdefault(key, []).append(run)
+    rows, pairs, notes, seen = [], [], [], Counter()
+    for runs in groups.values():
+        by_seed: dict = {}
+        for run in runs:
+            if run.seed in by_seed:
+                pairs.append(determinism.compare(by_seed[run.seed], run))
+            else:
+                by_seed[run.seed] = run
+        label = _label(runs)
+        seen[label] += 1
+        row = Row(label if seen[label] == 1 else f"{label} ({seen[label]})", list(by_seed.values()))
+        per_run = [run_values(r) for r in row.runs]
+        row.values = {k: t_interval([v[k] for v in per_run]) for k in per_run[0]}
+        rows.append(row)
+    # table order by strategy preset, an AQN variant beside its preset (its noise.* aside)
+    rank = {name: i for i, name in enumerate(order(loaded.presets))}
+    rows.sort(key=lambda r: (rank.get(_family(r.runs[0], loaded.presets), len(rank)), r.label))
+    thin = [f"{r.label} ({r.seeds})" for r in rows if r.seeds < MIN_SEEDS]
+    if thin:
+        notes.append(f"fewer than {MIN_SEEDS} seeds, too few to conclude from: {', '.join(thin)}")
+    preset = loaded.presets.get(AQN_FAMILY)
+    candidates = [r for r in rows if preset and not preset_differences(r.runs[0], preset, ignore=("noise",))]
+    scored = [r for r in candidates if not math.isnan(r.values["final_reward"].mean)]
+    best = max(scored, key=lambda r: r.values["final_reward"].mean) if scored else None
+    for r in rows:
+        if any(math.isnan(r.values[f"{s}_start"].mean) for s in SPLIT_NAMES):
+            notes.append(f"{r.label}: no evaluation before the first update on some split (eval.at_start), so no change")
+    return Section(rows, candidates, best, pairs, notes)
+
+
+def _where(run: Run, runs: list[Run]) -> str:
+    """The run's directory relative to the folder holding all the runs (sweeps name every run
+    directory trialNNNN_sS, so names alone repeat)."""
+    root = os.path.commonpath([str(Path(r.source).parent) for r in runs])
+    return os.path.relpath(run.source, root)
+
+
+def _commits(runs: list[Run]) -> str:
+    """Where the runs were made: `at commit X`, or each commit with its count, and runs that a
+    resume finished at another commit."""
+    started = Counter(r.config.get("commit") or "(not recorded)" for r in runs)
+    text = ", ".join(f"`{c}` ({n} runs)" for c, n in started.most_common())
+    moved = [_where(r, runs) for r in runs if r.summary.get("commit") not in (None, r.config.get("commit"))]
+    return (f"commit `{next(iter(started))}`" if len(started) == 1 else f"commits {text}") + (
+        f"; finished at another commit: {', '.join(moved)}" if moved else "")
+
+
+def _settings(runs: list[Run]) -> str:
+    flats = [flatten(r.config) for r in runs]
+    shared = [f"{k}={flats[0][k]}" for k in SHOWN if k in flats[0] and all(f.get(k) == flats[0][k] for f in flats)]
+    return ", ".join(f"`{s}`" for s in shared)
+
+
+def _change_table(rows: list[Row]) -> list[str]:
+    head = ["row", "seeds", "final training reward"]
+    for name in SPLIT_NAMES.values():
+        head += [f"{name}: start", "end", "change"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.label, str(r.seeds), r.values["final_reward"].text()]
+        for split in SPLIT_NAMES:
+            v = r.values
+            cells += [v[f"{split}_start"].text(), v[f"{split}_end"].text(), v[f"{split}_change"].text()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _diagnostics_table(rows: list[Row]) -> list[str]:
+    head = ["row", *(h for h, _ in DIAGNOSTICS.values())]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([r.label, *(r.values[k].text(d) for k, (_, d) in DIAGNOSTICS.items())]) + " |")
+    return lines
+
+
+def _best(section: Section) -> list[str]:
+    if section.best is None:
+        return [f"No {AQN_FAMILY} rows (settings equal to the `{AQN_FAMILY}` preset's outside `noise.*`): no AQN setting to choose."]
+    b = section.best
+    ranked = sorted(section.candidates, key=lambda r: -r.values["final_reward"].mean)
+    rewards = ", ".join(f"{r.label} {r.values['final_reward'].text()}" for r in ranked)
+    lines = [f"Chosen on the final training reward, never on held-out pass@1, among the {AQN_FAMILY} rows "
+             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} seed(s), with 95 % intervals:", ""]
+    lines += [f"- {name}: {b.values[f'{split}_start'].text()} -> {b.values[f'{split}_end'].text()}, "
+              f"change {b.values[f'{split}_change'].text()}" for split, name in SPLIT_NAMES.items()]
+    return lines
+
+
+def _pairs(section: Section) -> list[str]:
+    if not section.pairs:
+        return ["No two runs share a config and a seed here, so the spread between identical runs is not measured."]
+    lines, everyone = [], [r for c in section.pairs for r in (c.a, c.b)] + [r for row in section.rows for r in row.runs]
+    for c in section.pairs:
+        name, largest, step = c.largest
+        pair = f"`{_where(c.a, everyone)}` and `{_where(c.b, everyone)}` (seed {c.a.seed}"
+        if c.identical:
+            lines.append(f"- {pair}): identical in every per-step metric over {c.steps} steps.")
+            continue
+        shown = "; ".join(f"{m} {c.diffs[m][0]:.3g}" for m in PAIR_METRICS if m in c.diffs)
+        lines.append(f"- {pair}, {c.steps} steps): largest difference {largest:.3g} ({name}, step {step}); {shown}.")
+    return lines
+
+
+def to_markdown(section: Section, command: str) -> str:
+    """The section: provenance, the pass@1 table, the diagnostics, the AQN choice, determinism, notes."""
+    runs = [r for row in section.rows for r in row.runs]
+    studies = sorted({r.choices.get("study") for r in runs if r.choices.get("study")})
+    lines = ["<!-- written by python -m analysis (the command below); do not edit: rerun it -->", "",
+             f"**Runs.** {len(runs)} runs in {len(section.rows)} rows"
+             + (f", from the sweep(s) {', '.join(f'`sweeps/{s}.yaml`' for s in studies)}" if studies else "")
+             + f", made at {_commits(runs)}. Shared settings: {_settings(runs)}.", "",
+             f"**Made by** `{command}`.", "",
+             "Greedy pass@1 on each evaluation split before the first update (start) and after the last "
+             "(end), and the final training reward (mean of the last quarter of the steps); mean over seeds "
+             "[95 % t-interval], change = end - start per seed:", "",
+             *_change_table(section.rows), "",
+             "Why a strategy does or does not learn (means over seeds [95 % t-interval]; `analysis/section.py` "
+             "defines each column): the re-quantized base's distance from the full-precision one "
+             "(`quant/kl`, nats a token), reply lengths and how many hit the cap, and how many groups had no "
+             "reward spread (`frac_reward_zero_std`):", "",
+             *_diagnostics_table(section.rows), "",
+             "**Best AQN setting.** " + "\n".join(_best(section)), "",
+             "**Identical runs.**", "", *_pairs(section)]
+    if section.notes:
+        lines += ["", "**Notes.**", "", *(f"- {n}" for n in section.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def write(section: Section, out_dir: Path, command: str) -> Path:
+    """Write `results_section.md` into `out_dir`; return its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / FILE).write_text(to_markdown(section, command))
+    return out_dir / FILE
+
+
+def markers(page: Path, section_file: Path) -> tuple[str, str]:
+    """The two lines of a docs page between which a section file's text stands (its path relative
+    to the page's folder)."""
+    rel = Path(os.path.relpath(Path(section_file).resolve(), Path(page).resolve().parent)).as_posix()
+    return f"<!-- begin {rel} -->", f"<!-- end {rel} -->"
+
+
+def blocks(page: Path) -> dict[Path, str]:
+    """The section files a docs page includes, each with the text between its markers."""
+    lines, found = Path(page).read_text().splitlines(keepends=True), {}
+    for i, line in enumerate(lines):
+        if line.startswith("<!-- begin ") and line.rstrip().endswith(" -->"):
+            rel = line.strip()[len("<!-- begin "):-len(" -->")]
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == f"<!-- end {rel} -->"), None)
+            if end is not None:
+                found[(Path(page).parent / rel).resolve()] = "".join(lines[i + 1:end])
+    return found
+
+
+def splice(page: Path, section_file: Path) -> None:
+    """Put the section file's text between its two markers in `page`, replacing what was there.
+
+    Raises:
+        ValueError: the page lacks the markers (the message gives them).
+    """
+    begin, end = markers(page, section_file)
+    text = Path(page).read_text()
+    head, sep, rest = text.partition(begin + "\n")
+    _, sep2, tail = rest.partition(end + "\n")
+    if not (sep and sep2):
+        raise ValueError(f"{page} has no lines '{begin}' and '{end}' to put the section between; add them where it goes")
+    Path(page).write_text(head + begin + "\n" + Path(section_file).read_text() + end + "\n" + tail)
