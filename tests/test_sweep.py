@@ -98,7 +98,7 @@ def test_shipped_specs_validate_against_the_config():
     smol = load_plan(ROOT / "sweeps" / "smollm2.yaml", [])
     assert smol.grid and smol.n_trials == 12 and "model=smollm2-135m" in smol.overrides
     follow = load_plan(ROOT / "sweeps" / "smollm2_4bit.yaml", [])
-    assert follow.grid and follow.n_trials == 9 and "train.steps=100" in follow.overrides
+    assert follow.grid and follow.n_trials == 9 and "train.steps=100" in follow.overrides  # the earlier 4-bit study
     sampler = load_plan(ROOT / "sweeps" / "smollm2_sampler.yaml", [])
     assert sampler.grid and sampler.n_trials == 9 and "model=smollm2-135m" in sampler.overrides
 
