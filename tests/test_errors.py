@@ -35,12 +35,23 @@ def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
         rundir.claim(run_dir, {**other, "choices": {"quant": "nvfp4"}})
     assert "lora.r: 16 -> 32; seed: 0 -> 3" in _one_line(e)
     assert (run_dir / "config.json").read_bytes() == saved
-    longer = as_dict(Config())
-    longer["train"]["steps"] = 99
-    with rundir.claim(run_dir, {**longer, "choices": {}}):  # extending a run is allowed
+    for steps in (99, 2):  # longer or shorter: train.steps sets the learning-rate and noise schedules of every step
+        other = as_dict(Config())
+        other["train"]["steps"] = steps
+        with pytest.raises(rundir.ConfigChangedError) as e:
+            rundir.claim(run_dir, {**other, "choices": {}})
+        assert f"(train.steps: 60 -> {steps}); a run keeps its length" in _one_line(e)
+    assert (run_dir / "config.json").read_bytes() == saved
+    offline = as_dict(Config())
+    offline["tracker"]["mode"] = "disabled"
+    with rundir.claim(run_dir, {**offline, "choices": {}}):  # where a run logs may change
         pass
     written = json.loads((run_dir / "config.json").read_text())
-    assert written["train"]["steps"] == 99 and written["choices"] == {"quant": "bf16"}  # the recorded choices stay
+    assert written["tracker"]["mode"] == "disabled" and written["choices"] == {"quant": "bf16"}  # the recorded choices stay
+    (run_dir / "summary.json").write_text("{}")
+    with pytest.raises(rundir.RunExistsError) as e:
+        rundir.claim(run_dir, {**other, "choices": {}})
+    assert "holds a finished run of 60 steps, which cannot be extended" in _one_line(e)
 
 
 def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
