@@ -2,6 +2,8 @@
 
 Every worker, on this machine or another, runs `work()` against the same storage:
 
+0. Seed its sampler with the spec's seed plus the count of workers the study started before it
+   (`worker_study`), so that workers started together never draw the same parameters.
 1. Under a claim lock (a file lock for SQLite, an advisory lock for PostgreSQL), fail trials whose
    heartbeat stopped (a killed worker; Optuna then re-enqueues them with the same parameters),
    count the trials and ask for one only while `complete + pruned + running < n_trials`.
@@ -10,6 +12,10 @@ Every worker, on this machine or another, runs `work()` against the same storage
    reporting the objective after every step so that the pruner can stop it.
 3. Tell the result. Ctrl-C or SIGTERM marks the running trial FAIL and re-enqueues it at once (a
    heartbeat would do the same, later), so re-running the command loses and repeats nothing.
+
+A sweep dir holds the trials of one study (`check_sweep_dir`, `record_sweep_dir`). A lock another program holds on the
+storage, or a claim lock held by a stopped worker, is reported within `LOCKED_REPORT_S` seconds,
+and signals are heeded while waiting for either.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import uuid
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
@@ -38,6 +47,11 @@ from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner
                                   trial_overrides, trial_seeds)
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
+WORKERS = "qerl_sweep:workers"  # the study system attribute counting the workers ever started
+OWNER_FILE = "study.json"  # in the sweep dir: the one study whose trials it holds
+# A lock (SQLite's, or the claim lock) held this long is another program's or a stopped worker's.
+LOCKED_REPORT_S = 10.0
+BUSY_TIMEOUT_S = 20.0
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 # Overrides that do not change results; a study may be resumed with them changed.
 _NEUTRAL = ("tracker", "model.cache_dir", "hydra")
@@ -102,8 +116,12 @@ def open_storage(plan: Plan) -> RDBStorage:
     url = storage_url(plan)
     engine_kwargs: dict = {"pool_pre_ping": True}
     if url.startswith("sqlite"):
-        Path(url.split("///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-        engine_kwargs = {"connect_args": {"timeout": 120}}
+        path = Path(url.split("///", 1)[1])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _wait_unlocked(path)
+        # SQLite waits for a lock in C, where no signal is handled: keep each wait short. A study's own
+        # transactions hold it for milliseconds.
+        engine_kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
     else:
         engine_kwargs["connect_args"] = {"connect_timeout": 10}
     for attempt in range(5):
@@ -121,6 +139,36 @@ def open_storage(plan: Plan) -> RDBStorage:
             raise UsageError(f"cannot open storage {shown(plan.storage)}: {_first_line(e)}") from None
 
 
+def _wait_unlocked(path: Path) -> None:
+    """Wait, in Python (so that signals are heeded), until no other program holds the SQLite file
+    locked (an sqlite3 shell, a DB browser, a copy in progress).
+
+    Raises:
+        UsageError: still locked after `LOCKED_REPORT_S` seconds (one line naming the file).
+    """
+    import sqlite3
+
+    if not path.is_file():
+        return
+    end = time.monotonic() + LOCKED_REPORT_S
+    while True:
+        conn = sqlite3.connect(path, timeout=0)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # the lock a write needs; released at once
+            conn.rollback()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                return  # not a lock: RDBStorage reports it
+            if time.monotonic() > end:
+                raise UsageError(f"storage {path} has been locked by another program for {LOCKED_REPORT_S:g} s "
+                                 "(an sqlite3 shell or a database browser with an open transaction?); "
+                                 "close it and rerun") from None
+        finally:
+            conn.close()
+        time.sleep(0.2)
+
+
 def _first_line(e: BaseException) -> str:
     cause = getattr(e, "orig", None) or e
     text = str(cause).strip()
@@ -128,14 +176,27 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextmanager
-def claim_lock(plan: Plan):
-    """Serializes 'count the trials, then ask for one' across every worker of the study."""
+def claim_lock(plan: Plan, stop: Callable[[], bool] = lambda: False):
+    """Serializes 'count the trials, then ask for one' across every worker of the study.
+
+    Args:
+        plan: the sweep.
+        stop: polled while waiting for the lock; once true, the wait ends in KeyboardInterrupt
+            (a worker's SIGINT/SIGTERM, which its handler only records).
+    """
     url = storage_url(plan)
     if url.startswith("sqlite"):
         path = Path(url.split("///", 1)[1] + ".lock")
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if the process dies
+        with open(path, "a+") as f:  # the holder's pid inside, for whoever waits
+            def holder() -> str:
+                f.seek(0)
+                return f"process {f.read().strip() or '?'} (lock file {path})"
+
+            _acquire(lambda: _try_flock(f), holder, stop)  # released by the kernel if the process dies
             try:
+                f.truncate(0)
+                f.write(str(os.getpid()))
+                f.flush()
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
@@ -145,12 +206,39 @@ def claim_lock(plan: Plan):
     key = int.from_bytes(hashlib.sha1(f"qerl_exp.sweep:{plan.study_name}".encode()).digest()[:8], "big", signed=True)
     engine = _pg_engine(url)
     with engine.connect() as conn:  # a dead worker's connection closes and frees the lock
-        conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        def try_lock() -> bool:
+            taken = conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()
+            conn.commit()
+            return bool(taken)
+
+        _acquire(try_lock, lambda: f"another worker (PostgreSQL advisory lock {key} in {shown(plan.storage)})", stop)
         try:
             yield
         finally:
             conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
             conn.commit()
+
+
+def _try_flock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _acquire(try_lock: Callable[[], bool], holder: Callable[[], str], stop: Callable[[], bool]) -> None:
+    """Poll `try_lock` until it succeeds. A claim holds the lock for milliseconds, so a wait of
+    `LOCKED_REPORT_S` means a stopped or hung holder: said once, naming it."""
+    start, said = time.monotonic(), False
+    while not try_lock():
+        if stop():
+            raise KeyboardInterrupt
+        if not said and time.monotonic() - start > LOCKED_REPORT_S:
+            print(f"waiting for the study's claim lock, held by {holder()} for {LOCKED_REPORT_S:g} s: "
+                  "a stopped or hung worker? (end it, and its trial is retried)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.05)
 
 
 _ENGINES: dict = {}
@@ -194,7 +282,7 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
         if recorded is None:
             study.set_user_attr(ATTR, {"identity": identity, "spec": json.loads(json.dumps(plan.spec, default=str)),
                                        "spec_path": str(plan.spec_path), "sampler": plan.sampler,
-                                       "pruner": plan.pruner, "n_trials": plan.n_trials})
+                                       "pruner": plan.pruner, "n_trials": plan.n_trials, "token": uuid.uuid4().hex})
             for params in plan.enqueue:
                 study.enqueue_trial(params, skip_if_exists=True)
         else:
@@ -203,9 +291,91 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
                     raise UsageError(f"study '{plan.study_name}' in {shown(plan.storage)} was made with other {key} "
                                      f"({_short(recorded['identity'].get(key))} vs {_short(value)}); resume it with the same "
                                      f"spec and overrides, or start another with study_name=NAME")
-            if recorded.get("n_trials") != plan.n_trials:
-                study.set_user_attr(ATTR, {**recorded, "n_trials": plan.n_trials})
+            # the token: a study made before studies had one gets it now
+            updated = {"n_trials": plan.n_trials, "token": recorded.get("token") or uuid.uuid4().hex}
+            if any(recorded.get(k) != v for k, v in updated.items()):
+                study.set_user_attr(ATTR, {**recorded, **updated})
     return study
+
+
+def check_sweep_dir(plan: Plan, storage: RDBStorage) -> None:
+    """Refuse a sweep dir that holds another study's trials, before the study is created or run
+    (trial N of every study would otherwise find `trials/trialNNNN_sS` of the first and read it).
+
+    The first study to use a sweep dir records itself in `SWEEP_DIR/study.json` (`record_sweep_dir`):
+    its name, storage and the token made when the study was created, so that a study made again
+    under the same name and storage is another study too.
+
+    Raises:
+        UsageError: the sweep dir belongs to another study, or (made before the record existed)
+            holds trial runs of one.
+    """
+    path = plan.sweep_dir / OWNER_FILE
+    if path.is_file():
+        try:
+            token = storage.get_study_user_attrs(storage.get_study_id_from_name(plan.study_name)).get(ATTR, {}).get("token")
+        except KeyError:  # not created yet
+            token = None
+        _check_owner(plan, path, token)
+        return
+    others = sorted({_study_of(c) for c in (plan.sweep_dir / "trials").glob("*/config.json")} - {plan.study_name, None})
+    if others:
+        raise UsageError(f"sweep_dir={plan.sweep_dir} holds the trial runs of study '{others[0]}'; "
+                         f"give study '{plan.study_name}' its own sweep_dir=")
+
+
+def record_sweep_dir(plan: Plan, study: optuna.Study) -> None:
+    """Record `study` as the sweep dir's owner, unless one is recorded (see `check_sweep_dir`).
+
+    Raises:
+        UsageError: another study, started at the same time, recorded itself first.
+    """
+    token = study.user_attrs[ATTR]["token"]
+    path = plan.sweep_dir / OWNER_FILE
+    if not path.is_file():
+        plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=plan.sweep_dir, prefix=f".{OWNER_FILE}-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"study_name": plan.study_name, "storage": shown(plan.storage), "token": token}, f, indent=2)
+            os.link(tmp, path)  # whole and exclusive: of two studies started together, one records itself
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    _check_owner(plan, path, token)
+
+
+def _check_owner(plan: Plan, path: Path, token: str | None) -> None:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is unreadable ({type(e).__name__}); it names the study whose trials this sweep_dir "
+                         "holds: restore it, or give this study another sweep_dir=") from None
+    if owner.get("token") != token:
+        raise UsageError(f"sweep_dir={plan.sweep_dir} holds the trials of study '{owner.get('study_name')}' in "
+                         f"{owner.get('storage')}, not of this '{plan.study_name}' in {shown(plan.storage)}; "
+                         "give this study its own sweep_dir=")
+
+
+def _study_of(config_path: Path) -> str | None:
+    """The study a trial's run directory was made by (its recorded `choices.study`)."""
+    try:
+        return json.loads(config_path.read_text()).get("choices", {}).get("study")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def worker_study(plan: Plan, storage: RDBStorage) -> optuna.Study:
+    """The study as one worker samples it: the spec's sampler seed plus a number that no other
+    worker of the study drew (a counter in the storage, taken under the claim lock), so that workers
+    started together, by one command or several, draw distinct parameters, and the first worker of
+    a new study draws exactly the spec's seed."""
+    study_id = storage.get_study_id_from_name(plan.study_name)
+    with claim_lock(plan):
+        started = storage.get_study_system_attrs(study_id).get(WORKERS, 0)
+        storage.set_study_system_attr(study_id, WORKERS, started + 1)
+    return open_study(plan, storage, create=False, seed_offset=started)
 
 
 def _identity(plan: Plan) -> dict:
@@ -517,12 +687,11 @@ def _enqueue_grid_point(plan: Plan, study: optuna.Study) -> None:
         return
 
 
-def work(plan: Plan, index: int = 0, log=print) -> int:
+def work(plan: Plan, log=print) -> int:
     """The worker loop: claim trials and run them until the study has `n_trials` finished ones.
 
     Args:
         plan: the sweep.
-        index: this worker's index among the command's `n_jobs` (offsets the sampler seed).
         log: where progress lines go.
 
     Returns:
@@ -532,32 +701,33 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
     signals = Signals()
     quiet_optuna()
     try:
-        storage = open_storage(plan)
-        probe = open_study(plan, storage, create=False)
-        start = probe.get_trials(deepcopy=False)
-        # Reproducible for one worker; distinct streams for workers of other commands or machines.
-        others = not plan.storage.startswith("sqlite") or any(t.state == TrialState.RUNNING for t in start)
-        salt = int.from_bytes(hashlib.sha1(f"{host()}:{os.getpid()}".encode()).digest()[:3], "big") if others else 0
-        offset = 1000 * len(start) + index + 1_000_003 * salt
-        study = open_study(plan, storage, create=False, seed_offset=offset)
+        with signals.interruptible():  # a locked storage is waited for, a signal is not
+            storage = open_storage(plan)
+            open_study(plan, storage, create=False)  # a missing study in one line
+            study = worker_study(plan, storage)
     except UsageError as e:
         log(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        return 130
     failures = 0
     poll = min(2.0, plan.heartbeat_interval)
     while not signals.stop:
-        with claim_lock(plan):
-            optuna.storages.fail_stale_trials(study)
-            c = counts(study.get_trials(deepcopy=False))
-            if finished(c) >= plan.n_trials:
-                log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
-                return 0
-            trial = None
-            if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
-                if plan.grid:
-                    _enqueue_grid_point(plan, study)
-                trial = study.ask()
-                storage.record_heartbeat(_trial_id(trial))
+        try:
+            with claim_lock(plan, stop=lambda: signals.stop):
+                optuna.storages.fail_stale_trials(study)
+                c = counts(study.get_trials(deepcopy=False))
+                if finished(c) >= plan.n_trials:
+                    log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
+                    return 0
+                trial = None
+                if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
+                    if plan.grid:
+                        _enqueue_grid_point(plan, study)
+                    trial = study.ask()
+                    storage.record_heartbeat(_trial_id(trial))
+        except KeyboardInterrupt:  # stopped while waiting for the claim lock
+            return 130
         if trial is None:  # the rest are running elsewhere; wait in case one of them dies
             signals.sleep(poll)
             continue
@@ -586,4 +756,4 @@ def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
     log(f"worker {index} started: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
-    return work(plan, index, log=log)
+    return work(plan, log=log)
