@@ -177,13 +177,15 @@ def test_command_line_errors_are_one_line(args, message, tmp_path, capsys):
     assert exit_.value.code != 0 and len(err) == 1 and err[0].startswith(message), err
 
 
-@pytest.mark.parametrize("config, message", [
-    (None, "error: FileNotFoundError: RUN/final/adapter/adapter_model.safetensors does not exist: the run saved no trained "
-           "adapter (did it finish?)"),
-    (b"\x00\xff", "error: RunDirError: RUN/config.json is not readable JSON"),
-    (b'{"lora": {"rank": 8}}', "error: ValueError: RUN/config.json does not fit the current config schema"),
+@pytest.mark.parametrize("config, args, message", [
+    (None, [], "error: FileNotFoundError: RUN/final/adapter/adapter_model.safetensors does not exist: the run saved no "
+               "trained adapter (did it finish?)"),
+    (None, ["adapter=false", "out=sub/eval.json"], "error: ValueError: out=sub/eval.json: RUN/sub is not a folder; create "
+                                                   "it or choose another out="),
+    (b"\x00\xff", [], "error: RunDirError: RUN/config.json is not readable JSON"),
+    (b'{"lora": {"rank": 8}}', [], "error: ValueError: RUN/config.json does not fit the current config schema"),
 ])
-def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_path, capsys, config, message):
+def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_path, capsys, config, args, message):
     from qerl_exp.eval.__main__ import main
 
     run_dir = tmp_path / "run"
@@ -192,7 +194,7 @@ def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_p
     saved["model"]["cache_dir"] = str(tmp_path / "cache")  # a model built for this evaluation would be cached here
     (run_dir / "config.json").write_bytes(config or json.dumps(saved).encode())
     with pytest.raises(SystemExit) as exit_:
-        main([f"run_dir={run_dir}", "tracker=disabled"])
+        main([f"run_dir={run_dir}", "tracker=disabled", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 1 and len(err) == 1 and err[0].startswith(message.replace("RUN", str(run_dir))), err
     assert not (tmp_path / "cache").exists()

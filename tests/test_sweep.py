@@ -348,12 +348,12 @@ def test_resuming_with_another_base_config_is_refused(tmp_path):
 
 
 def test_a_sweep_dir_holds_the_trials_of_one_study(tmp_path):
-    from qerl_exp.sweep.study import check_sweep_dir, open_storage, open_study, record_sweep_dir
+    from qerl_exp.sweep.study import open_storage, open_study
 
     spec, sweep_dir = write_spec(tmp_path, study_name="a", base=[*TINY, "train.steps=1"], n_trials=1), tmp_path / "D"
     a = load_plan(spec, [f"sweep_dir={sweep_dir}"])
     storage = open_storage(a)
-    record_sweep_dir(a, open_study(a, storage, create=True))  # what a's first command does
+    open_study(a, storage, create=True)
     trial = sweep_dir / "trials" / "trial0000_s0"  # a's finished trial 0, as its worker left it
     trial.mkdir(parents=True)
     (trial / "config.json").write_text(json.dumps({"choices": {"study": "a", "trial": "0"}}))
@@ -363,15 +363,17 @@ def test_a_sweep_dir_holds_the_trials_of_one_study(tmp_path):
     out = sweep(str(spec), "study_name=b", f"sweep_dir={sweep_dir}", timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
-        f"error: sweep_dir={sweep_dir} holds the trials of study 'a' in sqlite:///{sweep_dir}/study.db, not of this 'b' "
-        f"in sqlite:///{sweep_dir}/study.db; give this study its own sweep_dir="]
+        f"error: sweep_dir={sweep_dir} holds the trial runs of study 'a'; give study 'b' its own sweep_dir="]
     assert optuna.study.get_all_study_names(storage) == ["a"]
+
+    from qerl_exp.sweep.study import check_sweep_dir, record_sweep_dir
+
+    record_sweep_dir(a, optuna.load_study(study_name="a", storage=storage))  # what a's command records
     check_sweep_dir(a, storage)  # a itself goes on
     b = load_plan(spec, ["study_name=b", f"sweep_dir={sweep_dir}"])
-    (sweep_dir / "study.json").unlink()  # a sweep dir made before the record: its trials name their study
-    with pytest.raises(UsageError, match=f"sweep_dir={sweep_dir} holds the trial runs of study 'a'; give study 'b' its own"):
+    with pytest.raises(UsageError, match=f"sweep_dir={sweep_dir} holds the trials of study 'a' in sqlite:///{sweep_dir}/"
+                                         "study.db, not of this 'b' in "):
         check_sweep_dir(b, storage)
-    record_sweep_dir(a, optuna.load_study(study_name="a", storage=storage))
     optuna.delete_study(study_name="a", storage=storage)  # a made again under its name and storage: another study
     open_study(a, storage, create=True)
     with pytest.raises(UsageError, match="holds the trials of study 'a' in"):

@@ -195,7 +195,10 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     if args.out and (run_dir / args.out).exists():
         raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
     if run_dir.is_dir():  # the results must have somewhere to go before the evaluation is paid for
-        check_writable((run_dir / (args.out or "eval.json")).parent)
+        folder = (run_dir / (args.out or "eval.json")).parent
+        if not folder.is_dir():
+            raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
+        check_writable(folder)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
     algo = cfg.algo

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import signal
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -146,27 +147,26 @@ def _wait_unlocked(path: Path) -> None:
     Raises:
         UsageError: still locked after `LOCKED_REPORT_S` seconds (one line naming the file).
     """
-    import sqlite3
-
     if not path.is_file():
         return
     end = time.monotonic() + LOCKED_REPORT_S
-    while True:
-        conn = sqlite3.connect(path, timeout=0)
-        try:
-            conn.execute("BEGIN IMMEDIATE")  # the lock a write needs; released at once
-            conn.rollback()
-            return
-        except sqlite3.OperationalError as e:
-            if "locked" not in str(e) and "busy" not in str(e):
-                return  # not a lock: RDBStorage reports it
-            if time.monotonic() > end:
-                raise UsageError(f"storage {path} has been locked by another program for {LOCKED_REPORT_S:g} s "
-                                 "(an sqlite3 shell or a database browser with an open transaction?); "
-                                 "close it and rerun") from None
-        finally:
-            conn.close()
-        time.sleep(0.2)
+    conn = sqlite3.connect(path, timeout=0)
+    try:
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")  # the lock a write needs; released at once
+                conn.rollback()
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e):
+                    return  # not a lock: RDBStorage reports it
+                if time.monotonic() > end:
+                    raise UsageError(f"storage {path} has been locked by another program for {LOCKED_REPORT_S:g} s "
+                                     "(an sqlite3 shell or a database browser with an open transaction?); "
+                                     "close it and rerun") from None
+            time.sleep(0.2)
+    finally:
+        conn.close()
 
 
 def _first_line(e: BaseException) -> str:
