@@ -137,7 +137,7 @@ def test_binary_task_file_is_named(tmp_path):
 
 def test_storage_url_and_missing_driver_are_one_line(monkeypatch):
     from qerl_exp.sweep.spec import load_plan
-    from qerl_exp.sweep.study import storage_url
+    from qerl_exp.sweep.storage import storage_url
 
     spec = ROOT / "sweeps" / "noise_schedule.yaml"
     with pytest.raises(UsageError) as e:

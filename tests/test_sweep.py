@@ -405,11 +405,12 @@ def _holds_open(pid: int, path: Path) -> bool:
 def test_a_locked_storage_is_one_line_within_seconds_and_signals_are_heeded(tmp_path, monkeypatch):
     import sqlite3
 
-    from qerl_exp.sweep import study as S
+    from qerl_exp.sweep import storage as S
+    from qerl_exp.sweep.study import open_study
 
     spec = write_spec(tmp_path)
     plan = load_plan(spec, [f"sweep_dir={tmp_path / 's'}"])
-    S.open_study(plan, S.open_storage(plan), create=True)
+    open_study(plan, S.open_storage(plan), create=True)
     db = tmp_path / "s" / "study.db"
     holder = sqlite3.connect(db)
     holder.execute("BEGIN EXCLUSIVE")  # another program's open transaction (an sqlite3 shell, a DB browser)
@@ -436,10 +437,11 @@ def test_a_locked_storage_is_one_line_within_seconds_and_signals_are_heeded(tmp_
 def test_a_claim_lock_held_by_a_stopped_worker_is_named_and_a_stop_ends_the_wait(tmp_path, monkeypatch, capsys):
     import fcntl
 
-    from qerl_exp.sweep import study as S
+    from qerl_exp.sweep import storage as S
+    from qerl_exp.sweep.study import open_study
 
     plan = load_plan(write_spec(tmp_path), [f"sweep_dir={tmp_path / 's'}"])
-    S.open_study(plan, S.open_storage(plan), create=True)
+    open_study(plan, S.open_storage(plan), create=True)
     monkeypatch.setattr(S, "LOCKED_REPORT_S", 0.2)
     with open(f"{tmp_path / 's' / 'study.db'}.lock", "a+") as held:  # as a worker stopped inside its claim leaves it
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -20,8 +20,8 @@ from qerl_exp.rundir import check_writable, os_error_line
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
-from qerl_exp.sweep.study import (check_sweep_dir, counts, finished, open_storage, open_study, quiet_optuna,
-                                  record_sweep_dir, was_interrupted, worker_main)
+from qerl_exp.sweep.storage import open_storage, quiet_optuna
+from qerl_exp.sweep.study import check_sweep_dir, counts, finished, open_study, record_sweep_dir, was_interrupted, worker_main
 
 USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
        python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [port=8080] [host=127.0.0.1]
