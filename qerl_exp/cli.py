@@ -208,7 +208,6 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(os_error_line(e, key)) from None
 
 
-
 class _Unread:
     """A console stream whose reader may go away (`| head -1`): from then on it writes to /dev/null,
     so that a run does not fail for want of an audience (a BrokenPipeError at any print)."""

@@ -33,7 +33,7 @@ os.umask(_UMASK)
 # step, so a run continued at another length would mix two schedules under one config.json.
 RESUMABLE_KEYS = ("tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
                   "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size")
-_MAY_CHANGE = "tracker.mode, checkpoint.*, model.cache_dir, train.dist_timeout_s"
+_MAY_CHANGE = "tracker.mode, tracker.completions_every, checkpoint.*, model.cache_dir, train.dist_timeout_s"
 # The `config.json` key of the digests of the task's data files (`tasks.file_digests`): a file
 # that changes under a run is a config change.
 DATA_KEY = "task_sha256"
@@ -357,9 +357,9 @@ def _check(run_dir: Path, config: dict) -> None:
     saved = read_config(run_dir)
     if (run_dir / "summary.json").exists():
         steps = flatten(saved or {}).get("train.steps")
-        longer = "" if steps in (None, flatten(config).get("train.steps")) else (
-            f" of {steps} steps, which cannot be extended (train.steps sets its learning-rate and noise schedules)")
-        raise RunExistsError(f"{run_dir} holds a finished run{longer}; choose another run_dir")
+        length = "" if steps in (None, flatten(config).get("train.steps")) else (
+            f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
+        raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
     if saved is not None:
         changes = config_changes(saved, config)
         if changes:

@@ -51,7 +51,7 @@ def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
     (run_dir / "summary.json").write_text("{}")
     with pytest.raises(rundir.RunExistsError) as e:
         rundir.claim(run_dir, {**other, "choices": {}})
-    assert "holds a finished run of 60 steps, which cannot be extended" in _one_line(e)
+    assert "holds a finished run of 60 steps, and a run keeps its length" in _one_line(e)
 
 
 def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):

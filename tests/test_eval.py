@@ -198,3 +198,13 @@ def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 1 and len(err) == 1 and err[0].startswith(message.replace("RUN", str(run_dir))), err
     assert not (tmp_path / "cache").exists()
+
+
+def test_wandb_that_cannot_start_keeps_the_evaluation(trained_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json", "wandb"))
+    (run_dir / "wandb").write_text("")  # a file where W&B keeps its runs
+    args = EvalCommand(run_dir=str(run_dir), eval=EvalConfig(k=0, max_new_tokens=8), limit=1, tracker="offline")
+    with pytest.warns(UserWarning, match="W&B could not start .*; the results are in the evaluation file only"):
+        metrics = evaluate_run(args)
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"] == metrics
