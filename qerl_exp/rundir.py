@@ -361,6 +361,8 @@ def _check(run_dir: Path, config: dict) -> None:
             f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
         raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
     if saved is not None:
+        if DATA_KEY not in saved:  # started before runs recorded their data: nothing to compare with
+            config = {k: v for k, v in config.items() if k != DATA_KEY}
         changes = config_changes(saved, config)
         if changes:
             raise ConfigChangedError(

@@ -87,8 +87,12 @@ def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     shutil.copy(ROOT / "tests" / "data" / "gsm8k_sample.jsonl", data)
     cfg = to_config(compose_config(["task=gsm8k", f"task.path={data}"]))
     run_dir = tmp_path / "run"
-    with rundir.claim(run_dir, run_config(cfg, {})):
+    recorded = run_config(cfg, {})
+    with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != rundir.DATA_KEY}):  # as runs were made before
         pass
+    with rundir.claim(run_dir, recorded):  # continued: nothing to compare with yet, and from now on recorded
+        pass
+    assert json.loads((run_dir / "config.json").read_text())[rundir.DATA_KEY] == recorded[rundir.DATA_KEY]
     data.write_text(data.read_text().replace("#### ", "####  ", 1))  # one answer edited
     with pytest.raises(rundir.ConfigChangedError) as e:
         rundir.claim(run_dir, run_config(cfg, {}))
