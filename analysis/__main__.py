@@ -36,6 +36,24 @@ from pathlib import Path
 
 from analysis import determinism, figures, section, table
 from analysis.runs import load
+from qerl_exp.cli import tolerate_closed_pipes
+from qerl_exp.rundir import check_writable, os_error_line
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 1")
+    return int(text)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output directory that cannot be made or written, before any run is read."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory; give a directory (created if needed)")
+    try:
+        check_writable(out)
+    except OSError as e:
+        raise ValueError(os_error_line(e, "--out DIR")) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--into", type=Path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
-    p.add_argument("--smooth", type=int, default=1, metavar="K",
+    p.add_argument("--smooth", type=_positive, default=1, metavar="K",
                    help="moving average over K steps on reward and entropy curves (default 1: none)")
     return p
 
@@ -83,6 +101,7 @@ def _runs_report(loaded, notes: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    tolerate_closed_pipes()
     if argv[:1] == ["wandb-report"]:  # python -m analysis wandb-report --help
         try:
             from analysis import wandb_report  # an optional extra
@@ -96,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.paths and not args.wandb_project:
         _parser().error("give at least one PATH or --wandb-project")
     args.out = args.out or default_out(args.paths)
+    try:  # what can be checked before the runs are read
+        _check_out(args.out)
+        if args.optuna_storage:
+            figures.check_storage(args.optuna_storage, args.optuna_study)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     loaded = load(args.paths, wandb_project=args.wandb_project)
     for src, why in loaded.skipped:
         print(f"skipped {src}: {why}", file=sys.stderr)
@@ -103,15 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no complete runs to analyse", file=sys.stderr)
         return 1
     rows, notes = table.build(loaded.runs)
-    written = table.write(rows, args.out)
-    written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)
-    if args.optuna_storage:
-        paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures")
-        written += paths
-        notes += optuna_notes
-    else:
-        notes.append("no --optuna-storage: Optuna figures skipped")
-    (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
+    try:
+        written = table.write(rows, args.out)
+        written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)
+        if args.optuna_storage:
+            paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures")
+            written += paths
+            notes += optuna_notes
+        else:
+            notes.append("no --optuna-storage: Optuna figures skipped")
+        (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
+    except OSError as e:  # a full disk, mostly
+        print(f"error: {os_error_line(e, '--out DIR') or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        return 1
     written.append(args.out / "strategy_runs.md")
     written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv])))
     if args.into:

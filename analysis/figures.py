@@ -280,6 +280,36 @@ def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
 # --------------------------------------------------------------------------- optuna
 
 
+def check_storage(storage: str, study_name: str | None) -> None:
+    """Check that an Optuna storage can be read and holds `study_name` (None: any), before any work.
+
+    Raises:
+        ValueError: one line: not a URL, a SQLite file that does not exist (Optuna would make an
+            empty one), a storage that does not open, or no such study (the ones there listed).
+    """
+    import optuna
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(storage)
+    except (ArgumentError, ValueError):
+        raise ValueError(f"--optuna-storage {storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST/DB") from None
+    shown = url.render_as_string(hide_password=True)
+    if url.get_backend_name() == "sqlite" and not Path(url.database or "").is_file():
+        raise ValueError(f"--optuna-storage {shown}: {url.database or '(no file)'} does not exist "
+                         "(a sweep's storage is SWEEP_DIR/study.db)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        names = optuna.study.get_all_study_names(storage)
+    except Exception as e:  # noqa: BLE001 - drivers raise many types; all mean "cannot open"
+        text = str(getattr(e, "orig", None) or e).strip()
+        raise ValueError(f"cannot open --optuna-storage {shown}: {text.splitlines()[0] if text else type(e).__name__}") from None
+    if study_name is not None and study_name not in names:
+        raise ValueError(f"no study {study_name!r} in {shown} (studies there: {', '.join(names) or 'none'}); "
+                         "give --optuna-study NAME")
+
+
 def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple[list[Path], list[str]]:
     """The optimization history and the parameter importances of an Optuna study.
 

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from qerl_exp import distributed, rundir
-from qerl_exp.cli import CONF_DIR, UsageError, fail, hydra_overrides, set_keys, validate
+from qerl_exp.cli import CONF_DIR, UsageError, fail, hydra_overrides, set_keys, tolerate_closed_pipes, validate
 from qerl_exp.config import GROUPS, ConfigError, as_dict, from_dict, register_configs, to_config
 
 
@@ -35,10 +35,14 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     rundir.write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
 
 
-def _error_line(e: Exception, run_dir: Path) -> str:
+def _error_line(e: Exception, run_dir: Path, cache_dir: str) -> str:
     """One line for a failed run; the traceback goes to `run_dir/error.txt` when it can be written
-    (by rank 0: the other ranks of a data-parallel run write no file)."""
-    line = rundir.os_error_line(e) if isinstance(e, OSError) else None
+    (by rank 0: the other ranks of a data-parallel run write no file). A storage fault names the
+    setting that chose the path: `model.cache_dir` for the model cache, else `run_dir`."""
+    line = None
+    if isinstance(e, OSError):
+        cached = isinstance(e.filename, str) and Path(e.filename).absolute().is_relative_to(Path(cache_dir).expanduser().absolute())
+        line = rundir.os_error_line(e, "model.cache_dir" if cached else "run_dir")
     if line is None:
         text = str(e).strip()
         line = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
@@ -96,7 +100,7 @@ def main(cfg: DictConfig) -> float:
             print(f"error: {e.line()}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
-        message = _error_line(e, run_dir)
+        message = _error_line(e, run_dir, cfg.model.cache_dir)
         if multirun:  # let Hydra record the failure and go on with the sibling jobs
             print(f"error: job {hc.job.num} failed: {message}", file=sys.stderr)
             raise
@@ -110,6 +114,7 @@ def main(cfg: DictConfig) -> float:
 
 
 def cli() -> None:
+    tolerate_closed_pipes()
     register_configs()
     args = sys.argv[1:]
     multirun = "-m" in args or "--multirun" in args

@@ -95,12 +95,22 @@ def prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest(run_dir: Path) -> tuple[Path, dict] | None:
+def latest(run_dir: Path, logged: int | None = None) -> tuple[Path, dict] | None:
     """The newest checkpoint of `run_dir` that loads, with its state; None when there is none.
+
+    Args:
+        run_dir: the run directory.
+        logged: how many steps, from step 0, `metrics.jsonl` holds; a checkpoint past them is passed
+            over with a warning (resuming there would leave the steps in between unlogged for good).
+            None: every checkpoint counts.
 
     A checkpoint that fails to load is reported with a warning and the next older one is tried.
     """
+    ahead = []
     for path in sorted((Path(run_dir) / "checkpoints").glob("step_*"), reverse=True):
+        if logged is not None and _step(path) > logged:
+            ahead.append(path.name)
+            continue
         try:
             state = torch.load(path / "state.pt", weights_only=False)
             if not (path / "adapter" / ADAPTER_FILE).exists():
@@ -110,10 +120,31 @@ def latest(run_dir: Path) -> tuple[Path, dict] | None:
                 warnings.warn(f"{path} was written by a run with {threads} CPU thread(s), resumed with "
                               f"{torch.get_num_threads()}: later steps may differ in the last bits from an "
                               f"uninterrupted run (set OMP_NUM_THREADS={threads} to match)")
-            return path, state
+            break
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to an older one
             warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying an older one")
-    return None
+    else:
+        path = None
+    if ahead:
+        held = f"steps 0-{logged - 1} only" if logged else "no step"
+        warnings.warn(f"{Path(run_dir) / 'metrics.jsonl'} holds {held}, so the run continues "
+                      f"{f'from {path.name}' if path else 'from step 0'} and not from {', '.join(reversed(ahead))} "
+                      "(their steps' metrics are missing: they are run again)")
+    return (path, state) if path is not None else None
+
+
+def _step(path: Path) -> int:
+    """The step a checkpoint directory (`step_000010`) resumes at; -1 for a name that holds none."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
+def adapter_file(adapter_dir: str | Path) -> Path:
+    """The adapter file of `adapter_dir`; FileNotFoundError (one line) when the run saved none."""
+    path = Path(adapter_dir) / ADAPTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: the run saved no trained adapter (did it finish?)")
+    return path
 
 
 def load_adapter(policy, adapter_dir: str | Path) -> int:
@@ -134,9 +165,7 @@ def load_adapter(policy, adapter_dir: str | Path) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(adapter_dir) / ADAPTER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: the run saved no trained adapter (did it finish?)")
+    path = adapter_file(adapter_dir)
     try:
         saved = load_file(str(path), device=str(next(policy.parameters()).device))
     except SafetensorError as e:

@@ -6,7 +6,6 @@ compose every job's config ourselves and turn any failure into one line that say
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import re
@@ -19,7 +18,7 @@ from omegaconf import DictConfig
 
 from qerl_exp.config import Config, ConfigError, as_dict, register_configs, to_config
 from qerl_exp.logs import quiet
-from qerl_exp.rundir import RunDirError, flatten, os_error_line, read_config
+from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -175,10 +174,15 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
     if cfg.resume:
         read_config(cfg.resume)  # one line naming the file when it is not JSON
+        if cfg.run_dir and Path(cfg.run_dir).absolute() != Path(cfg.resume).absolute():
+            raise ConfigError(f"resume={cfg.resume} continues that run in its own directory, but run_dir={cfg.run_dir} "
+                              "names another; drop run_dir=")
     for key, path in (("run_dir", cfg.run_dir), ("resume", cfg.resume)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
-    _check_writable(Path(cfg.resume or cfg.run_dir or "runs"))
+    _check_writable(Path(cfg.resume or cfg.run_dir or "runs"), "run_dir")
+    if (cfg.model.name == "tiny" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
+        _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached
     if cfg.model.name != "tiny" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
         raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
@@ -196,13 +200,49 @@ def preflight(cfg: Config) -> None:
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
 
 
-def _check_writable(path: Path) -> None:
-    """Refuse a run dir whose nearest existing folder cannot be written (before Hydra creates it)."""
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
-        raise ConfigError(os_error_line(OSError(code, os.strerror(code), str(path))))
+def _check_writable(path: Path, key: str) -> None:
+    """Refuse a folder, set by `key`, that cannot be written (before Hydra creates the run dir)."""
+    try:
+        check_writable(path)
+    except OSError as e:
+        raise ConfigError(os_error_line(e, key)) from None
 
+
+class _Unread:
+    """A console stream whose reader may go away (`| head -1`): from then on it writes to /dev/null,
+    so that a run does not fail for want of an audience (a BrokenPipeError at any print)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
+        os.close(null)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_pipes() -> None:
+    """Make stdout and stderr survive a reader that exits early; every command calls it first."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unread):
+            setattr(sys, name, _Unread(stream))
 
 
 def fail(message: str, code: int = 2) -> None:

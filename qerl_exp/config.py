@@ -573,7 +573,8 @@ class Config:
         seed: seeds python, numpy and torch; every random draw of the run derives from it.
         run_dir: where the run writes; empty means Hydra's output directory. A run_dir that holds
             an unfinished run (checkpoints, no summary.json) is resumed from its last checkpoint.
-        resume: a run directory to continue with its saved config (other overrides are ignored).
+        resume: a run directory to continue with its saved config (an override that changes what a
+            step computes, `train.steps` included, is refused).
         verbose: show the third-party notices hidden by default (library warnings and load bars
             that ask nothing of the user; the list is in `qerl_exp.logs`).
         model: the base model (`ModelConfig`).

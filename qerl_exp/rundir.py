@@ -31,11 +31,16 @@ from pathlib import Path
 LOCK_FILE = ".lock"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
-# Config keys a rerun or `resume=` may change: they extend the run or change where and how it is
-# logged, never what an already logged step computed.
-RESUMABLE_KEYS = ("train.steps", "tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
+# Config keys a rerun or `resume=` may change: they change where and how a run is logged, never
+# what a step computes. Not `train.steps`: it sets the learning-rate and noise schedules of every
+# step, so a run continued at another length would mix two schedules under one config.json.
+RESUMABLE_KEYS = ("tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
                   "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size", "commit")
-# Where there is no git checkout (a copy of the tree on a GPU machine), the commit the copy was made from.
+_MAY_CHANGE = "tracker.mode, tracker.completions_every, checkpoint.*, model.cache_dir, train.dist_timeout_s"
+# The `config.json` key of the digests of the task's data files (`tasks.file_digests`): a file
+# that changes under a run is a config change.
+DATA_KEY = "task_sha256"
+# The commit a copy of the tree was made from, where git would name another (a GPU machine's copy).
 COMMIT_ENV = "QERL_COMMIT"
 
 
@@ -175,7 +180,7 @@ def resumed(run_dir: str | Path, saved: dict, new: dict, keys: set[str]) -> dict
     if changes:
         raise ConfigChangedError(
             f"resume={run_dir} continues the run with its saved config, but the overrides change {'; '.join(changes)}; "
-            f"drop them, or start a new run (a resume may change only {', '.join(RESUMABLE_KEYS[:5])})")
+            f"{_advice(changes, 'drop them, or start a new run')}")
     return with_changes(saved, new, {k for k in keys if _resumable(k) and k.split(".")[0] not in ("run_dir", "resume", "choices")})
 
 
@@ -215,14 +220,14 @@ def write_atomic(path: str | Path, text: str) -> None:
 
 
 _CAUSES = {
-    errno.ENOSPC: ("the disk is full", "free some space or choose a run_dir on another disk"),
-    errno.EDQUOT: ("the disk quota is used up", "free some space or choose a run_dir on another disk"),
-    errno.EFBIG: ("the file size limit is reached", "raise the limit (ulimit -f) or choose another run_dir"),
-    errno.EROFS: ("the file system is read-only", "choose a writable run_dir"),
-    errno.EACCES: ("permission denied", "choose a run_dir you may write to"),
-    errno.EPERM: ("permission denied", "choose a run_dir you may write to"),
-    errno.ENOTDIR: ("a file stands where a directory is needed", "remove that file or choose another run_dir"),
-    errno.EEXIST: ("a file stands where a directory is needed", "remove that file or choose another run_dir"),
+    errno.ENOSPC: ("the disk is full", "free some space or choose a {key} on another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space or choose a {key} on another disk"),
+    errno.EFBIG: ("the file size limit is reached", "raise the limit (ulimit -f) or choose another {key}"),
+    errno.EROFS: ("the file system is read-only", "choose a writable {key}"),
+    errno.EACCES: ("permission denied", "choose a {key} you may write to"),
+    errno.EPERM: ("permission denied", "choose a {key} you may write to"),
+    errno.ENOTDIR: ("a file stands where a directory is needed", "remove that file or choose another {key}"),
+    errno.EEXIST: ("a file stands where a directory is needed", "remove that file or choose another {key}"),
 }
 
 
@@ -239,12 +244,29 @@ def as_os_error(e: BaseException | None) -> OSError | None:
     return None
 
 
-def os_error_line(e: OSError) -> str | None:
-    """One line for a storage fault (full disk, read-only path, file in the way); None for others."""
+def os_error_line(e: OSError, key: str = "run_dir") -> str | None:
+    """One line for a storage fault (full disk, read-only path, file in the way); None for others.
+
+    Args:
+        e: the error.
+        key: the setting that chose the path, named in what to change.
+    """
     if e.errno not in _CAUSES:
         return None
     cause, fix = _CAUSES[e.errno]
-    return f"cannot write {e.filename or 'the run directory'}: {cause}; {fix}"
+    return f"cannot write {e.filename or 'the run directory'}: {cause}; {fix.format(key=key)}"
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise the OSError that creating `path` (or writing into it) would meet, when its nearest
+    existing folder is read-only, not ours to write, or a file: checked before any work."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    if not os.access(existing, os.W_OK):
+        code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
+        raise OSError(code, os.strerror(code), str(path))
 
 
 class RunDir:
@@ -346,14 +368,47 @@ def claim(run_dir: str | Path, config: dict) -> RunDir:
     return owned
 
 
+def _advice(changes: list[str], default: str) -> str:
+    """What to do about refused config changes; the keys people change on purpose get their reason."""
+    if any(c.startswith("train.steps:") for c in changes):
+        return ("a run keeps its length (train.steps sets the learning-rate and noise schedules of every step): "
+                "rerun with its train.steps, or start a new run in another run_dir")
+    if any(c.startswith(f"{DATA_KEY}.") for c in changes):
+        return "the task's data file changed since the run started: restore that file, or start a new run in another run_dir"
+    return f"{default} (only {_MAY_CHANGE} may change)"
+
+
 def _check(run_dir: Path, config: dict) -> None:
-    if (run_dir / "summary.json").exists():
-        raise RunExistsError(f"{run_dir} holds a finished run; choose another run_dir")
     saved = read_config(run_dir)
+    if (run_dir / "summary.json").exists():
+        steps = flatten(saved or {}).get("train.steps")
+        length = "" if steps in (None, flatten(config).get("train.steps")) else (
+            f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
+        raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
     if saved is not None:
+        if DATA_KEY not in saved:  # started before runs recorded their data: nothing to compare with
+            config = {k: v for k, v in config.items() if k != DATA_KEY}
         changes = config_changes(saved, config)
         if changes:
             raise ConfigChangedError(
                 f"{run_dir} holds an unfinished run started with another config ({'; '.join(changes[:6])}"
-                f"{'; ...' if len(changes) > 6 else ''}); rerun with its settings, or choose another run_dir "
-                f"(only {', '.join(RESUMABLE_KEYS[:5])} may change)")
+                f"{'; ...' if len(changes) > 6 else ''}); {_advice(changes, 'rerun with its settings, or choose another run_dir')}")
+
+
+def check_checkpoint(path: Path, saved: dict | None, config: dict) -> None:
+    """Refuse to continue from a checkpoint that a run with another config wrote.
+
+    Args:
+        path: the checkpoint directory (for the message).
+        saved: the run config recorded in the checkpoint (None in checkpoints that record none).
+        config: the config the run continues with.
+
+    Raises:
+        ConfigChangedError: they differ outside `RESUMABLE_KEYS`: `config.json` was replaced or edited.
+    """
+    changes = config_changes(saved, config) if saved is not None else []
+    if changes:
+        raise ConfigChangedError(
+            f"{path} was written under another config than {path.parent.parent / 'config.json'} now holds "
+            f"({'; '.join(changes[:6])}{'; ...' if len(changes) > 6 else ''}): that file was edited or replaced; "
+            "restore it, or start a new run in another run_dir")

@@ -6,6 +6,8 @@ a group/job_type/tags built from the Hydra choices, and `step` as the x-axis of 
 
 `tracker.mode=online` checks first that the W&B host resolves (a few seconds at most): without
 network the run logs offline at once, with one warning, instead of waiting out W&B's init timeout.
+When W&B cannot start its offline run either (its folder cannot be written), the run logs to
+`metrics.jsonl` alone, with one warning.
 """
 
 from __future__ import annotations
@@ -86,23 +88,32 @@ class Tracker:
         if why:
             warnings.warn(f"W&B is unreachable ({why}); logging offline instead (upload later with `wandb sync`)")
             mode = "offline"
+        self.wandb = self._init(wandb, mode, kwargs)
+        if self.wandb is None:
+            return
+        self.run_id = self.wandb.id
+        self.wandb.define_metric("step")
+        self.wandb.define_metric("*", step_metric="step")
+
+    def _init(self, wandb, mode: str, kwargs: dict):
+        """`wandb.init` in `mode`. A tracker fault must not end the run: a failing online init falls
+        back to offline, a failing offline one (W&B cannot write its files) to `metrics.jsonl` alone."""
         before = set((self.run_dir / "wandb").glob("*"))
         try:
-            self.wandb = wandb.init(mode=mode, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a tracker fault must not end the run
+            return wandb.init(mode=mode, **kwargs)
+        except Exception as e:  # noqa: BLE001 - W&B raises many types; the fallback is the same
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if mode != "online":
-                raise
+                warnings.warn(f"W&B cannot start its offline run in {self.run_dir / 'wandb'} ({why}); "
+                              "logging to metrics.jsonl only")
+                return None
             for half_made in set((self.run_dir / "wandb").glob("*")) - before:  # the failed online run's files
                 if half_made.is_dir() and not half_made.is_symlink():
                     shutil.rmtree(half_made, ignore_errors=True)
                 else:
                     half_made.unlink(missing_ok=True)
-            warnings.warn(f"W&B online init failed ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
-                          "logging offline instead (upload later with `wandb sync`)")
-            self.wandb = wandb.init(mode="offline", **kwargs)
-        self.run_id = self.wandb.id
-        self.wandb.define_metric("step")
-        self.wandb.define_metric("*", step_metric="step")
+            warnings.warn(f"W&B online init failed ({why}); logging offline instead (upload later with `wandb sync`)")
+            return self._init(wandb, "offline", kwargs)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -33,7 +33,7 @@ from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.model import build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
-from qerl_exp.tasks import build_task
+from qerl_exp.tasks import build_task, file_digests
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -70,22 +70,30 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
-    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them.
-
-    A line that does not parse (half-written when the disk filled up) is dropped with its step.
-    """
+def _logged(run_dir: Path) -> list[dict]:
+    """The rows of `metrics.jsonl` that parse; a line half-written when the disk filled up (or cut
+    by hand) is left out with its step."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
             rows.append(json.loads(line))
         except ValueError:
             continue
-    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] < next_step]
-    rundir.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+
+
+def _logged_steps(run_dir: Path) -> int:
+    """How many steps `metrics.jsonl` holds from step 0 without a gap: a resume may start at most there."""
+    steps = {r["step"] for r in _logged(run_dir)}
+    return next(i for i in range(len(steps) + 1) if i not in steps)
+
+
+def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
+    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them."""
+    rows = [r for r in _logged(run_dir) if r["step"] < next_step]
+    if (run_dir / "metrics.jsonl").exists():
+        rundir.write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -100,9 +108,10 @@ def run(
 ) -> dict[str, float]:
     """Train one policy with GRPO/DAPO from quantized rollouts and return its summary.
 
-    A `run_dir` that holds an unfinished run is resumed from its newest readable checkpoint:
-    model, optimizer, schedules, every RNG and the W&B run continue, and `metrics.jsonl` is
-    truncated to that step, so the result equals an uninterrupted run with the same seed.
+    A `run_dir` that holds an unfinished run is resumed from its newest readable checkpoint whose
+    steps `metrics.jsonl` all holds: model, optimizer, schedules, every RNG and the W&B run
+    continue, and `metrics.jsonl` is truncated to that step, so the result equals an uninterrupted
+    run with the same seed.
     Under torchrun every rank calls `run`; rank 0 alone writes `run_dir`.
 
     Args:
@@ -121,7 +130,8 @@ def run(
 
     Raises:
         rundir.RunDirError: `run_dir` is finished, owned by another process, or holds a run with
-            another config (see `rundir.claim`); nothing was written.
+            another config (see `rundir.claim`), or its checkpoint does (`rundir.check_checkpoint`);
+            nothing was written.
         rundir.Interrupted: SIGINT or SIGTERM stopped the run (after checkpointing its last step,
             when it had time to finish that step).
     """
@@ -129,13 +139,19 @@ def run(
     choices = choices or {}
     config = run_config(cfg, choices)
     with distributed.claim(run_dir, config):
-        return _train(cfg, run_dir, config, checkpoint.latest(run_dir), choices, group, on_step, stop)
+        # rank 0 reads the log, every rank its checkpoint: all resume at the same step
+        resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
+        if resume_from is not None:
+            rundir.check_checkpoint(resume_from[0], resume_from[1].get("config"), config)
+        return _train(cfg, run_dir, config, resume_from, choices, group, on_step, stop)
 
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
-    """What `config.json` records: the config, the Hydra choices, the data-parallel world size and
-    the code's commit."""
-    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit()}
+    """What `config.json` records: the config, the Hydra choices, the data-parallel world size, the
+    code's commit and the digests of the task's data files."""
+    digests = file_digests(cfg.task)
+    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit(),
+            **({rundir.DATA_KEY: digests} if digests else {})}
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
@@ -167,7 +183,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         return {
             "step": next_step, "optimizer": opt.state_dict(), "lr_scheduler": lr_sched.state_dict(),
             "noise": schedule.state_dict(), "aqn_rng": aqn.generator.get_state(), "rng": rng_state(data_rng),
-            "wandb_id": tracker.run_id, "nonfinite": nonfinite,
+            "wandb_id": tracker.run_id, "nonfinite": nonfinite, "config": config,
         }
 
     start, nonfinite, wandb_id = 0, 0, None

@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -105,7 +106,8 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"tiny-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "warmup.json").exists():
+        cached = _cached(path)
+        if cached is None:
             # A cache miss must not move the run's RNG; and one thread, since the model is cached by
             # config alone: other thread counts split float sums differently, and the warm-up's
             # trajectory (its stopping step, 1000 or over 3000) with them.
@@ -120,11 +122,25 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
             model.save_pretrained(tmp)
             (tmp / "warmup.json").write_text(json.dumps(info, indent=2))
-            shutil.rmtree(path, ignore_errors=True)  # a half-written dir from a killed process
+            shutil.rmtree(path, ignore_errors=True)  # a half-written or corrupt one
             os.replace(tmp, path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    info = json.loads((path / "warmup.json").read_text())
+            cached = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), info
+    model, info = cached
     return model, {**info, "cache_key": key, "path": str(path)}
+
+
+def _cached(path: Path):
+    """`(model, info)` of the cached warm-up in `path`; None when there is none, or when it does not
+    load (a warning names it, and the caller warms up again in its place)."""
+    if not (path / "warmup.json").exists():
+        return None
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), json.loads((path / "warmup.json").read_text())
+    except Exception as e:  # noqa: BLE001 - truncated, overwritten, half-copied: any fault means "make it again"
+        text = str(e).strip()
+        warnings.warn(f"the cached warm-up model {path} is unreadable ({type(e).__name__}: "
+                      f"{text.splitlines()[0] if text else ''}); warming it up again in its place")
+        return None
 
 
 def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

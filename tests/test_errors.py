@@ -35,12 +35,23 @@ def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
         rundir.claim(run_dir, {**other, "choices": {"quant": "nvfp4"}})
     assert "lora.r: 16 -> 32; seed: 0 -> 3" in _one_line(e)
     assert (run_dir / "config.json").read_bytes() == saved
-    longer = as_dict(Config())
-    longer["train"]["steps"] = 99
-    with rundir.claim(run_dir, {**longer, "choices": {}}):  # extending a run is allowed
+    for steps in (99, 2):  # longer or shorter: train.steps sets the learning-rate and noise schedules of every step
+        other = as_dict(Config())
+        other["train"]["steps"] = steps
+        with pytest.raises(rundir.ConfigChangedError) as e:
+            rundir.claim(run_dir, {**other, "choices": {}})
+        assert f"(train.steps: 60 -> {steps}); a run keeps its length" in _one_line(e)
+    assert (run_dir / "config.json").read_bytes() == saved
+    offline = as_dict(Config())
+    offline["tracker"]["mode"] = "disabled"
+    with rundir.claim(run_dir, {**offline, "choices": {}}):  # where a run logs may change
         pass
     written = json.loads((run_dir / "config.json").read_text())
-    assert written["train"]["steps"] == 99 and written["choices"] == {"quant": "bf16"}  # the recorded choices stay
+    assert written["tracker"]["mode"] == "disabled" and written["choices"] == {"quant": "bf16"}  # the recorded choices stay
+    (run_dir / "summary.json").write_text("{}")
+    with pytest.raises(rundir.RunExistsError) as e:
+        rundir.claim(run_dir, {**other, "choices": {}})
+    assert "holds a finished run of 60 steps, and a run keeps its length" in _one_line(e)
 
 
 def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
@@ -63,14 +74,52 @@ def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
     assert free.stdout == "", free.stdout
 
 
+def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
+    import shutil
+
+    from qerl_exp import rundir
+    from qerl_exp.cli import compose_config
+    from qerl_exp.config import to_config
+    from qerl_exp.eval.__main__ import run_config as eval_config
+    from qerl_exp.train import run_config
+
+    data = tmp_path / "gsm8k.jsonl"
+    shutil.copy(ROOT / "tests" / "data" / "gsm8k_sample.jsonl", data)
+    cfg = to_config(compose_config(["task=gsm8k", f"task.path={data}"]))
+    run_dir = tmp_path / "run"
+    recorded = run_config(cfg, {})
+    with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != rundir.DATA_KEY}):  # as runs were made before
+        pass
+    with rundir.claim(run_dir, recorded):  # continued: nothing to compare with yet, and from now on recorded
+        pass
+    assert json.loads((run_dir / "config.json").read_text())[rundir.DATA_KEY] == recorded[rundir.DATA_KEY]
+    data.write_text(data.read_text().replace("#### ", "####  ", 1))  # one answer edited
+    with pytest.raises(rundir.ConfigChangedError) as e:
+        rundir.claim(run_dir, run_config(cfg, {}))
+    assert "(task_sha256.path: " in _one_line(e) and "the task's data file changed since the run started" in _one_line(e)
+    with pytest.raises(ValueError, match=f"task.path={data} changed since the run was trained"):
+        eval_config(run_dir)
+
+
 @pytest.mark.parametrize("args, message", [
     (["seed=-1"], "seed must be an integer in 0..4294967295, got -1"),
     (["run_dir=README.md"], "run_dir=README.md is a file, not a directory"),
+    (["run_dir=README.md/run"], f"cannot write {ROOT / 'README.md'}: a file stands where a directory is needed; "
+                                "remove that file or choose another run_dir"),
+    (["model.cache_dir=README.md/cache"], f"cannot write {ROOT / 'README.md'}: a file stands where a directory is needed; "
+                                          "remove that file or choose another model.cache_dir"),
 ])
 def test_bad_run_settings_are_one_line(args, message):
     with pytest.raises(UsageError) as e:
         validate(args, multirun=False)
     assert message in _one_line(e)
+
+
+def test_resume_with_another_run_dir_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(as_dict(Config())))
+    with pytest.raises(UsageError) as e:
+        validate([f"resume={tmp_path}", "run_dir=elsewhere"], multirun=False)
+    assert _one_line(e) == f"resume={tmp_path} continues that run in its own directory, but run_dir=elsewhere names another; drop run_dir="
 
 
 def test_garbage_config_json_is_named(tmp_path):
@@ -92,7 +141,7 @@ def test_binary_task_file_is_named(tmp_path):
 
 def test_storage_url_and_missing_driver_are_one_line(monkeypatch):
     from qerl_exp.sweep.spec import load_plan
-    from qerl_exp.sweep.study import storage_url
+    from qerl_exp.sweep.storage import storage_url
 
     spec = ROOT / "sweeps" / "noise_schedule.yaml"
     with pytest.raises(UsageError) as e:
@@ -119,6 +168,19 @@ def test_unreachable_wandb_host_falls_back_to_offline_at_once(tmp_path, monkeypa
     assert len(messages) == 1 and "cannot resolve qerl-exp-test.invalid" in messages[0], messages
     made = sorted(p.name for p in (tmp_path / "wandb").iterdir() if not p.is_symlink())
     assert len(made) == 1 and made[0].startswith("offline-run-"), made
+
+
+def test_wandb_that_cannot_write_its_folder_leaves_metrics_jsonl(tmp_path):
+    from qerl_exp.config import TrackerConfig
+    from qerl_exp.tracking import Tracker
+
+    (tmp_path / "wandb").write_text("")  # a file where W&B keeps its runs
+    with pytest.warns(UserWarning, match=f"W&B cannot start its offline run in {tmp_path / 'wandb'} .*; logging to metrics.jsonl only"):
+        tracker = Tracker(tmp_path, TrackerConfig(mode="offline"), {"seed": 0}, name="t", group="g", job_type="train", tags=[])
+    tracker.log(0, {"reward": 1.0})
+    tracker.finish({"reward/final": 1.0})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "reward": 1.0}
+    assert (tmp_path / "summary.json").exists()
 
 
 # --------------------------------------------------------------------------- analysis
@@ -163,3 +225,26 @@ def test_analysis_writes_beside_the_runs_by_default(tmp_path, monkeypatch, paths
         (tmp_path / p / "config.json").write_text("{}")
     out = default_out(paths)
     assert out == (tmp_path / expected if paths else Path(expected))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "FILE"], "error: --out FILE is a file, not a directory; give a directory (created if needed)"),
+    (["--out", "FILE/report"], "error: cannot write FILE: a file stands where a directory is needed; remove that file or "
+                               "choose another --out DIR"),
+    (["--optuna-storage", "study.db"], "error: --optuna-storage 'study.db' is not a URL; use sqlite:///PATH"),
+    (["--optuna-storage", "sqlite:///TMP/none.db"], "error: --optuna-storage sqlite:///TMP/none.db: TMP/none.db does not exist"),
+    (["--optuna-storage", "sqlite:///TMP/empty.db", "--optuna-study", "aqn"],
+     "error: no study 'aqn' in sqlite:///TMP/empty.db (studies there: none); give --optuna-study NAME"),
+])
+def test_analysis_refuses_what_it_cannot_write_or_read_before_reading_runs(tmp_path, capsys, args, message):
+    import sqlite3
+
+    from analysis.__main__ import main
+
+    (tmp_path / "FILE").write_text("")
+    sqlite3.connect(tmp_path / "empty.db").close()  # a storage without tables or studies
+    args = [a.replace("FILE", str(tmp_path / "FILE")).replace("TMP", str(tmp_path)) for a in args]
+    assert main([str(tmp_path / "runs"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message.replace("FILE", str(tmp_path / "FILE")).replace("TMP", str(tmp_path))), err
+    assert not (tmp_path / "none.db").exists() and not (tmp_path / "runs").exists()

@@ -226,3 +226,36 @@ def test_a_split_the_runs_task_lacks_is_refused_before_the_model_is_built(traine
     assert capsys.readouterr().err.strip() == ("error: ValueError: split='ood' is not a split of task arith; "
                                                "choose one of: heldout")
     assert not list(trained_run.glob("eval_ood*.json"))
+
+
+@pytest.mark.parametrize("config, args, message", [
+    (None, [], "error: FileNotFoundError: RUN/final/adapter/adapter_model.safetensors does not exist: the run saved no "
+               "trained adapter (did it finish?)"),
+    (None, ["adapter=false", "out=sub/eval.json"], "error: ValueError: out=sub/eval.json: RUN/sub is not a folder; create "
+                                                   "it or choose another out="),
+    (b"\x00\xff", [], "error: RunDirError: RUN/config.json is not readable JSON"),
+    (b'{"lora": {"rank": 8}}', [], "error: ValueError: RUN/config.json does not fit the current config schema"),
+])
+def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_path, capsys, config, args, message):
+    from qerl_exp.eval.__main__ import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("final", "eval*.json"))
+    saved = json.loads((run_dir / "config.json").read_text())
+    saved["model"]["cache_dir"] = str(tmp_path / "cache")  # a model built for this evaluation would be cached here
+    (run_dir / "config.json").write_bytes(config or json.dumps(saved).encode())
+    with pytest.raises(SystemExit) as exit_:
+        main([f"run_dir={run_dir}", "tracker=disabled", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and len(err) == 1 and err[0].startswith(message.replace("RUN", str(run_dir))), err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_wandb_that_cannot_start_keeps_the_evaluation(trained_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json", "wandb"))
+    (run_dir / "wandb").write_text("")  # a file where W&B keeps its runs
+    args = EvalCommand(run_dir=str(run_dir), eval=EvalConfig(k=0, max_new_tokens=8), limit=1, tracker="offline")
+    with pytest.warns(UserWarning, match="W&B could not start .*; the results are in the evaluation file only"):
+        metrics = evaluate_run(args)
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"] == metrics

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 from bitsandbytes.functional import has_avx512bf16
 
-from conftest import TINY_RUN, qerl
+from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, qerl
 
 # The notices `qerl_exp.logs.quiet` silences, as they read on these machines.
 NOTICES = ("not sharded", "Loading weights", "Writing model shards", "gemm_4bit_forward", "pip install kernels",
@@ -49,6 +50,33 @@ def test_verbose_shows_the_notices(tmp_path):
     assert "Loading weights" in out.stderr and "register_constant" in out.stderr, out.stderr[-3000:]
     # bitsandbytes looks for its hub kernel (and says it failed) only on AVX512-BF16 CPUs: Intel, not AMD EPYC
     assert ("gemm_4bit_forward" in out.stderr) == has_avx512bf16(), out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_reader_that_exits_early_does_not_fail_the_run(tmp_path):
+    """`python -m qerl_exp ... 2>&1 | head -1`: the run finishes whoever stops reading its output."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", *TINY_RUN, "train.steps=4", f"run_dir={run_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV)
+    first = proc.stdout.readline()  # the first step's line; more come after it
+    proc.stdout.close()
+    assert proc.wait(timeout=600) == 0, first
+    assert (run_dir / "summary.json").exists() and not (run_dir / "error.txt").exists()
+
+
+def test_output_to_a_reader_that_is_gone_goes_to_devnull(monkeypatch):
+    from qerl_exp.cli import tolerate_closed_pipes
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (head -1) has exited
+    monkeypatch.setattr(sys, "stdout", os.fdopen(write, "w", buffering=1))
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # restored after the test, as stdout is
+    tolerate_closed_pipes()
+    print("train step 1/3")  # EPIPE: written nowhere, raised nowhere
+    print("run dir: ...")
+    sys.stdout.flush()
+    assert os.readlink(f"/proc/self/fd/{write}") == os.devnull
+    sys.stdout.close()
 
 
 def test_help_and_values_offer_no_schema_preset():

@@ -73,6 +73,62 @@ def _in_process_cfg(tmp_path, *overrides):
     return to_config(compose_config([*TINY_RUN, "monitor.every=0", f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}", *overrides]))
 
 
+class _Stop(Exception):
+    """Ends an in-process run after a step, as a pruner's `on_step` hook does."""
+
+
+@pytest.fixture(scope="module")
+def cut_short(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """An unfinished in-process run (steps 0-4 logged, checkpoints at steps 2 and 4) and its rows."""
+    import qerl_exp.train as train
+
+    def stop_after_4(step, metrics):
+        if step == 4:
+            raise _Stop
+
+    run_dir = tmp_path_factory.mktemp("cut") / "run"
+    with pytest.raises(_Stop):
+        train.run(_in_process_cfg(None, *CUT_SHORT), run_dir, on_step=stop_after_4)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    return run_dir, metrics_rows(run_dir)
+
+
+CUT_SHORT = ["train.steps=6", "checkpoint.every=2"]
+
+
+def test_a_log_cut_mid_line_resumes_from_the_newest_checkpoint_it_covers(cut_short, tmp_path):
+    import shutil
+
+    import qerl_exp.train as train
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(cut_short[0], run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # the disk filled up in step 2
+    with pytest.warns(UserWarning, match="holds steps 0-1 only, so the run continues from step_000002 and not from step_000004"):
+        train.run(_in_process_cfg(None, *CUT_SHORT), run_dir)
+    rows = metrics_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(6)), "steps lost or repeated"
+    assert stable(rows[:5]) == stable(cut_short[1])
+
+
+def test_a_checkpoint_under_another_config_than_config_json_is_refused(cut_short, tmp_path):
+    import shutil
+
+    import qerl_exp.train as train
+    from qerl_exp import rundir
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(cut_short[0], run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["train"]["lr"] = 1e-3  # edited by hand, and the command line says the same
+    (run_dir / "config.json").write_text(json.dumps(config))
+    before = _tree(run_dir)
+    with pytest.raises(rundir.ConfigChangedError, match=r"step_000004 was written under another config .*train.lr: "):
+        train.run(_in_process_cfg(None, *CUT_SHORT, "train.lr=1e-3"), run_dir)
+    assert _tree(run_dir) == before
+
+
 def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_path, monkeypatch):
     import qerl_exp.learner as learner
     import qerl_exp.train as train
@@ -164,11 +220,13 @@ def test_signal_checkpoints_the_step_and_prints_the_resume_command(tmp_path, uni
         assert out.returncode == 0, out.stderr[-2000:]
         assert stable(metrics_rows(run_dir)) == uninterrupted
         assert "thread" not in out.stderr
-    else:  # another thread count is named, since the last bits may differ from here on
-        out = qerl(*resume, f"train.steps={done + 1}", env={"OMP_NUM_THREADS": threads})
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert "written by a run with 1 CPU thread(s), resumed with 2" in out.stderr
-        assert [r["step"] for r in metrics_rows(run_dir)] == list(range(done + 1))
+    else:  # another thread count is named, since the last bits may differ from here on; one more step, then stop
+        again = _start(*resume, env={"OMP_NUM_THREADS": threads})
+        wait_for_steps(again, run_dir, done + 1)
+        again.send_signal(sig)
+        _, err = again.communicate(timeout=300)
+        assert again.returncode == 128 + sig and "written by a run with 1 CPU thread(s), resumed with 2" in err, err[-2000:]
+        assert [r["step"] for r in metrics_rows(run_dir)][:done + 1] == list(range(done + 1))
 
 
 def _tree(path: Path) -> dict[str, str]:
@@ -210,7 +268,7 @@ def test_refused_runs_write_nothing(finished):
     assert _ghosts() == ghosts
 
 
-def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, tmp_path):
+def test_rerun_or_resume_with_another_config_or_length_is_refused_then_resumed(finished, tmp_path):
     import shutil
 
     run_dir = tmp_path / "unfinished"
@@ -219,20 +277,21 @@ def test_rerun_or_resume_with_another_config_is_refused_then_extended(finished, 
     before = _tree(run_dir)
     out = qerl(*TINY_RUN, "train.steps=2", f"run_dir={run_dir}", "quant=nvfp4")
     assert out.returncode == 1 and "another config (quant.format: 'none' -> 'nvfp4')" in out.stderr, out.stderr[-2000:]
-    out = qerl(f"resume={run_dir}", "lora.r=32", "seed=2")
-    assert out.returncode == 1 and "the overrides change lora.r: 16 -> 32; seed: 0 -> 2" in out.stderr, out.stderr[-2000:]
+    # nor its length: the learning-rate and noise schedules span train.steps
+    out = qerl(f"resume={run_dir}", "lora.r=32", "seed=2", "train.steps=3")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "the overrides change lora.r: 16 -> 32; seed: 0 -> 2; train.steps: 2 -> 3; a run keeps its length" in out.stderr
     assert out.stderr.count("\n") == 1
     assert _tree(run_dir) == before
-    # train.steps may change: the run is extended and its config.json says so; it keeps the commit
-    # that started the run (here another one's), and summary.json gets the one that finished it
+    # it keeps the commit that started the run (here another one's), and summary.json gets the one
+    # that finished it
     config = json.loads((run_dir / "config.json").read_text())
     (run_dir / "config.json").write_text(json.dumps({**config, "commit": "c0ffee"}))
-    out = qerl(f"resume={run_dir}", "train.steps=3")
+    out = qerl(f"resume={run_dir}")
     assert out.returncode == 0, out.stderr[-2000:]
-    config = json.loads((run_dir / "config.json").read_text())
-    assert config["train"]["steps"] == 3 and config["commit"] == "c0ffee"
+    assert json.loads((run_dir / "config.json").read_text())["commit"] == "c0ffee"
     assert json.loads((run_dir / "summary.json").read_text())["commit"] == _commit(SUBPROCESS_ENV)
-    assert [r["step"] for r in metrics_rows(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in metrics_rows(run_dir)] == [0, 1]
 
 
 def _commit(env: dict) -> str:
@@ -279,23 +338,48 @@ def test_truncated_adapter_is_named(finished, tiny_policy):
         load_adapter(tiny_policy[2].policy, path)
 
 
+def test_ctrl_c_during_eval_is_one_line_and_leaves_no_file(finished, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp.eval", f"run_dir={run_dir}", "k=8", "n=16", "tracker=disabled"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    for line in proc.stderr:  # until the first progress line: the evaluation is under way
+        if line.startswith("eval seq"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "error: interrupted; an evaluation file is written only when the evaluation finishes"
+    assert not list(run_dir.glob("eval*.json"))
+
+
 def _can_mount(tmp_path) -> bool:
     return subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
                           capture_output=True).returncode == 0
 
 
-def test_full_disk_and_read_only_paths_end_in_one_line_and_leave_a_resumable_run(tmp_path):
-    """A 300 KiB file system fills up at the first checkpoint; a read-only one refuses the run dir."""
-    mnt, ro = tmp_path / "mnt", tmp_path / "ro"
+def test_full_disk_and_read_only_places_end_in_one_line_and_leave_a_resumable_run(finished, tmp_path):
+    """A 300 KiB file system fills up at the first checkpoint; a read-only one refuses the run dir, is
+    a HOME whose model cache is named, and a run dir that eval refuses before evaluating anything."""
+    import shutil
+
+    mnt, ro, ro_run = tmp_path / "mnt", tmp_path / "ro", tmp_path / "ro_run"
     mnt.mkdir(), ro.mkdir()
+    shutil.copytree(finished, ro_run)
     if not _can_mount(mnt):
         pytest.skip("needs a private mount namespace (unshare -m) to make a small or read-only file system")
     full_args = " ".join([*TINY_RUN, "train.steps=3", "checkpoint.every=1", f"run_dir={mnt}/run"])
     ro_args = " ".join([*TINY_RUN, f"run_dir={ro}/run"])
     script = (f"mount -t tmpfs -o size=300k tmpfs {mnt} && mount -t tmpfs -o ro,size=64k tmpfs {ro} && "
+              f"mount --bind {ro_run} {ro_run} && mount -o remount,bind,ro {ro_run} && "
               f"{sys.executable} -m qerl_exp {full_args} 2>{tmp_path}/full.err; echo $? > {tmp_path}/full.rc; "
               f"cp -r {mnt}/run {tmp_path}/copy; "
-              f"{sys.executable} -m qerl_exp {ro_args} 2>{tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc")
+              f"{sys.executable} -m qerl_exp {ro_args} 2>{tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc; "
+              f"HOME={ro} {sys.executable} -m qerl_exp {' '.join(TINY_RUN)} run_dir={tmp_path}/run "
+              f"2>{tmp_path}/home.err; echo $? > {tmp_path}/home.rc; "
+              f"{sys.executable} -m qerl_exp.eval run_dir={ro_run} k=2 2>{tmp_path}/eval.err; echo $? > {tmp_path}/eval.rc")
     subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=SUBPROCESS_ENV, timeout=600)
     full_err = (tmp_path / "full.err").read_text().strip().splitlines()
     assert (tmp_path / "full.rc").read_text().strip() == "1", full_err[-20:]
@@ -304,6 +388,13 @@ def test_full_disk_and_read_only_paths_end_in_one_line_and_leave_a_resumable_run
     ro_err = (tmp_path / "ro.err").read_text().strip().splitlines()
     assert len(ro_err) == 1 and f"{ro}/run" in ro_err[0] and "read-only" in ro_err[0], ro_err
     assert (tmp_path / "ro.rc").read_text().strip() == "2"
+    home_err = (tmp_path / "home.err").read_text().strip().splitlines()
+    assert home_err == [f"error: cannot write {ro}/.cache/qerl_exp: the file system is read-only; "
+                        "choose a writable model.cache_dir"], home_err
+    assert (tmp_path / "home.rc").read_text().strip() == "2" and not (tmp_path / "run").exists()
+    eval_err = (tmp_path / "eval.err").read_text().strip().splitlines()  # no progress line: nothing was evaluated
+    assert eval_err == [f"error: cannot write {ro_run}: the file system is read-only; choose a writable path (out=...)"], eval_err
+    assert (tmp_path / "eval.rc").read_text().strip() == "1"
     # What the full disk left is whole: the run continues from it on a disk with room.
     copy = tmp_path / "copy"
     assert not list(copy.rglob(".step_*")) and not list(copy.rglob(".*-*"))
@@ -321,3 +412,4 @@ def test_blown_up_weights_reach_the_nonfinite_guard(tmp_path):
         train.run(cfg, run_dir)
     rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows][-2:] == [1, 1]
+

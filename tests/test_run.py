@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,25 @@ def test_the_warm_up_gives_the_same_model_whatever_the_thread_count(tmp_path):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_a_corrupt_cached_warm_up_is_named_and_made_again(tmp_path):
+    import torch
+
+    from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig
+    from qerl_exp.tasks import build_task
+    from qerl_exp.tokenizer import CharTokenizer
+    from qerl_exp.warmup import load_or_warm_up
+
+    cfg, task, tok = ModelConfig(cache_dir=str(tmp_path), warmup=WarmupConfig(max_steps=3)), build_task(TaskConfig()), CharTokenizer()
+    model, info = load_or_warm_up(cfg, TaskConfig(), task, tok)
+    made = {k: v.clone() for k, v in model.state_dict().items()}  # the file is mapped: copy before it changes
+    weights = Path(info["path"]) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy cut short
+    with pytest.warns(UserWarning, match=f"the cached warm-up model {info['path']} is unreadable .*warming it up again"):
+        again, _ = load_or_warm_up(cfg, TaskConfig(), task, tok)
+    assert all(torch.equal(made[k], v) for k, v in again.state_dict().items())
+    with warnings.catch_warnings(record=True) as caught:  # and the cache holds it whole again
+        warnings.simplefilter("always")
+        load_or_warm_up(cfg, TaskConfig(), task, tok)
+    assert not [w for w in caught if "unreadable" in str(w.message)]

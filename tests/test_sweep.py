@@ -174,6 +174,8 @@ def test_command_line_errors_are_one_line_without_traceback(tmp_path):
         ([str(write_spec(tmp_path, params={"noise.sigmastart": {"type": "float", "low": 0.001, "high": 0.1}}))],
          "unknown parameter 'noise.sigmastart'"),
         ([str(SPEC), "storage=postgresql://nobody@127.0.0.1:9/none"], "cannot open storage postgresql://nobody@127.0.0.1:9/none"),
+        ([str(SPEC), f"sweep_dir={bad_yaml}"], f"cannot write {bad_yaml}: a file stands where a directory is needed; "
+                                               "remove that file or choose another sweep_dir"),
     ]
     for args, message in cases:
         out = sweep(*args, timeout=120)
@@ -351,3 +353,118 @@ def test_resuming_with_another_base_config_is_refused(tmp_path):
     assert open_study(neutral, open_storage(neutral), create=True).user_attrs["qerl_sweep"]["n_trials"] == 5
     out = sweep(str(spec), f"sweep_dir={tmp_path / 's'}", "train.steps=2", timeout=120)
     assert out.returncode == 2 and "was made with other overrides" in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Study integrity: one study per sweep dir, distinct workers, locked storage
+
+
+def test_a_sweep_dir_holds_the_trials_of_one_study(tmp_path):
+    from qerl_exp.sweep.study import open_storage, open_study
+
+    spec, sweep_dir = write_spec(tmp_path, study_name="a", base=[*TINY, "train.steps=1"], n_trials=1), tmp_path / "D"
+    a = load_plan(spec, [f"sweep_dir={sweep_dir}"])
+    storage = open_storage(a)
+    open_study(a, storage, create=True)
+    trial = sweep_dir / "trials" / "trial0000_s0"  # a's finished trial 0, as its worker left it
+    trial.mkdir(parents=True)
+    (trial / "config.json").write_text(json.dumps({"choices": {"study": "a", "trial": "0"}}))
+    (trial / "metrics.jsonl").write_text('{"step": 0, "reward": 9.0}\n')
+    (trial / "summary.json").write_text("{}")
+    # b into a's sweep dir: refused before b exists, rather than completing its trial 0 with a's reward
+    out = sweep(str(spec), "study_name=b", f"sweep_dir={sweep_dir}", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"error: sweep_dir={sweep_dir} holds the trial runs of study 'a'; give study 'b' its own sweep_dir="]
+    assert optuna.study.get_all_study_names(storage) == ["a"]
+
+    from qerl_exp.sweep.study import check_sweep_dir, record_sweep_dir
+
+    record_sweep_dir(a, optuna.load_study(study_name="a", storage=storage))  # what a's command records
+    check_sweep_dir(a, storage)  # a itself goes on
+    b = load_plan(spec, ["study_name=b", f"sweep_dir={sweep_dir}"])
+    with pytest.raises(UsageError, match=f"sweep_dir={sweep_dir} holds the trials of study 'a' in sqlite:///{sweep_dir}/"
+                                         "study.db, not of this 'b' in "):
+        check_sweep_dir(b, storage)
+    optuna.delete_study(study_name="a", storage=storage)  # a made again under its name and storage: another study
+    open_study(a, storage, create=True)
+    with pytest.raises(UsageError, match="holds the trials of study 'a' in"):
+        check_sweep_dir(a, storage)
+
+
+def test_workers_started_together_draw_distinct_parameters(tmp_path):
+    from qerl_exp.sweep.spec import suggest
+    from qerl_exp.sweep.study import open_storage, open_study, worker_study
+
+    plan = load_plan(write_spec(tmp_path, sampler={"name": "random", "seed": 0}, n_trials=4), [f"sweep_dir={tmp_path / 's'}"])
+    storage = open_storage(plan)
+    open_study(plan, storage, create=True)
+    first, second = worker_study(plan, storage), worker_study(plan, storage)  # both before either asks
+    drawn = [suggest(plan, first.ask()), suggest(plan, second.ask())]
+    assert drawn[0] != drawn[1]
+    # the first worker of a new study draws with the spec's own seed: a one-worker study is reproducible
+    assert suggest(plan, optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()) == drawn[0]
+
+
+def _holds_open(pid: int, path: Path) -> bool:
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(os.readlink(fd) == str(path) for fd in fds.iterdir())
+    except OSError:  # the process ended, or an fd closed while being read
+        return False
+
+
+def test_a_locked_storage_is_one_line_within_seconds_and_signals_are_heeded(tmp_path, monkeypatch):
+    import sqlite3
+
+    from qerl_exp.sweep import storage as S
+    from qerl_exp.sweep.study import open_study
+
+    spec = write_spec(tmp_path)
+    plan = load_plan(spec, [f"sweep_dir={tmp_path / 's'}"])
+    open_study(plan, S.open_storage(plan), create=True)
+    db = tmp_path / "s" / "study.db"
+    holder = sqlite3.connect(db)
+    holder.execute("BEGIN EXCLUSIVE")  # another program's open transaction (an sqlite3 shell, a DB browser)
+    proc = subprocess.Popen(sweep_cmd(str(spec), f"sweep_dir={tmp_path / 's'}"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV)
+    try:
+        wait_for(lambda: _holds_open(proc.pid, db), 120, "the sweep to wait on its storage", proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 130 and err.strip().splitlines() == ["error: interrupted"], err[-2000:]
+        monkeypatch.setattr(S, "LOCKED_REPORT_S", 1.0)
+        start = time.monotonic()
+        with pytest.raises(UsageError) as info:
+            S.open_storage(plan)
+        assert time.monotonic() - start < 5
+        assert str(info.value) == (f"storage {db} has been locked by another program for 1 s (an sqlite3 shell or a "
+                                   "database browser with an open transaction?); close it and rerun")
+    finally:
+        proc.kill()
+        holder.rollback()
+        holder.close()
+
+
+def test_a_claim_lock_held_by_a_stopped_worker_is_named_and_a_stop_ends_the_wait(tmp_path, monkeypatch, capsys):
+    import fcntl
+
+    from qerl_exp.sweep import storage as S
+    from qerl_exp.sweep.study import open_study
+
+    plan = load_plan(write_spec(tmp_path), [f"sweep_dir={tmp_path / 's'}"])
+    open_study(plan, S.open_storage(plan), create=True)
+    monkeypatch.setattr(S, "LOCKED_REPORT_S", 0.2)
+    with open(f"{tmp_path / 's' / 'study.db'}.lock", "a+") as held:  # as a worker stopped inside its claim leaves it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate(0)
+        held.write("4242")
+        held.flush()
+        end = time.monotonic() + 1.0
+        with pytest.raises(KeyboardInterrupt):
+            with S.claim_lock(plan, stop=lambda: time.monotonic() > end):  # a worker's SIGTERM at 1 s
+                pass
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("waiting for the study's claim lock, held by process 4242"), err
+    with S.claim_lock(plan):  # released: taken at once
+        pass

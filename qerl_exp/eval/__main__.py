@@ -14,34 +14,46 @@ import itertools
 import json
 import os
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from qerl_exp import logs, progress
-from qerl_exp.checkpoint import load_adapter
-from qerl_exp.cli import UsageError, fail
-from qerl_exp.config import Config, ConfigError, EvalConfig, as_dict, to_config
+from qerl_exp.checkpoint import adapter_file, load_adapter
+from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.model import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.rundir import write_atomic
-from qerl_exp.tasks import build_task
+from qerl_exp.rundir import DATA_KEY, check_writable, os_error_line, read_config, write_atomic
+from qerl_exp.tasks import build_task, file_digests
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
 
 def run_config(run_dir: str | Path):
-    """The validated `Config` a run was started with, read from `run_dir/config.json`."""
+    """The validated `Config` a run was started with, read from `run_dir/config.json`.
+
+    Raises:
+        FileNotFoundError: there is no `config.json`.
+        ValueError: it is unreadable, or a task data file it records changed since (the held-out
+            split would no longer be the run's).
+    """
     path = Path(run_dir) / "config.json"
-    if not path.is_file():
+    saved = read_config(run_dir)
+    if saved is None:
         raise FileNotFoundError(f"{path} does not exist: run_dir must be a run directory made by `python -m qerl_exp`")
-    saved = json.loads(path.read_text())
-    saved.pop("choices", None)
-    saved.pop("world_size", None)  # how many processes trained it (torchrun), not a config field
-    saved.pop("commit", None)  # the code it ran, likewise
-    return to_config(OmegaConf.merge(OmegaConf.structured(Config), saved))
+    try:
+        cfg = from_dict(saved)
+    except Exception as e:  # noqa: BLE001 - OmegaConf raises many types for a schema that changed
+        raise ValueError(f"{path} does not fit the current config schema ({str(e).strip().splitlines()[0]})") from None
+    recorded, now = saved.get(DATA_KEY), file_digests(cfg.task)
+    if recorded is not None and recorded != now:
+        changed = [k for k in recorded if recorded[k] != now.get(k)]
+        raise ValueError(f"task.{changed[0]}={getattr(cfg.task, changed[0])} changed since the run was trained "
+                         "(its sha256 differs from the one in config.json): its held-out split would not be the run's; "
+                         "restore that file")
+    return cfg
 
 
 def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True):
@@ -57,6 +69,8 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True)
         `(cfg, task, models)`; `models.policy` is in eval mode.
     """
     cfg = run_config(run_dir)
+    if adapter:
+        adapter_file(Path(run_dir) / "final" / "adapter")  # before the model is built
     # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.
     cfg = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
     task = build_task(cfg.task)
@@ -88,9 +102,10 @@ class EvalCommand:
         seed: seed of the sampling stream.
         tracker: W&B mode for the results: `run` follows the run's `tracker.mode`; or `offline`,
             `online`, `disabled`.
-        out: output file name inside run_dir, refused when it exists; empty means the first free
-            one of `eval.json`, `eval-2.json`, ... (`eval_base*.json` when adapter=false;
-            `eval_ood*.json`, `eval_base_ood*.json` for split=ood).
+        out: output file name inside run_dir, or a path elsewhere (e.g. for a read-only run dir),
+            refused when it exists; empty means the first free one of `eval.json`, `eval-2.json`,
+            ... (`eval_base*.json` when adapter=false; `eval_ood*.json`, `eval_base_ood*.json` for
+            split=ood) in run_dir.
         verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
     """
 
@@ -186,6 +201,11 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     run_dir = Path(args.run_dir)
     if args.out and (run_dir / args.out).exists():
         raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
+    if run_dir.is_dir():  # the results must have somewhere to go before the evaluation is paid for
+        folder = (run_dir / (args.out or "eval.json")).parent
+        if not folder.is_dir():
+            raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
+        check_writable(folder)
     check_split(build_task(run_config(run_dir).task), args.split)  # before the model is built
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
@@ -194,20 +214,27 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     settings = args.eval
     bar = progress.Progress(len(problems) * (1 + samples_per_problem(settings.k, settings.n)), "eval", unit="seq",
                             fields=())
-    metrics, rows = score(
-        models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
-        temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
-        max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
-        seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
-        engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
-        split=args.split,
-    )
+    try:
+        metrics, rows = score(
+            models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
+            temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
+            max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
+            seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
+            engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
+            split=args.split,
+        )
+    finally:
+        bar.close()  # an error line after it starts a line of its own
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
               "split": args.split, "args": asdict(args), "metrics": metrics, "problems": rows}
     out = _new_output(run_dir, args.out, args.adapter, args.split)
-    write_atomic(out, json.dumps(record, indent=2))
-    args.out = out.name
+    try:
+        write_atomic(out, json.dumps(record, indent=2))
+    except BaseException:
+        out.unlink()  # the empty file that reserved the name
+        raise
+    args.out = out.name if out.parent == run_dir else str(out)
     mode = cfg.tracker.mode if args.tracker == "run" else args.tracker
     if mode != "disabled":
         _log_wandb(run_dir, cfg, metrics, mode, adapter)
@@ -220,13 +247,17 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
 
     os.environ.setdefault("WANDB_SILENT", "true")
     saved = json.loads((run_dir / "config.json").read_text())
-    run = wandb.init(
-        dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
-        name=f"{run_dir.name}-eval", group=cfg.task.name, job_type="eval",
-        tags=run_tags(saved.get("choices", {})) + (["adapter:none"] if adapter is None else []),
-        config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
-        settings=wandb.Settings(console="off", x_disable_stats=True),
-    )
+    try:
+        run = wandb.init(
+            dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
+            name=f"{run_dir.name}-eval", group=cfg.task.name, job_type="eval",
+            tags=run_tags(saved.get("choices", {})) + (["adapter:none"] if adapter is None else []),
+            config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+    except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
+        warnings.warn(f"W&B could not start ({_first_line(e)}); the results are in the evaluation file only")
+        return
     run.log({"step": cfg.train.steps, **metrics})
     run.summary.update(metrics)
     run.finish()
@@ -234,6 +265,7 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `python -m qerl_exp.eval`."""
+    tolerate_closed_pipes()
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: python -m qerl_exp.eval run_dir=RUN [key=value ...]\n\n{EvalCommand.__doc__}\n{EvalConfig.__doc__}")
@@ -245,10 +277,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with logs.quiet(args.verbose):
             metrics = evaluate_run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
+    except KeyboardInterrupt:
+        fail("interrupted; an evaluation file is written only when the evaluation finishes", code=130)
+    except OSError as e:
+        line = os_error_line(e, "path (out=...)")
+        fail(line or f"{type(e).__name__}: {_first_line(e)}", code=1)
+    except (ValueError, RuntimeError) as e:
+        fail(f"{type(e).__name__}: {_first_line(e)}", code=1)
     shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))
     print(f"{shown}\nwritten: {Path(args.run_dir) / args.out}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":

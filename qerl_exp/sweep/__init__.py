@@ -8,8 +8,9 @@ objective(s), the sampler and the pruner, and the command line adds settings and
 
 Each trial is an ordinary run directory (`SWEEP_DIR/trials/trialNNNN_sS`; a retry of an interrupted
 or dead trial continues that trial's) and W&B run, grouped under the study name; workers on one machine (`n_jobs`) or many (`storage=postgresql://...`) share
-one study. Modules: `spec` (the YAML and its validation), `study` (storage, claim lock, worker
-loop), `report` (best overrides, trials.csv, plots). See docs/sweeps.md.
+one study. Modules: `spec` (the YAML and its validation), `storage` (URL, opening, claim lock),
+`study` (the study, its sweep dir, the worker loop), `report` (best overrides, trials.csv, plots).
+See docs/sweeps.md.
 
 Example:
 

@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.cli import UsageError, fail
+from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.rundir import check_writable, os_error_line
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
-from qerl_exp.sweep.study import counts, finished, open_storage, open_study, quiet_optuna, was_interrupted, worker_main
+from qerl_exp.sweep.storage import open_storage, quiet_optuna
+from qerl_exp.sweep.study import check_sweep_dir, counts, finished, open_study, record_sweep_dir, was_interrupted, worker_main
 
 USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
        python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [port=8080] [host=127.0.0.1]
@@ -38,6 +40,7 @@ best_overrides.yaml and best_overrides.txt (rerun: python -m qerl_exp $(cat .../
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    tolerate_closed_pipes()
     if argv[:1] == ["--worker"]:
         return worker_main(int(argv[1]), argv[2], argv[3:])
     if not argv or argv[0] in ("-h", "--help"):
@@ -53,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, rest = argv[0], argv[1:]
     try:
         plan = load_plan(Path(spec_path), rest)
-        study = open_study(plan, open_storage(plan), create=True)
+        try:
+            check_writable(plan.sweep_dir)
+        except OSError as e:
+            raise UsageError(os_error_line(e, "sweep_dir")) from None
+        storage = open_storage(plan)
+        check_sweep_dir(plan, storage)
+        study = open_study(plan, storage, create=True)
+        record_sweep_dir(plan, study)
     except UsageError as e:
         fail(str(e))
     except KeyboardInterrupt:

@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from qerl_exp.cli import UsageError, fail
 from qerl_exp.sweep.spec import load_plan
-from qerl_exp.sweep.study import open_storage, shown, storage_url
+from qerl_exp.sweep.storage import open_storage, shown, storage_url
 
 USAGE = """usage: python -m qerl_exp.sweep dashboard SPEC.yaml [storage=URL] [study_name=NAME] [port=8080] [host=127.0.0.1]
 

@@ -32,7 +32,8 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from qerl_exp.sweep.spec import Plan, override_key
-from qerl_exp.sweep.study import counts, shown, was_interrupted
+from qerl_exp.sweep.storage import shown
+from qerl_exp.sweep.study import counts, was_interrupted
 
 
 def write_reports(plan: Plan, study: optuna.Study) -> list[Path]:

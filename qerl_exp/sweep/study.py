@@ -2,6 +2,8 @@
 
 Every worker, on this machine or another, runs `work()` against the same storage:
 
+0. Seed its sampler with the spec's seed plus the count of workers the study started before it
+   (`worker_study`), so that workers started together never draw the same parameters.
 1. Under a claim lock (a file lock for SQLite, an advisory lock for PostgreSQL), fail trials whose
    heartbeat stopped (a killed worker; Optuna then re-enqueues them with the same parameters),
    count the trials and ask for one only while `complete + pruned + running < n_trials`.
@@ -10,21 +12,23 @@ Every worker, on this machine or another, runs `work()` against the same storage
    reporting the objective after every step so that the pruner can stop it.
 3. Tell the result. Ctrl-C or SIGTERM marks the running trial FAIL and re-enqueues it at once (a
    heartbeat would do the same, later), so re-running the command loses and repeats nothing.
+
+A sweep dir holds the trials of one study (`check_sweep_dir`, `record_sweep_dir`). The storage,
+its URL and the claim lock are `qerl_exp.sweep.storage`'s.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
-import warnings
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,133 +40,14 @@ from qerl_exp.cli import CONF_DIR, UsageError
 from qerl_exp.config import GROUPS, register_configs, to_config
 from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
                                   trial_overrides, trial_seeds)
+from qerl_exp.sweep.storage import claim_lock, first_line, open_storage, quiet_optuna, shown
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
+WORKERS = "qerl_sweep:workers"  # the study system attribute counting the workers ever started
+OWNER_FILE = "study.json"  # in the sweep dir: the one study whose trials it holds
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 # Overrides that do not change results; a study may be resumed with them changed.
 _NEUTRAL = ("tracker", "model.cache_dir", "hydra")
-
-
-def quiet_optuna() -> None:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", message=".*Heartbeat of storage is supposed to be used with Study.optimize.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
-
-
-# ---------------------------------------------------------------------------------------------
-# Storage
-
-
-def storage_url(plan: Plan) -> str:
-    """The storage URL with a driver SQLAlchemy can load (`postgresql://` means psycopg 3 here)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        url = make_url(plan.storage)
-    except (ArgumentError, ValueError):
-        raise UsageError(f"storage={plan.storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST:PORT/DB") from None
-    backend = url.get_backend_name()
-    if backend not in ("sqlite", "postgresql"):
-        raise UsageError(f"storage={shown(plan.storage)}: use sqlite:///PATH (one machine) or postgresql://... (several)")
-    if backend == "sqlite" and url.database in (None, "", ":memory:"):
-        raise UsageError("storage=sqlite:// needs a file (workers are separate processes): sqlite:///PATH/study.db")
-    if backend == "postgresql" and url.get_driver_name() == "psycopg2":
-        try:
-            import psycopg2  # noqa: F401
-        except ImportError:
-            url = url.set(drivername="postgresql+psycopg")
-    if backend == "postgresql" and url.get_driver_name() == "psycopg":
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            raise UsageError(f"storage={shown(plan.storage)} needs the PostgreSQL driver psycopg, which is not installed: "
-                             "pip install 'qerl-exp[postgres]' (or pip install 'psycopg[binary]')") from None
-    return url.render_as_string(hide_password=False)
-
-
-def shown(url: str) -> str:
-    """A URL safe to print (password hidden)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001
-        return url
-
-
-def open_storage(plan: Plan) -> RDBStorage:
-    """Connect to the plan's storage with heartbeats and retries of dead trials.
-
-    Raises:
-        UsageError: the storage cannot be reached or opened (one line).
-    """
-    quiet_optuna()
-    url = storage_url(plan)
-    engine_kwargs: dict = {"pool_pre_ping": True}
-    if url.startswith("sqlite"):
-        Path(url.split("///", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-        engine_kwargs = {"connect_args": {"timeout": 120}}
-    else:
-        engine_kwargs["connect_args"] = {"connect_timeout": 10}
-    for attempt in range(5):
-        try:
-            # Several processes may open a fresh storage at once: creating its tables is serialized
-            # by the claim lock, and a creation that still collides is retried.
-            with claim_lock(plan):
-                return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=plan.heartbeat_interval,
-                                  grace_period=plan.grace_period,
-                                  heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry))
-        except Exception as e:  # noqa: BLE001 - drivers raise many types; all mean "cannot open"
-            if "already exists" in str(e) and attempt < 4:
-                time.sleep(0.5 + attempt)
-                continue
-            raise UsageError(f"cannot open storage {shown(plan.storage)}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    cause = getattr(e, "orig", None) or e
-    text = str(cause).strip()
-    return text.splitlines()[0] if text else type(cause).__name__
-
-
-@contextmanager
-def claim_lock(plan: Plan):
-    """Serializes 'count the trials, then ask for one' across every worker of the study."""
-    url = storage_url(plan)
-    if url.startswith("sqlite"):
-        path = Path(url.split("///", 1)[1] + ".lock")
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if the process dies
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-        return
-    import sqlalchemy
-
-    key = int.from_bytes(hashlib.sha1(f"qerl_exp.sweep:{plan.study_name}".encode()).digest()[:8], "big", signed=True)
-    engine = _pg_engine(url)
-    with engine.connect() as conn:  # a dead worker's connection closes and frees the lock
-        conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-        try:
-            yield
-        finally:
-            conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-            conn.commit()
-
-
-_ENGINES: dict = {}
-
-
-def _pg_engine(url: str):
-    import sqlalchemy
-
-    if url not in _ENGINES:
-        _ENGINES[url] = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0, pool_pre_ping=True,
-                                                 connect_args={"connect_timeout": 10})
-    return _ENGINES[url]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +79,7 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
         if recorded is None:
             study.set_user_attr(ATTR, {"identity": identity, "spec": json.loads(json.dumps(plan.spec, default=str)),
                                        "spec_path": str(plan.spec_path), "sampler": plan.sampler,
-                                       "pruner": plan.pruner, "n_trials": plan.n_trials})
+                                       "pruner": plan.pruner, "n_trials": plan.n_trials, "token": uuid.uuid4().hex})
             for params in plan.enqueue:
                 study.enqueue_trial(params, skip_if_exists=True)
         else:
@@ -203,9 +88,91 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
                     raise UsageError(f"study '{plan.study_name}' in {shown(plan.storage)} was made with other {key} "
                                      f"({_short(recorded['identity'].get(key))} vs {_short(value)}); resume it with the same "
                                      f"spec and overrides, or start another with study_name=NAME")
-            if recorded.get("n_trials") != plan.n_trials:
-                study.set_user_attr(ATTR, {**recorded, "n_trials": plan.n_trials})
+            # the token: a study made before studies had one gets it now
+            updated = {"n_trials": plan.n_trials, "token": recorded.get("token") or uuid.uuid4().hex}
+            if any(recorded.get(k) != v for k, v in updated.items()):
+                study.set_user_attr(ATTR, {**recorded, **updated})
     return study
+
+
+def check_sweep_dir(plan: Plan, storage: RDBStorage) -> None:
+    """Refuse a sweep dir that holds another study's trials, before the study is created or run
+    (trial N of every study would otherwise find `trials/trialNNNN_sS` of the first and read it).
+
+    The first study to use a sweep dir records itself in `SWEEP_DIR/study.json` (`record_sweep_dir`):
+    its name, storage and the token made when the study was created, so that a study made again
+    under the same name and storage is another study too.
+
+    Raises:
+        UsageError: the sweep dir belongs to another study, or (made before the record existed)
+            holds trial runs of one.
+    """
+    path = plan.sweep_dir / OWNER_FILE
+    if path.is_file():
+        try:
+            token = storage.get_study_user_attrs(storage.get_study_id_from_name(plan.study_name)).get(ATTR, {}).get("token")
+        except KeyError:  # not created yet
+            token = None
+        _check_owner(plan, path, token)
+        return
+    others = sorted({_study_of(c) for c in (plan.sweep_dir / "trials").glob("*/config.json")} - {plan.study_name, None})
+    if others:
+        raise UsageError(f"sweep_dir={plan.sweep_dir} holds the trial runs of study '{others[0]}'; "
+                         f"give study '{plan.study_name}' its own sweep_dir=")
+
+
+def record_sweep_dir(plan: Plan, study: optuna.Study) -> None:
+    """Record `study` as the sweep dir's owner, unless one is recorded (see `check_sweep_dir`).
+
+    Raises:
+        UsageError: another study, started at the same time, recorded itself first.
+    """
+    token = study.user_attrs[ATTR]["token"]
+    path = plan.sweep_dir / OWNER_FILE
+    if not path.is_file():
+        plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=plan.sweep_dir, prefix=f".{OWNER_FILE}-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"study_name": plan.study_name, "storage": shown(plan.storage), "token": token}, f, indent=2)
+            os.link(tmp, path)  # whole and exclusive: of two studies started together, one records itself
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    _check_owner(plan, path, token)
+
+
+def _check_owner(plan: Plan, path: Path, token: str | None) -> None:
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is unreadable ({type(e).__name__}); it names the study whose trials this sweep_dir "
+                         "holds: restore it, or give this study another sweep_dir=") from None
+    if owner.get("token") != token:
+        raise UsageError(f"sweep_dir={plan.sweep_dir} holds the trials of study '{owner.get('study_name')}' in "
+                         f"{owner.get('storage')}, not of this '{plan.study_name}' in {shown(plan.storage)}; "
+                         "give this study its own sweep_dir=")
+
+
+def _study_of(config_path: Path) -> str | None:
+    """The study a trial's run directory was made by (its recorded `choices.study`)."""
+    try:
+        return json.loads(config_path.read_text()).get("choices", {}).get("study")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def worker_study(plan: Plan, storage: RDBStorage) -> optuna.Study:
+    """The study as one worker samples it: the spec's sampler seed plus a number that no other
+    worker of the study drew (a counter in the storage, taken under the claim lock), so that workers
+    started together, by one command or several, draw distinct parameters, and the first worker of
+    a new study draws exactly the spec's seed."""
+    study_id = storage.get_study_id_from_name(plan.study_name)
+    with claim_lock(plan):
+        started = storage.get_study_system_attrs(study_id).get(WORKERS, 0)
+        storage.set_study_system_attr(study_id, WORKERS, started + 1)
+    return open_study(plan, storage, create=False, seed_offset=started)
 
 
 def _identity(plan: Plan) -> dict:
@@ -469,7 +436,7 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
         raise
     except Exception as e:  # noqa: BLE001 - the trial fails; the study goes on
         heartbeat.stop()
-        message = f"{type(e).__name__}: {_first_line(e)}"
+        message = f"{type(e).__name__}: {first_line(e)}"
         if run_dirs and Path(run_dirs[-1]).is_dir():
             (Path(run_dirs[-1]) / "error.txt").write_text(traceback.format_exc())
             message += f" (traceback in {run_dirs[-1]}/error.txt)"
@@ -517,12 +484,11 @@ def _enqueue_grid_point(plan: Plan, study: optuna.Study) -> None:
         return
 
 
-def work(plan: Plan, index: int = 0, log=print) -> int:
+def work(plan: Plan, log=print) -> int:
     """The worker loop: claim trials and run them until the study has `n_trials` finished ones.
 
     Args:
         plan: the sweep.
-        index: this worker's index among the command's `n_jobs` (offsets the sampler seed).
         log: where progress lines go.
 
     Returns:
@@ -532,32 +498,33 @@ def work(plan: Plan, index: int = 0, log=print) -> int:
     signals = Signals()
     quiet_optuna()
     try:
-        storage = open_storage(plan)
-        probe = open_study(plan, storage, create=False)
-        start = probe.get_trials(deepcopy=False)
-        # Reproducible for one worker; distinct streams for workers of other commands or machines.
-        others = not plan.storage.startswith("sqlite") or any(t.state == TrialState.RUNNING for t in start)
-        salt = int.from_bytes(hashlib.sha1(f"{host()}:{os.getpid()}".encode()).digest()[:3], "big") if others else 0
-        offset = 1000 * len(start) + index + 1_000_003 * salt
-        study = open_study(plan, storage, create=False, seed_offset=offset)
+        with signals.interruptible():  # a locked storage is waited for, a signal is not
+            storage = open_storage(plan)
+            open_study(plan, storage, create=False)  # a missing study in one line
+            study = worker_study(plan, storage)
     except UsageError as e:
         log(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        return 130
     failures = 0
     poll = min(2.0, plan.heartbeat_interval)
     while not signals.stop:
-        with claim_lock(plan):
-            optuna.storages.fail_stale_trials(study)
-            c = counts(study.get_trials(deepcopy=False))
-            if finished(c) >= plan.n_trials:
-                log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
-                return 0
-            trial = None
-            if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
-                if plan.grid:
-                    _enqueue_grid_point(plan, study)
-                trial = study.ask()
-                storage.record_heartbeat(_trial_id(trial))
+        try:
+            with claim_lock(plan, stop=lambda: signals.stop):
+                optuna.storages.fail_stale_trials(study)
+                c = counts(study.get_trials(deepcopy=False))
+                if finished(c) >= plan.n_trials:
+                    log(f"study complete: {finished(c)} of {plan.n_trials} trials finished")
+                    return 0
+                trial = None
+                if finished(c) + c[TrialState.RUNNING] < plan.n_trials:
+                    if plan.grid:
+                        _enqueue_grid_point(plan, study)
+                    trial = study.ask()
+                    storage.record_heartbeat(_trial_id(trial))
+        except KeyboardInterrupt:  # stopped while waiting for the claim lock
+            return 130
         if trial is None:  # the rest are running elsewhere; wait in case one of them dies
             signals.sleep(poll)
             continue
@@ -586,4 +553,4 @@ def worker_main(index: int, spec_path: str, argv: list[str]) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
     log(f"worker {index} started: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}")
-    return work(plan, index, log=log)
+    return work(plan, log=log)

@@ -12,8 +12,9 @@ from typing import Callable
 from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
 from qerl_exp.tasks import arith, datasets, wordprob
 from qerl_exp.tasks.base import Problem, RewardFn, Task, reference_completion
+from qerl_exp.tasks.datasets import file_digests
 
-__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "reference_completion"]
+__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "file_digests", "reference_completion"]
 
 
 def build_task(cfg: TaskConfig) -> Task:

@@ -227,6 +227,12 @@ def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
 
 
+def file_digests(cfg: TaskConfig) -> dict[str, str]:
+    """The sha256 (16 hex digits) of each data file the task reads, by field (`path`, `eval_path`);
+    empty for a generated task."""
+    return {key: _file_digest(p)[:16] for key, p in (("path", cfg.path), ("eval_path", cfg.eval_path)) if p}
+
+
 class FileTask:
     """A task over a fixed list of problems: training draws from `train`, evaluation uses `held_out`.
 
