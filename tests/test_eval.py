@@ -19,7 +19,6 @@ from qerl_exp.config import EvalConfig
 from qerl_exp.eval import evaluate, solution_logprobs
 from qerl_exp.eval.__main__ import EvalCommand, evaluate_run, load_run, run_config
 from qerl_exp.metrics import check_logged, pass_at_k
-from qerl_exp.rollout import complete
 from qerl_exp.tasks import build_task
 
 # A run small enough to train in seconds: the suite's cached embedded model (conftest's
@@ -121,21 +120,6 @@ def test_evaluate_leaves_mode_and_rng_alone_and_is_seeded(trained_run):
     assert 0 <= a["eval/pass@1"] <= 1 and a["eval/mean@2"] <= a["eval/pass@2"] <= 1 and a["eval/problems"] == 4
     with pytest.raises(ValueError, match="k >= 2"):
         evaluate(policy, models.tokenizer, task, k=-1)
-
-
-def test_the_rollout_engine_answers_as_generate_does(trained_run):
-    # the run loop and the eval command evaluate through FastEngine on CUDA (`rollout.engine`); on
-    # the CPU in fp32 its greedy tokens equal transformers' generate exactly
-    _, task, models = load_run(trained_run, device="cpu")
-    problems = task.eval_problems()[:10]
-    prompts = [models.tokenizer.render_prompt(p.question, "") for p in problems]
-    kw = dict(samples=1, temperature=0.0, top_p=1.0, max_new_tokens=12, batch_size=4)
-    fast = complete(models.policy, models.tokenizer, prompts, engine="fast", **kw)
-    assert fast == complete(models.policy, models.tokenizer, prompts, engine="hf", **kw)
-    assert len(set(fast[0])) > 3  # distinct answers, not one repeated string
-    metrics = {e: evaluate(models.policy, models.tokenizer, task, k=0, max_new_tokens=12, problems=problems, engine=e)
-               for e in ("fast", "hf")}
-    assert metrics["fast"]["eval/pass@1"] == metrics["hf"]["eval/pass@1"]
 
 
 def test_load_adapter_refuses_a_file_that_does_not_fit(trained_run, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
 
 from qerl_exp.engine import sampling
