@@ -111,10 +111,14 @@ def source_commit() -> str:
     """The commit of the code that is running, as a run records it.
 
     Returns:
-        `git rev-parse HEAD` of the checkout holding this package, with `-dirty` when its tracked
-        files differ from that commit; without a checkout, the `QERL_COMMIT` environment
-        variable; else `unknown`.
+        The `QERL_COMMIT` environment variable when set (a copy of the tree whose own git data,
+        if any, names another commit: a GPU machine's); else `git rev-parse HEAD` of the checkout
+        holding this package, with `-dirty` when its tracked files differ from that commit; else
+        `unknown`.
     """
+    if os.environ.get(COMMIT_ENV, "").strip():
+        return os.environ[COMMIT_ENV].strip()
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()
@@ -123,7 +127,7 @@ def source_commit() -> str:
         head = git("rev-parse", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
+        return "unknown"
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -300,9 +300,11 @@ def _commit(env: dict) -> str:
                           check=True).stdout.strip()
 
 
-def test_the_commit_comes_from_git_or_for_a_copy_without_git_from_the_environment(tmp_path):
+def test_the_commit_comes_from_the_environment_or_else_from_git(tmp_path):
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert _commit(SUBPROCESS_ENV).removesuffix("-dirty") == (git.stdout.strip() if git.returncode == 0 else "unknown")
+    # a copy whose git data names another commit (a GPU machine's) is named by QERL_COMMIT
+    assert _commit({**SUBPROCESS_ENV, "QERL_COMMIT": "c0ffee"}) == "c0ffee"
     copy = {**SUBPROCESS_ENV, "GIT_DIR": str(tmp_path / "no-repository")}  # git finds no checkout
     assert _commit({**copy, "QERL_COMMIT": "a051848"}) == "a051848"
     assert _commit(copy) == "unknown"
