@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {os_error_line(e, '--out DIR') or f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return 1
     written.append(args.out / "strategy_runs.md")
-    written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv])))
+    written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv]),
+                                 section.cut_short(loaded)))
     if args.into:
         try:
             section.splice(args.into, written[-1])

@@ -104,6 +104,9 @@ class Loaded:
     skipped: list[tuple[str, str]]
     notes: list[str] = field(default_factory=list)
     presets: dict[str, dict] = field(default_factory=dict)
+    # runs stopped before their last step with each logged step whole (a sweep cut short): kept
+    # out of every table of finished runs; the results section compares what they logged
+    unfinished: list[Run] = field(default_factory=list)
 
 
 def _covered(key: str, prefixes: Iterable[str]) -> bool:
@@ -476,15 +479,25 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
             runs.extend(read_wandb_project(wandb_project, api))
         except Exception as e:  # noqa: BLE001 - network and auth errors are reported, not fatal
             skipped.append((f"wandb:{wandb_project}", f"cannot read the project: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"))
-    good = []
+    good, cut = [], []
     for run in runs:
         why = problems(run)
         if why:
             skipped.append((run.source, "; ".join(why)))
+            if _cut_short(run):
+                cut.append(run)
         else:
             good.append(run)
     if presets is None:
         presets, failed = strategy_presets()
         skipped.extend((f"conf/strategy/{name}.yaml", f"preset does not compose: {why}") for name, why in failed)
     notes = label(good, presets)
-    return Loaded(good, skipped, notes, presets)
+    label(cut, presets)
+    return Loaded(good, skipped, notes, presets, cut)
+
+
+def _cut_short(run: Run) -> bool:
+    """Unfinished and otherwise whole: steps 0..n-1 logged once each, n short of train.steps."""
+    steps = [h["step"] for h in run.history]
+    return (not run.finished and not run.error and not run.bad_lines and not run.duplicate_steps and bool(steps)
+            and steps == list(range(len(steps))) and len(steps) < (run.get("train.steps") or 0))

@@ -19,6 +19,10 @@ else by their strategy preset. Per run, from `metrics.jsonl`:
 | no reward spread | mean `frac_reward_zero_std` over all steps: groups whose completions all earned one reward, which give GRPO no signal |
 | sampler-learner gap | mean `sampling/logp_gap` |
 
+Runs cut short (a sweep stopped before their last step, each logged step whole) are in no table of
+finished runs; `cut_short` compares their training reward over the last quarter of the steps all
+of them logged, beside their pass@1 before the first update.
+
 Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). The best AQN
 setting is, among the nvfp4_lora rows (settings equal to the `nvfp4_lora` preset's outside
 `noise.*`; AQN off is one of them), the one with the highest mean final training reward: chosen
@@ -234,7 +238,43 @@ def _pairs(section: Section) -> list[str]:
     return lines
 
 
-def to_markdown(section: Section, command: str) -> str:
+def cut_short(loaded: Loaded) -> list[str]:
+    """When some runs stopped before their last step: every run (finished or cut short; one a seed)
+    grouped by settings, compared on the training reward over the last quarter of the steps that
+    all of them logged, beside pass@1 before the first update."""
+    if not loaded.unfinished:
+        return []
+    runs = sorted([*loaded.runs, *loaded.unfinished], key=lambda r: (not r.finished, r.source))
+    common = min(len(r.history) for r in runs)
+    first = common - final_window(common)
+    groups: dict[tuple, dict] = {}
+    for run in runs:
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in settings(run).items())), {}).setdefault(run.seed, run)
+    cut = loaded.unfinished
+    lines = [f"**Runs cut short.** {len(cut)} runs stopped before their last step (steps logged: "
+             f"{min(len(r.history) for r in cut)}-{max(len(r.history) for r in cut)} of {cut[0].get('train.steps')}): "
+             f"they have no end evaluation and are in no table above. Every run (one a seed, the finished ones "
+             f"included) on its training reward over steps {first}-{common - 1}, the last quarter of the steps "
+             f"all of them logged, against steps 0-{common - first - 1}, and its pass@1 before the first update; "
+             "mean over seeds [95 % t-interval]:", "",
+             f"| row | seeds | cut short | training reward, steps 0-{common - first - 1} | steps {first}-{common - 1} "
+             "| held-out start | out of template start |", "|---|---|---|---|---|---|---|"]
+    for by_seed in groups.values():
+        group = list(by_seed.values())
+        early = t_interval([mean([h["reward"] for h in r.history[: common - first]]) for r in group])
+        reward = t_interval([mean([h["reward"] for h in r.history[first:common]]) for r in group])
+        starts = [t_interval([_first(r, f"{eval_prefix(s, start=True)}pass@1") for r in group]) for s in SPLIT_NAMES]
+        lines.append(f"| {_label(group)} | {len(group)} | {sum(not r.finished for r in group)} | {early.text()} | {reward.text()} "
+                     f"| {starts[0].text()} | {starts[1].text()} |")
+    return lines
+
+
+def _first(run: Run, metric: str) -> float:
+    value = run.history[0].get(metric)
+    return float(value) if value is not None else math.nan
+
+
+def to_markdown(section: Section, command: str, cut: list[str] | None = None) -> str:
     """The section: provenance, the pass@1 table, the diagnostics, the AQN choice, determinism, notes."""
     runs = [r for row in section.rows for r in row.runs]
     studies = sorted({r.choices.get("study") for r in runs if r.choices.get("study")})
@@ -254,16 +294,18 @@ def to_markdown(section: Section, command: str) -> str:
              *_diagnostics_table(section.rows), "",
              "**Best AQN setting.** " + "\n".join(_best(section)), "",
              "**Identical runs.**", "", *_pairs(section)]
+    if cut:
+        lines += ["", *cut]
     if section.notes:
         lines += ["", "**Notes.**", "", *(f"- {n}" for n in section.notes)]
     return "\n".join(lines) + "\n"
 
 
-def write(section: Section, out_dir: Path, command: str) -> Path:
-    """Write `results_section.md` into `out_dir`; return its path."""
+def write(section: Section, out_dir: Path, command: str, cut: list[str] | None = None) -> Path:
+    """Write `results_section.md` into `out_dir` (with `cut`, the `cut_short` table); return its path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / FILE).write_text(to_markdown(section, command))
+    (out_dir / FILE).write_text(to_markdown(section, command, cut))
     return out_dir / FILE
 
 

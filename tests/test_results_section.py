@@ -206,3 +206,29 @@ def test_every_included_section_is_the_current_output_of_its_command(page, path,
     args = cli._parser().parse_args(argv)
     loaded = R.load([str(ROOT / p) for p in args.paths])
     assert section.to_markdown(section.build(loaded), command) == text
+
+
+def test_runs_cut_short_are_compared_on_the_steps_all_of_them_logged(tmp_path):
+    """A study stopped early: two finished runs and three cut at steps 14-17 of one row; the section
+    keeps them out of its tables and compares every run on the last quarter of the 14 steps all of
+    them logged (final_window(14) = 4: steps 10-13) against its first 4 steps."""
+    root = tmp_path / "trials"
+    histories = {}
+    for seed, steps in zip(SEEDS, (20, 20, 14, 17, 15)):
+        histories[seed] = _history("full_precision", seed)[:steps]
+        _write_run(root / f"fp_s{seed}", _run_config("full_precision", seed), histories[seed], finished=steps == 20)
+    loaded = R.load([str(root)])
+    assert len(loaded.runs) == 2 and len(loaded.unfinished) == 3
+    lines = section.cut_short(loaded)
+    row = next(line for line in lines if line.startswith("| full_precision"))
+    late = [statistics.mean(h["reward"] for h in histories[s][10:14]) for s in SEEDS]
+    early = [statistics.mean(h["reward"] for h in histories[s][:4]) for s in SEEDS]
+    half = lambda xs: T975[len(xs) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))  # noqa: E731
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:3] == ["5", "3"]
+    for cell, values in ((cells[3], early), (cells[4], late)):
+        m, lo, hi = (float(x) for x in cell.replace("[", "").replace("]", "").replace(",", "").split())
+        assert m == pytest.approx(statistics.mean(values), abs=1e-3)
+        assert hi - m == pytest.approx(half(values), abs=2e-3) and m - lo == pytest.approx(half(values), abs=2e-3)
+    assert "steps 10-13" in lines[0] and "14-17 of 20" in lines[0]
+    assert section.cut_short(R.load([str(root / "fp_s0")])) == []  # nothing cut short: no table
