@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -30,10 +31,10 @@ from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
 from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
-from qerl_exp.model import build_models, resolve_device, sync_lora
+from qerl_exp.model import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
-from qerl_exp.tasks import build_task, file_digests
+from qerl_exp.rollout import NonFiniteLogitsError, Rollout, make_sampler, row_seeds, sample
+from qerl_exp.tasks import Task, build_task, file_digests
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -154,191 +155,83 @@ def run_config(cfg: Config, choices: dict[str, str]) -> dict:
             **({rundir.DATA_KEY: digests} if digests else {})}
 
 
+@dataclass
+class _Loop:
+    """What the run loop carries from step to step (`_setup` builds it)."""
+
+    cfg: Config
+    run_dir: Path
+    config: dict
+    device: torch.device
+    task: Task
+    models: Models
+    sampler: object  # the rollout engine over models.sampler.module (`make_sampler`)
+    aqn: AQN
+    schedule: Schedule
+    params: list[torch.Tensor]
+    opt: torch.optim.Optimizer
+    lr_sched: torch.optim.lr_scheduler.LambdaLR
+    data_rng: np.random.Generator
+    weights: dict[str, int]
+    load_peak: float
+    start: int = 0
+    nonfinite: int = 0
+    tracker: Tracker | NoTracker = field(default_factory=NoTracker)
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """One step's prompts and what the sampler made of them (`rollout` None: non-finite logits)."""
+
+    problems: list
+    prompts: list[str]
+    rollout: Rollout | None
+    sigma: float
+    stage: int
+    seconds: float
+
+
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
            group: str, on_step: StepCallback | None, stop: StopRequest | None) -> dict[str, float]:
-    """The body of `run`, in a run directory this process owns."""
-    seed_everything(cfg.seed, cfg.train.deterministic)
-    device = resolve_device(cfg.train.device)
-    task = build_task(cfg.task)
-    with logs.quiet(cfg.verbose):
-        models = build_models(cfg, task, device)
-    policy, tok, reference, sampling = models.policy, models.tokenizer, models.reference, models.sampler.module
-    algo, G = cfg.algo, cfg.algo.group_size
-    sampler = make_sampler(cfg.rollout.engine, sampling, tok, device)
-    if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the packed learner checkpoints itself
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
-    if distributed.is_main() and (warning := aqn.scale_warning()):
-        print(warning, file=sys.stderr)
-    schedule = Schedule(cfg.noise, cfg.train.steps)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio))
-    data_rng = np.random.default_rng(cfg.seed)
-    weights = models.sampler.weights_bytes()
-    load_peak = M.phase_peak_bytes(device)
-
-    def state(next_step: int) -> dict:
-        return {
-            "step": next_step, "optimizer": opt.state_dict(), "lr_scheduler": lr_sched.state_dict(),
-            "noise": schedule.state_dict(), "aqn_rng": aqn.generator.get_state(), "rng": rng_state(data_rng),
-            "wandb_id": tracker.run_id, "nonfinite": nonfinite, "config": config,
-        }
-
-    start, nonfinite, wandb_id = 0, 0, None
-    if resume_from is not None:
-        path, saved = resume_from
-        checkpoint.load_adapter(policy, path / "adapter")
-        opt.load_state_dict(saved["optimizer"])
-        lr_sched.load_state_dict(saved["lr_scheduler"])
-        schedule.load_state_dict(saved["noise"])
-        aqn.generator.set_state(saved["aqn_rng"])
-        restore_rng(saved["rng"], data_rng)
-        start, nonfinite, wandb_id = saved["step"], saved["nonfinite"], saved["wandb_id"]
-        models.sampler.sync()
-        if distributed.is_main():
-            print(f"resuming {run_dir} at step {start} from {path.name}", file=sys.stderr)
-
-    def save(path: Path, next_step: int, prune: bool = False) -> None:
-        """Rank 0 writes the checkpoint: every rank holds the same policy and optimizer state."""
-        if distributed.is_main():
-            checkpoint.save(path, policy, state(next_step))
-            if prune:
-                checkpoint.prune(run_dir, cfg.checkpoint.keep)
-
-    # Rank 0 logs and prints for every rank.
-    history = _truncate_metrics(run_dir, start) if distributed.is_main() else []
-    tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
-                      group=group or cfg.task.name, job_type="train", tags=[*run_tags(choices), f"seed:{cfg.seed}"],
-                      run_id=wandb_id) if distributed.is_main() else NoTracker()
+    """The body of `run`, in a run directory this process owns: set up, then one step after another."""
+    loop = _setup(cfg, run_dir, config, resume_from, choices, group)
+    models = loop.models
     # Where the run began, before any update (the policy as built: LoRA is the identity); logged at step 0.
-    start_eval = evaluate_in_training(policy, tok, task, cfg, start=True) if cfg.eval.at_start and start == 0 else {}
-    bar = progress.Progress(cfg.train.steps, "train", initial=start, file=distributed.console())
+    start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True) \
+        if cfg.eval.at_start and loop.start == 0 else {}
+    bar = progress.Progress(cfg.train.steps, "train", initial=loop.start, file=distributed.console())
     signals = rundir.StopSignals() if stop is None else None
     stop = signals if signals is not None else stop
     try:
-        for step in range(start, cfg.train.steps):
+        for step in range(loop.start, cfg.train.steps):
             t_step = time.perf_counter()
-            # Every rank draws the step's prompts from the same stream and keeps its share.
-            share = distributed.shard(cfg.train.prompts_per_step)
-            problems = task.sample(cfg.train.prompts_per_step, data_rng)[share.start:share.stop]
-            prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
-
-            # Rollout: the sampler with this step's noise draw in its norm scales.
-            sigma, stage = schedule(step)
-            aqn.draw(sigma)
-            sampling.eval()
-            t_roll = time.perf_counter()
-            try:
-                with _phase(M.Phase.ROLLOUT), aqn.applied(sampling):
-                    rollout = sample(sampler, tok, prompts, algo, device, ignore_eos=cfg.rollout.ignore_eos,
-                                     seeds=row_seeds(cfg.seed, step, share, G), lengths=cfg.rollout.lengths)
-            except NonFiniteLogitsError:
-                rollout = None
-            if distributed.any_rank(rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
-                nonfinite += 1
-                lr_sched.step()
-                tracker.log(step, M.optim_metrics(math.nan, math.nan, lr_sched.get_last_lr()[0], skipped=True))
-                history.append({"step": step, "train/skipped": 1})
-                _check_nonfinite(nonfinite, cfg, step, run_dir)
+            batch = _rollout(loop, step)
+            if distributed.any_rank(batch.rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
+                _skip(loop, step)
                 continue
-            rollout_s = time.perf_counter() - t_roll  # sample() returns decoded texts: synchronised
-            rollout_bytes = getattr(sampler, "nbytes", 0)
-            if hasattr(sampler, "release"):
-                sampler.release()
-            peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
-
-            # Rewards and group-normalized advantages.
-            repeated = [p for p in problems for _ in range(G)]
-            rewards = {fn_name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
-                       for fn_name, fn in task.rewards.items()}
-            total = sum(rewards.values())
-            advantages = group_advantages(total, G, algo.scale_rewards)
-            mask = rollout.completion_mask
-            loss_mask = mask
-            if algo.filter_zero_std:
-                informative = total.view(-1, G).std(dim=1) > 0
-                loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
-            # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else
-            # only every monitor.kl_every steps, for the `kl` metric.
-            ref_logp, reference_s = None, 0.0
-            if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
-                t_ref = learner.clock(device)
-                with _phase(M.Phase.REFERENCE):
-                    ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
-                reference_s = learner.clock(device) - t_ref
-
-            # Monitor before the update: the policy that sampled, against the reference.
-            step_metrics: dict[str, float] = dict(start_eval) if step == 0 else {}
-            t_mon = learner.clock(device)
-            if reference is not None and step % cfg.monitor.every == 0:
-                with _phase(M.Phase.MONITOR):
-                    step_metrics.update(distributed.weighted_mean(
-                        _monitor(policy, sampling, reference, aqn, rollout, algo.temperature, cfg.train.micro_batch_size),
-                        float(mask.sum())))
-            monitor_s = learner.clock(device) - t_mon
-
-            # Learner: clean norm scales (unless noise.apply_to=both), forward and backward.
-            policy.train()
-            with _phase(M.Phase.LEARNER), aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
-                update = learner.update_policy(policy, opt, params, rollout, advantages, loss_mask, algo,
-                                               cfg.train, ref_logp=ref_logp)
-            peaks[M.Phase.LEARNER] = M.phase_peak_bytes(device)  # the reference and monitor passes included
-
-            lr = lr_sched.get_last_lr()[0]
-            finite = update.skipped == 0
-            nonfinite = 0 if finite else nonfinite + 1
-            lr_sched.step()
-            t_sync = learner.clock(device)
-            if finite:
-                models.sampler.sync()
-            sync_s = learner.clock(device) - t_sync
-
-            if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-                step_metrics.update(evaluate_in_training(policy, tok, task, cfg))
-            # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
-            phases = distributed.maximum({M.Phase.ROLLOUT: rollout_s, M.Phase.REFERENCE: reference_s,
-                                          M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
-                                          M.Phase.OPTIMIZER: update.optimizer_s, M.Phase.SYNC: sync_s,
-                                          "step": time.perf_counter() - t_step})
-            gather = distributed.gather
-            step_metrics.update(M.step_metrics(
-                rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
-                terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
-                sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
-                learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp), clip=update.clip,
-                loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=sigma, stage=stage,
-                noise_scales=aqn.scales,
-                memory=distributed.maximum(M.memory_metrics(weights, device, rollout_bytes, load_peak, peaks)),
-                step_s=phases.pop("step"), phases=phases,
-            ))
-            step_metrics.update(schedule.observe(step_metrics))
-            tracker.log(step, step_metrics)
+            step_metrics = _learn(loop, step, batch, dict(start_eval) if step == 0 else {}, t_step)
             bar.update(step + 1, step_metrics)
-            history.append({"step": step, **step_metrics})
-            if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
-                tracker.log_completions(step, distributed.gather_objects(
-                    [(prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, len(rollout.texts), G)]))
-            _check_nonfinite(nonfinite, cfg, step, run_dir)
+            loop.history.append({"step": step, **step_metrics})
+            _check_nonfinite(loop.nonfinite, cfg, step, run_dir)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
-                save(checkpoint.step_dir(run_dir, step + 1), step + 1, prune=True)
+                _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1, prune=True)
             if on_step is not None:
                 on_step(step, step_metrics)
             signum = int(distributed.any_rank(stop.signum))  # every rank stops after the same step
             if signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
-                save(checkpoint.step_dir(run_dir, step + 1), step + 1)
+                _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1)
                 raise rundir.Interrupted(signum, step + 1)
 
-        save(run_dir / "final", cfg.train.steps)
-        summary = distributed.broadcast({**M.run_summary(history, models.base_info.get("greedy_accuracy", float("nan"))),
+        _save(loop, run_dir / "final", cfg.train.steps)
+        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info.get("greedy_accuracy", float("nan"))),
                                          "world_size": distributed.world_size(), "commit": rundir.source_commit()}
                                         if distributed.is_main() else None)
-        tracker.finish(summary)
+        loop.tracker.finish(summary)
         return summary
     except BaseException as e:
         bar.close()
-        tracker.abort()
+        loop.tracker.abort()
         if isinstance(e, distributed.CollectiveError) and stop.signum:
             # torchrun (or the user) is stopping this rank: its peers' silence is that, not a hang
             raise rundir.Interrupted(stop.signum) from e
@@ -346,6 +239,171 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     finally:
         if signals is not None:
             signals.restore()
+
+
+def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
+           group: str) -> _Loop:
+    """Seeds, models, the rollout engine, AQN and its schedule, the optimizer and its schedule, the
+    data stream; restored from `resume_from` when given; the tracker and the logged history."""
+    seed_everything(cfg.seed, cfg.train.deterministic)
+    device = resolve_device(cfg.train.device)
+    task = build_task(cfg.task)
+    with logs.quiet(cfg.verbose):
+        models = build_models(cfg, task, device)
+    policy, sampling = models.policy, models.sampler.module
+    sampler = make_sampler(cfg.rollout.engine, sampling, models.tokenizer, device)
+    if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the packed learner checkpoints itself
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
+    if distributed.is_main() and (warning := aqn.scale_warning()):
+        print(warning, file=sys.stderr)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+    loop = _Loop(cfg, run_dir, config, device, task, models, sampler, aqn, Schedule(cfg.noise, cfg.train.steps), params,
+                 opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio)),
+                 np.random.default_rng(cfg.seed), models.sampler.weights_bytes(), M.phase_peak_bytes(device))
+    wandb_id = None
+    if resume_from is not None:
+        path, saved = resume_from
+        checkpoint.load_adapter(policy, path / "adapter")
+        opt.load_state_dict(saved["optimizer"])
+        loop.lr_sched.load_state_dict(saved["lr_scheduler"])
+        loop.schedule.load_state_dict(saved["noise"])
+        aqn.generator.set_state(saved["aqn_rng"])
+        restore_rng(saved["rng"], loop.data_rng)
+        loop.start, loop.nonfinite, wandb_id = saved["step"], saved["nonfinite"], saved["wandb_id"]
+        models.sampler.sync()
+        if distributed.is_main():
+            print(f"resuming {run_dir} at step {loop.start} from {path.name}", file=sys.stderr)
+    if distributed.is_main():  # rank 0 logs and prints for every rank
+        loop.history = _truncate_metrics(run_dir, loop.start)
+        loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
+                               group=group or cfg.task.name, job_type="train",
+                               tags=[*run_tags(choices), f"seed:{cfg.seed}"], run_id=wandb_id)
+    return loop
+
+
+def _save(loop: _Loop, path: Path, next_step: int, prune: bool = False) -> None:
+    """Rank 0 writes the checkpoint: every rank holds the same policy and optimizer state."""
+    if not distributed.is_main():
+        return
+    state = {
+        "step": next_step, "optimizer": loop.opt.state_dict(), "lr_scheduler": loop.lr_sched.state_dict(),
+        "noise": loop.schedule.state_dict(), "aqn_rng": loop.aqn.generator.get_state(), "rng": rng_state(loop.data_rng),
+        "wandb_id": loop.tracker.run_id, "nonfinite": loop.nonfinite, "config": loop.config,
+    }
+    checkpoint.save(path, loop.models.policy, state)
+    if prune:
+        checkpoint.prune(loop.run_dir, loop.cfg.checkpoint.keep)
+
+
+def _rollout(loop: _Loop, step: int) -> _Batch:
+    """The step's prompts (every rank draws them from one stream and keeps its share), sampled with
+    this step's noise draw in the sampler's norm scales."""
+    cfg, tok, sampling = loop.cfg, loop.models.tokenizer, loop.models.sampler.module
+    share = distributed.shard(cfg.train.prompts_per_step)
+    problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng)[share.start:share.stop]
+    prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    sigma, stage = loop.schedule(step)
+    loop.aqn.draw(sigma)
+    sampling.eval()
+    t0 = time.perf_counter()
+    try:
+        with _phase(M.Phase.ROLLOUT), loop.aqn.applied(sampling):
+            rollout = sample(loop.sampler, tok, prompts, cfg.algo, loop.device, ignore_eos=cfg.rollout.ignore_eos,
+                             seeds=row_seeds(cfg.seed, step, share, cfg.algo.group_size), lengths=cfg.rollout.lengths)
+    except NonFiniteLogitsError:
+        rollout = None
+    return _Batch(problems, prompts, rollout, sigma, stage, time.perf_counter() - t0)  # sample() synchronised
+
+
+def _skip(loop: _Loop, step: int) -> None:
+    """A step whose rollout had non-finite logits: no update, counted as a non-finite step."""
+    loop.nonfinite += 1
+    loop.lr_sched.step()
+    loop.tracker.log(step, M.optim_metrics(math.nan, math.nan, loop.lr_sched.get_last_lr()[0], skipped=True))
+    loop.history.append({"step": step, "train/skipped": 1})
+    _check_nonfinite(loop.nonfinite, loop.cfg, step, loop.run_dir)
+
+
+def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_step: float) -> dict[str, float]:
+    """After the rollout: rewards and advantages, the reference and monitor passes, the update, the
+    sampler's sync, an evaluation when due; the step's metrics (added to `metrics`), logged."""
+    cfg, algo, G, device, models = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, loop.device, loop.models
+    policy, rollout = models.policy, batch.rollout
+    rollout_bytes = getattr(loop.sampler, "nbytes", 0)
+    if hasattr(loop.sampler, "release"):
+        loop.sampler.release()
+    peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
+
+    # Rewards and group-normalized advantages.
+    repeated = [p for p in batch.problems for _ in range(G)]
+    rewards = {name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
+               for name, fn in loop.task.rewards.items()}
+    total = sum(rewards.values())
+    advantages = group_advantages(total, G, algo.scale_rewards)
+    mask = loss_mask = rollout.completion_mask
+    if algo.filter_zero_std:
+        informative = total.view(-1, G).std(dim=1) > 0
+        loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
+
+    # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else only
+    # every monitor.kl_every steps, for the `kl` metric.
+    ref_logp, reference_s = None, 0.0
+    if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
+        t0 = learner.clock(device)
+        with _phase(M.Phase.REFERENCE):
+            ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
+        reference_s = learner.clock(device) - t0
+
+    # Monitor before the update: the policy that sampled, against the full-precision reference.
+    t0 = learner.clock(device)
+    if models.reference is not None and step % cfg.monitor.every == 0:
+        with _phase(M.Phase.MONITOR):
+            metrics.update(distributed.weighted_mean(
+                _monitor(policy, models.sampler.module, models.reference, loop.aqn, rollout, algo.temperature,
+                         cfg.train.micro_batch_size), float(mask.sum())))
+    monitor_s = learner.clock(device) - t0
+
+    # Learner: clean norm scales (unless noise.apply_to=both), forward and backward, optimizer step.
+    policy.train()
+    with _phase(M.Phase.LEARNER), loop.aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+        update = learner.update_policy(policy, loop.opt, loop.params, rollout, advantages, loss_mask, algo, cfg.train,
+                                       ref_logp=ref_logp)
+    peaks[M.Phase.LEARNER] = M.phase_peak_bytes(device)  # the reference and monitor passes included
+    lr, finite = loop.lr_sched.get_last_lr()[0], update.skipped == 0
+    loop.nonfinite = 0 if finite else loop.nonfinite + 1
+    loop.lr_sched.step()
+    t0 = learner.clock(device)
+    if finite:
+        models.sampler.sync()
+    sync_s = learner.clock(device) - t0
+    if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
+        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg))
+
+    # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
+    phases = distributed.maximum({M.Phase.ROLLOUT: batch.seconds, M.Phase.REFERENCE: reference_s,
+                                  M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
+                                  M.Phase.OPTIMIZER: update.optimizer_s, M.Phase.SYNC: sync_s,
+                                  "step": time.perf_counter() - t_step})
+    gather = distributed.gather
+    metrics.update(M.step_metrics(
+        rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
+        terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
+        sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
+        learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp),
+        clip=update.clip, loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=batch.sigma,
+        stage=batch.stage, noise_scales=loop.aqn.scales,
+        memory=distributed.maximum(M.memory_metrics(loop.weights, device, rollout_bytes, loop.load_peak, peaks)),
+        step_s=phases.pop("step"), phases=phases,
+    ))
+    metrics.update(loop.schedule.observe(metrics))
+    loop.tracker.log(step, metrics)
+    if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
+        loop.tracker.log_completions(step, distributed.gather_objects(
+            [(batch.prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, len(rollout.texts), G)]))
+    return metrics
 
 
 def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:
