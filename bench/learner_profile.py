@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qerl_exp import packed  # noqa: E402
 from qerl_exp.config import LoraConfig, ModelConfig, QuantConfig  # noqa: E402
-from qerl_exp.model import add_lora  # noqa: E402
+from qerl_exp.models import add_lora  # noqa: E402
+from qerl_exp.models.synthetic import build  # noqa: E402
 from qerl_exp.quant import quantize_model  # noqa: E402
 from qerl_exp.rollout import Sequences  # noqa: E402
-from qerl_exp.warmup import build  # noqa: E402
 
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                 vocab_size=152064, max_positions=32768, tie_embeddings=False)

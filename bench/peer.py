@@ -57,7 +57,7 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     from qerl_exp.cli import compose_config
     from qerl_exp.config import to_config
-    from qerl_exp.pretrained import load_pretrained
+    from qerl_exp.models.pretrained import load_pretrained
     from qerl_exp.tasks import build_task
 
     cfg = to_config(compose_config([*BASE, *overrides]))

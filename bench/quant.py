@@ -51,10 +51,10 @@ MiB = 2**20
 def tiny_config():
     """The embedded model's shape (Qwen2, hidden 128, MLP 256, 2 layers) with its char vocab."""
     from qerl_exp.config import ModelConfig
-    from qerl_exp.warmup import tiny_config as build_config
-    from qerl_exp.tokenizer import CharTokenizer
+    from qerl_exp.models.synthetic import hf_config
+    from qerl_exp.models.tokenizers import CharTokenizer
 
-    return build_config(ModelConfig(), vocab_size=len(CharTokenizer()))
+    return hf_config(ModelConfig(), vocab_size=len(CharTokenizer()))
 
 
 def qwen05b_config(num_layers: int = 24):

@@ -386,7 +386,7 @@ class _FrozenGroup(torch.autograd.Function):
 
 def _group(layers: list[nn.Module], adapter: bool, x: torch.Tensor) -> torch.Tensor:
     """One projection group (modules fed the same input, outputs concatenated) on `x`."""
-    from peft.tuners.lora import LoraLayer  # imported on use, as model.add_lora does
+    from peft.tuners.lora import LoraLayer  # imported on use, as models.add_lora does
 
     bases = [m.get_base_layer() if isinstance(m, LoraLayer) else m for m in layers]
     base = _Base(bases)

@@ -31,7 +31,7 @@ from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
 from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
-from qerl_exp.model import Models, build_models, resolve_device, sync_lora
+from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, Rollout, make_sampler, row_seeds, sample
 from qerl_exp.tasks import Task, build_task, file_digests

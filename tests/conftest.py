@@ -124,12 +124,12 @@ def with_lora(model, seed: int | None = 1, random_b: bool = True):
 
 def tiny_models(*overrides: str):
     """`(cfg, task, models)`: the run config of `overrides` (Hydra syntax), its task, and its models
-    built on the CPU by `model.build_models`, as a run would."""
+    built on the CPU by `models.build_models`, as a run would."""
     import torch
 
     from qerl_exp.cli import compose_config
     from qerl_exp.config import to_config
-    from qerl_exp.model import build_models
+    from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
     cfg = to_config(compose_config(list(overrides)))

@@ -19,11 +19,11 @@ from qerl_exp.config import ModelConfig, QuantConfig
 from qerl_exp.learner import rows, update_policy
 from qerl_exp.loss import completion_logits, score_completions, token_logp
 from qerl_exp.metrics import entropy_from_logits
+from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
 from qerl_exp.rollout import HFSampler, Rollout, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
-from qerl_exp.warmup import build
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

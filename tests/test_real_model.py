@@ -23,7 +23,7 @@ def smollm2():
     """The real model's policy and task on the CPU; under CI=true a failed fetch fails the tests."""
     import torch
 
-    from qerl_exp.model import build_models
+    from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
     cfg = to_config(compose_config([*SMOLLM2, "monitor.every=0"]))
@@ -78,7 +78,7 @@ def test_prompts_are_left_padded_with_real_token_lengths(smollm2):
 
 
 def test_pad_is_eos_when_the_tokenizer_has_none(smollm2, tmp_path):
-    from qerl_exp.tokenizer import HFTokenizer
+    from qerl_exp.models.tokenizers import HFTokenizer
 
     _, _, models = smollm2
     models.tokenizer.tok.save_pretrained(tmp_path)
@@ -107,7 +107,7 @@ def test_every_4bit_format_quantizes_the_real_model(smollm2, fmt):
     import torch
 
     from qerl_exp.config import QuantConfig
-    from qerl_exp.pretrained import load_pretrained
+    from qerl_exp.models.pretrained import load_pretrained
     from qerl_exp.quant import decoder_linears, quantize_model
 
     cfg, task, models = smollm2

@@ -94,9 +94,10 @@ def test_building_the_embedded_model_leaves_the_run_rng_alone(tmp_path):
     import torch
 
     from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig
+    from qerl_exp.models.synthetic import build
+    from qerl_exp.models.tokenizers import CharTokenizer
+    from qerl_exp.models.warmup import load_or_warm_up
     from qerl_exp.tasks import build_task
-    from qerl_exp.tokenizer import CharTokenizer
-    from qerl_exp.warmup import build, load_or_warm_up
 
     torch.manual_seed(7)
     state = torch.get_rng_state()
@@ -118,9 +119,9 @@ def test_the_warm_up_gives_the_same_model_whatever_the_thread_count(tmp_path):
     import torch
 
     from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig
+    from qerl_exp.models.tokenizers import CharTokenizer
+    from qerl_exp.models.warmup import load_or_warm_up
     from qerl_exp.tasks import build_task
-    from qerl_exp.tokenizer import CharTokenizer
-    from qerl_exp.warmup import load_or_warm_up
 
     tok, task, before = CharTokenizer(), build_task(TaskConfig()), torch.get_num_threads()
     models = []
@@ -139,9 +140,9 @@ def test_a_corrupt_cached_warm_up_is_named_and_made_again(tmp_path):
     import torch
 
     from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig
+    from qerl_exp.models.tokenizers import CharTokenizer
+    from qerl_exp.models.warmup import load_or_warm_up
     from qerl_exp.tasks import build_task
-    from qerl_exp.tokenizer import CharTokenizer
-    from qerl_exp.warmup import load_or_warm_up
 
     cfg, task, tok = ModelConfig(cache_dir=str(tmp_path), warmup=WarmupConfig(max_steps=3)), build_task(TaskConfig()), CharTokenizer()
     model, info = load_or_warm_up(cfg, TaskConfig(), task, tok)

@@ -8,9 +8,9 @@ from torch import nn
 
 from conftest import tiny_qwen2
 from qerl_exp.config import QuantConfig
+from qerl_exp.models.shards import load_blockwise, shard_files
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
-from qerl_exp.shards import load_blockwise, shard_files
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_gsm8k_fixture_loads():
 def test_gsm8k_fixture_fits_the_embedded_model():
     """The embedded model's tokenizer covers the fixture, and its warm-up target (the reference
     completion) fits the default 32-token completion budget, so warm-up and RL can succeed."""
-    from qerl_exp.tokenizer import CharTokenizer
+    from qerl_exp.models.tokenizers import CharTokenizer
     from qerl_exp.tasks import reference_completion
 
     tok = CharTokenizer()

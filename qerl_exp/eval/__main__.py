@@ -23,7 +23,7 @@ from qerl_exp.checkpoint import adapter_file, load_adapter
 from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
-from qerl_exp.model import build_models, resolve_device
+from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
 from qerl_exp.rundir import DATA_KEY, check_writable, os_error_line, read_config, write_atomic
 from qerl_exp.tasks import build_task, file_digests

@@ -1,8 +1,8 @@
-"""The embedded default model: built from a config, warmed up on the task, cached on disk.
+"""The embedded tiny model's warm-up: trained on the task, cached on disk.
 
-Nothing is downloaded: the tiny Qwen2/Llama-shaped model is trained by supervised learning on the
-task's worked solutions until its greedy accuracy reaches `model.warmup.target_accuracy` (so RL
-starts with clearly non-zero reward and room to improve). The result is cached under
+Nothing is downloaded: the synthetic model (`models.synthetic`) is trained by supervised learning
+on the task's worked solutions until its greedy accuracy reaches `model.warmup.target_accuracy`
+(so RL starts with clearly non-zero reward and room to improve). The result is cached under
 `model.cache_dir`, keyed by a hash of everything that determines it; a file lock keeps parallel
 runs from warming up the same model twice.
 """
@@ -20,49 +20,22 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
 from qerl_exp.eval import greedy_pass_at_1
+from qerl_exp.models.synthetic import SEED, build
+from qerl_exp.models.tokenizers import CharTokenizer
 from qerl_exp.tasks import Problem, reference_completion
-from qerl_exp.tokenizer import CharTokenizer
-
-WARMUP_SEED = 1234  # the base model is a fixed artifact, independent of the run's seed
 
 # Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
 # cached warm-ups made by older code are not reused. 2: the warm-up runs on one thread (version 1's
 # cache held whatever the machine's thread count made).
 TINY_RECIPE_VERSION = 2
-
-
-def tiny_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | LlamaConfig:
-    """The HF config of the embedded model (Qwen2 or Llama shaped).
-
-    Args:
-        cfg: the model config (`family` and the sizes).
-        vocab_size: the tokenizer's vocabulary.
-
-    Returns:
-        A `Qwen2Config` or `LlamaConfig`.
-    """
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
-    return cls(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_positions,
-        tie_word_embeddings=cfg.tie_embeddings,
-        pad_token_id=0,
-    )
 
 
 def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
@@ -143,59 +116,6 @@ def _cached(path: Path):
         return None
 
 
-def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-          on_block: Callable[[nn.Module], None] | None = None):
-    """The embedded model at its seeded random initialization, created on `device` in `dtype`;
-    the global RNG (CPU and `device`'s) is left as it was.
-
-    Args:
-        cfg: the model config.
-        vocab_size: the tokenizer's vocabulary (`cfg.vocab_size`, when set, wins).
-        device: where the weights are made.
-        dtype: their dtype.
-        on_block: called on each decoder block right after it is made (e.g. to quantize it), so
-            that at most one block exists in `dtype` at a time: the model is laid out on the meta
-            device and made block by block.
-    """
-    device = torch.device(device)
-    config = tiny_config(cfg, cfg.vocab_size or vocab_size)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(WARMUP_SEED)
-        if on_block is None:
-            with device:
-                return AutoModelForCausalLM.from_config(config, dtype=dtype)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        blocks = model.model.layers
-        for name, child in model.model.named_children():
-            if name == "rotary_emb":  # its buffers are computed at construction: make it anew
-                with device:
-                    model.model.rotary_emb = type(child)(config=config)
-            elif child is not blocks:
-                _materialize(child, device, config.initializer_range)
-        if not config.tie_word_embeddings:
-            _materialize(model.lm_head, device, config.initializer_range)
-        model.tie_weights()
-        for block in blocks:
-            _materialize(block, device, config.initializer_range)
-            on_block(block)
-        return model
-
-
-def _materialize(module: nn.Module, device: torch.device, std: float) -> None:
-    """Allocate a meta module's tensors on `device` and initialise them as HF's Llama/Qwen2 do:
-    linears and embeddings N(0, std), norm scales 1, biases 0."""
-    module.to_empty(device=device)
-    for m in module.modules():
-        for name, p in m.named_parameters(recurse=False):
-            if isinstance(m, (nn.Linear, nn.Embedding)) and name == "weight":
-                nn.init.normal_(p, std=std)
-            elif "norm" in type(m).__name__.lower():
-                nn.init.ones_(p)
-            else:
-                nn.init.zeros_(p)
-
-
 def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `[B, L]` inputs and labels (-100 outside the completion)."""
     seqs, labels = [], []
@@ -215,8 +135,8 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
 
 def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
     w = cfg.warmup
-    rng = np.random.default_rng(WARMUP_SEED)
-    probe = task.sample(128, np.random.default_rng(WARMUP_SEED + 1))
+    rng = np.random.default_rng(SEED)
+    probe = task.sample(128, np.random.default_rng(SEED + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.01)
     start, accuracy, step = time.time(), 0.0, 0
     # A terminal gets a live bar; a log file gets a line every 10 s rather than thousands.

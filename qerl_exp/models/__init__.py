@@ -1,8 +1,14 @@
-"""The policy's model: the base (embedded tiny or a real checkpoint), quantized, with LoRA.
+"""The policy's model: the base (synthetic or a real checkpoint), quantized, with LoRA.
 
 `build_models(cfg, task, device)` is the entry point. It returns the policy (quantized base +
 LoRA, the one that samples and learns), the tokenizer, and, when the noise monitor is on, the
 full-precision reference (the unquantized base + a LoRA kept equal to the policy's).
+
+Where the base comes from: synthetic models are built from the config's dims (`synthetic`),
+the embedded tiny one warmed up on the task and cached (`warmup`); pretrained ones are real
+checkpoints (`pretrained`: folders, the hub, GGUF files), read shard by shard where
+each block is quantized as it arrives (`shards`). `tokenizers` holds the character tokenizer of
+the tiny model and the adapter around a checkpoint's own.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import torch
 from torch import nn
 
 from qerl_exp.config import Config, LoraConfig, QuantConfig
-from qerl_exp.pretrained import load_pretrained
+from qerl_exp.models.pretrained import load_pretrained
+from qerl_exp.models.synthetic import build
+from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
+from qerl_exp.models.warmup import load_or_warm_up
 from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
-from qerl_exp.tokenizer import CharTokenizer, HFTokenizer
-from qerl_exp.warmup import build, load_or_warm_up
 
 
 def resolve_device(name: str) -> torch.device:

