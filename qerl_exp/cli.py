@@ -181,9 +181,9 @@ def preflight(cfg: Config) -> None:
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
     _check_writable(Path(cfg.resume or cfg.run_dir or "runs"), "run_dir")
-    if (cfg.model.name == "tiny" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
+    if (cfg.model.source == "synthetic" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
         _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached
-    if cfg.model.name != "tiny" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
+    if cfg.model.source == "pretrained" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
         raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
         import torch

@@ -92,19 +92,22 @@ class ModelConfig:
     """The policy's base model.
 
     Args:
-        name: `tiny` builds the embedded model from the fields below; anything else is a hub id or
-            a local folder of a Llama/Qwen2-family checkpoint, or with `gguf_file` the model's label.
-        family: architecture of the embedded model (`qwen2` or `llama`).
-        hidden_size: embedded model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
-        intermediate_size: embedded model MLP width; a multiple of 64.
-        num_layers: decoder blocks of the embedded model.
-        num_heads: attention heads of the embedded model.
-        num_kv_heads: key/value heads of the embedded model (grouped-query attention).
-        vocab_size: embedded model vocabulary; 0 uses the character tokenizer's. A real model's
+        name: a synthetic model's label (`tiny`, `qwen2.5-7b-shape`); a pretrained one's hub id or
+            local folder of a Llama/Qwen2-family checkpoint, or with `gguf_file` its label.
+        source: `synthetic` builds the model from the fields below (the embedded tiny model, the
+            shape presets); `pretrained` loads the checkpoint `name` or `gguf_file` names; `auto`
+            is synthetic for `name=tiny` and pretrained for any other name.
+        family: architecture of a synthetic model (`qwen2` or `llama`).
+        hidden_size: synthetic model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
+        intermediate_size: synthetic model MLP width; a multiple of 64.
+        num_layers: decoder blocks of a synthetic model.
+        num_heads: attention heads of a synthetic model.
+        num_kv_heads: key/value heads of a synthetic model (grouped-query attention).
+        vocab_size: synthetic model vocabulary; 0 uses the character tokenizer's. A real model's
             vocabulary (Qwen2.5: 152064) makes the embedding, lm_head and logits their real size
             in shape presets; ids beyond the tokenizer's are never sampled by a warmed-up model.
-        max_positions: embedded model context length (prompt + completion).
-        tie_embeddings: the embedded model's lm_head shares the embedding matrix (Qwen2.5 ties
+        max_positions: synthetic model context length (prompt + completion).
+        tie_embeddings: a synthetic model's lm_head shares the embedding matrix (Qwen2.5 ties
             them up to 3B, not at 7B and above).
         dtype: compute dtype of activations and unquantized weights; `auto` is bfloat16 on CUDA
             and float32 on CPU.
@@ -118,6 +121,7 @@ class ModelConfig:
     """
 
     name: str = "tiny"
+    source: str = "auto"
     family: str = "qwen2"
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -134,11 +138,16 @@ class ModelConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
     def __post_init__(self) -> None:
+        _choice("model.source", self.source, ("auto", "synthetic", "pretrained"))
         _choice("model.family", self.family, ("qwen2", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
         _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
-        if self.name == "tiny":
+        _check(not self.gguf_file or self.source != "synthetic", "model.gguf_file needs model.source=pretrained; a synthetic model is built from its dims")
+        _check(self.source != "pretrained" or self.name != "tiny", "model.source=pretrained needs model.name=<a hub id or checkpoint folder>; tiny is the embedded model")
+        if self.source == "auto":  # resolved here, so that config.json and W&B record what the model is
+            self.source = "synthetic" if self.name == "tiny" else "pretrained"
+        if self.source == "synthetic":
             for f in ("hidden_size", "intermediate_size"):
                 v = getattr(self, f)
                 _check(v > 0 and v % 64 == 0, f"model.{f} must be a positive multiple of 64, got {v}")

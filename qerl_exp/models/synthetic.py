@@ -1,4 +1,4 @@
-"""Synthetic models: built from the config's dims, nothing downloaded.
+"""Synthetic models: built from the config's dims (`model.source=synthetic`), nothing downloaded.
 
 The embedded tiny model (`model=tiny`, warmed up on the task by `models.warmup`) and the shape
 presets (`model=qwen2.5-{7b,14b,32b}-shape`: a real model's decoder and vocabulary with random

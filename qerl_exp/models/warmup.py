@@ -51,7 +51,9 @@ def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str
     """
     spec = {
         "version": TINY_RECIPE_VERSION,
-        "model": {k: v for k, v in asdict(cfg).items() if k not in ("name", "dtype", "cache_dir", "gguf_file", "package")},
+        # `source` is synthetic for every model warmed up, and `name` only labels it
+        "model": {k: v for k, v in asdict(cfg).items()
+                  if k not in ("name", "source", "dtype", "cache_dir", "gguf_file", "package")},
         "task": task_fields,
         "vocab": vocab,
     }
@@ -62,7 +64,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
     """The warmed-up embedded model (float32, CPU) and facts about its warm-up.
 
     Args:
-        cfg: the model config (`name=tiny`).
+        cfg: the model config (`source=synthetic`).
         task_cfg: the task config; its fields that shape the problems are part of the cache key.
         task: the built task whose problems the model learns from.
         tokenizer: the embedded tokenizer.
