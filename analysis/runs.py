@@ -391,14 +391,14 @@ def strategy_presets(conf_dir: Path | None = None) -> tuple[dict[str, dict], lis
     Returns:
         ({name: {dotted key: value}} restricted to STRATEGY_KEYS, [(name, why it did not compose)]).
     """
-    from qerl_exp.cli import CONF_DIR, compose_config
-    from omegaconf import OmegaConf
+    from qerl_exp.cli import CONF_DIR, compose
+    from qerl_exp.config import as_dict
 
     conf_dir = Path(conf_dir or CONF_DIR)
     presets, failed = {}, []
     for f in sorted((conf_dir / "strategy").glob("*.yaml")):
         try:
-            cfg = OmegaConf.to_container(compose_config([f"strategy={f.stem}"]), resolve=True)
+            cfg = as_dict(compose([f"strategy={f.stem}"])[0])
         except Exception as e:  # noqa: BLE001 - a preset the current schema rejects is reported
             failed.append((f.stem, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__))
             continue

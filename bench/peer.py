@@ -55,12 +55,11 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ROOT))
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
+    from qerl_exp.cli import compose
     from qerl_exp.models.pretrained import load_pretrained
     from qerl_exp.tasks import build_task
 
-    cfg = to_config(compose_config([*BASE, *overrides]))
+    cfg = compose([*BASE, *overrides])[0]
     task = build_task(cfg.task)
     model, tok, _ = load_pretrained(cfg.model, torch.bfloat16, "cuda")
     tok.tok.pad_token_id = tok.pad_id

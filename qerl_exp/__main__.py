@@ -19,8 +19,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from qerl_exp import distributed, rundir
-from qerl_exp.cli import CONF_DIR, UsageError, fail, hydra_overrides, set_keys, tolerate_closed_pipes, validate
-from qerl_exp.config import GROUPS, ConfigError, as_dict, from_dict, register_configs, to_config
+from qerl_exp.cli import CONF_DIR, UsageError, compose, fail, hydra_overrides, set_keys, tolerate_closed_pipes, validate
+from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs
 
 
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -64,13 +64,13 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
-    choices = {g: str(hc.runtime.choices[g]) for g in (*GROUPS, "strategy") if hc.runtime.choices.get(g) is not None}
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
         # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
         run_dir = distributed.broadcast(run_dir)
-        conf = to_config(cfg)
+        # this job's overrides composed as validation composed them (Hydra's `cfg` is its record in .hydra/)
+        conf, choices = compose(list(hc.overrides.task))
         if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.read_config(run_dir)
             keys = set_keys(list(hc.overrides.task), rundir.flatten(as_dict(conf)))

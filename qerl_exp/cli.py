@@ -1,7 +1,9 @@
 """Command-line plumbing shared by `python -m qerl_exp` and the sweep command.
 
-Hydra reports a bad override as a multi-line message or a traceback. Before Hydra starts, we
-compose every job's config ourselves and turn any failure into one line that says what to change.
+`compose(overrides)` is the one way a run's config is made: the command line, Hydra's entry
+point, each sweep trial and the tests get `(Config, choices)` from it. Hydra reports a bad
+override as a multi-line message or a traceback; before Hydra starts, `validate` composes every
+job's config and turns any failure into one line that says what to change.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import re
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+import hydra
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-from qerl_exp.config import Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
 from qerl_exp.logs import quiet
 from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
 
@@ -57,22 +59,46 @@ def _explain(exc: BaseException) -> str:
     return first
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """Compose the run config for `overrides` (hydra.* overrides are ignored here)."""
+def _is_hydra(override: str) -> bool:
+    return override.lstrip("+~").startswith("hydra")
+
+
+def _compose_hydra(overrides: list[str]) -> DictConfig:
+    """Hydra's composition of `conf/config.yaml` with `overrides`, its own `hydra` node included."""
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=[o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
+    """The validated run config of `overrides` and its group choices, as every run gets them.
+
+    Args:
+        overrides: Hydra overrides (`quant=nvfp4`, `train.steps=9`); `hydra...` ones are left to
+            Hydra (`check_hydra_overrides`).
+
+    Returns:
+        `(config, choices)`: choices name the preset of each group of `config.GROUPS` and of
+        `strategy` (e.g. `{"quant": "nvfp4", "strategy": "nvfp4_lora", ...}`), for tags and `config.json`.
+
+    Raises:
+        ConfigError: a value the schema rejects; Hydra's and OmegaConf's errors for overrides that
+            do not compose (`validate` turns both into one line).
+    """
+    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o)])
+    picked = cfg.hydra.runtime.choices
+    choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_config(cfg), choices
 
 
 def check_hydra_overrides(overrides: list[str]) -> None:
     """Compose Hydra's own config with the `hydra...` overrides (launcher choice and settings); raises as Hydra does."""
-    own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    own = [o for o in overrides if _is_hydra(o)]
     if own:
-        register_configs()
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name="config", overrides=own, return_hydra_config=True)
+        _compose_hydra(own)
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
@@ -99,7 +125,7 @@ def validate(overrides: list[str], multirun: bool) -> list[Config]:
     for job in jobs:
         try:
             check_hydra_overrides(job)
-            configs.append(to_config(compose_config(job)))
+            configs.append(compose(job)[0])
             preflight(configs[-1])
         except (ConfigError, RunDirError) as e:
             raise UsageError(str(e)) from None
@@ -118,7 +144,7 @@ def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
     Returns:
         Dotted keys, e.g. `{"lora.r", "train.steps"}` for `lora.r=32 train.steps=9`.
     """
-    base = flatten(as_dict(to_config(compose_config([]))))
+    base = flatten(as_dict(compose([])[0]))
     named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
     return {k for k in composed if composed[k] != base.get(k) or any(k == n or k.startswith(n + ".") for n in named)}
 

@@ -127,12 +127,11 @@ def tiny_models(*overrides: str):
     built on the CPU by `models.build_models`, as a run would."""
     import torch
 
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
+    from qerl_exp.cli import compose
     from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
-    cfg = to_config(compose_config(list(overrides)))
+    cfg = compose(list(overrides))[0]
     task = build_task(cfg.task)
     return cfg, task, build_models(cfg, task, torch.device("cpu"))
 
@@ -141,10 +140,9 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
     """Run `train.run` in this process with the config of `overrides` (Hydra syntax) and return its
     metrics rows; `keep["models"]` receives the run's models (for checks inside `on_step`)."""
     from qerl_exp import train
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
+    from qerl_exp.cli import compose
 
-    cfg = to_config(compose_config(list(overrides)))
+    cfg, choices = compose(list(overrides))
     with pytest.MonkeyPatch.context() as mp:
         if keep is not None:
             def build_and_keep(*args, **kwargs):  # the real builder; the test only holds on to its result
@@ -153,7 +151,7 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
 
             real = train.build_models
             mp.setattr(train, "build_models", build_and_keep)
-        train.run(cfg, run_dir, on_step=on_step)
+        train.run(cfg, run_dir, choices=choices, on_step=on_step)
     return metrics_rows(run_dir)
 
 

@@ -40,14 +40,12 @@ _COMPOSED: dict[tuple, dict] = {}
 
 def _config(strategy: str, seed: int, overrides: tuple[str, ...] = ()) -> dict:
     """A resolved config as `train.run` writes it, for a strategy preset plus overrides."""
-    from omegaconf import OmegaConf
-
-    from qerl_exp.cli import compose_config
+    from qerl_exp.cli import compose
+    from qerl_exp.config import as_dict
 
     key = (strategy, overrides)
     if key not in _COMPOSED:
-        cfg = compose_config([f"strategy={strategy}", "train.steps=20", "monitor.every=2", *overrides])
-        _COMPOSED[key] = OmegaConf.to_container(cfg, resolve=True)
+        _COMPOSED[key] = as_dict(compose([f"strategy={strategy}", "train.steps=20", "monitor.every=2", *overrides])[0])
     config = copy.deepcopy(_COMPOSED[key])
     config["seed"] = seed
     config["choices"] = {"strategy": strategy, "quant": "x"}

@@ -10,37 +10,45 @@ import pytest
 import yaml
 
 from conftest import ROOT, qerl
-from qerl_exp.cli import UsageError, compose_config, group_options, validate
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, to_config
+from qerl_exp.cli import UsageError, compose, group_options, validate
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict
 from qerl_exp.flat_config import field_docs, flat_yaml
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_every_preset_composes_into_valid_dataclasses(group):
     for preset in group_options(group):
-        cfg = to_config(compose_config([f"{group}={preset}"]))
+        cfg = compose([f"{group}={preset}"])[0]
         assert isinstance(cfg, Config)
 
 
 def test_presets_set_what_they_say():
-    cfg = to_config(compose_config(["quant=nf4_dq", "algo=dapo", "noise=exp", "lora=r32"]))
+    cfg = compose(["quant=nf4_dq", "algo=dapo", "noise=exp", "lora=r32"])[0]
     assert (cfg.quant.format, cfg.quant.double_quant) == ("nf4", True)
     assert (cfg.algo.loss_agg, cfg.algo.eps_high, cfg.algo.filter_zero_std) == ("token", 0.28, True)
     assert (cfg.noise.schedule, cfg.noise.num_stages) == ("exp", 10)
     assert (cfg.lora.r, cfg.lora.alpha) == (32, 32)
 
 
+def test_compose_gives_the_config_and_every_group_choice():
+    cfg, choices = compose(["strategy=nvfp4_lora", "hydra.run.dir=/elsewhere"])  # hydra.* is Hydra's own
+    assert cfg.quant.format == "nvfp4" and cfg.noise.schedule == "exp"
+    assert list(choices.items()) == [("model", "tiny"), ("quant", "nvfp4"), ("lora", "r16"), ("noise", "exp"),
+                                     ("task", "arith"), ("algo", "grpo"), ("tracker", "offline"), ("strategy", "nvfp4_lora")]
+    assert "strategy" not in compose([])[1]
+
+
 def test_model_source_names_what_the_model_is():
     """Synthetic presets are labelled by what they build; `auto` loads any name but `tiny`."""
     sources = {preset: (cfg.model.source, cfg.model.name)
-               for preset in group_options("model") for cfg in [to_config(compose_config([f"model={preset}"]))]}
+               for preset in group_options("model") for cfg in [compose([f"model={preset}"])[0]]}
     assert sources["tiny"] == ("synthetic", "tiny")
     assert sources["qwen2.5-7b-shape"] == ("synthetic", "qwen2.5-7b-shape")
     assert sources["smollm2-135m"] == ("pretrained", "SmolLM2-135M-Instruct")
     assert {s for p, (s, _) in sources.items() if p.endswith("-shape") or p == "tiny"} == {"synthetic"}
     assert {s for p, (s, _) in sources.items() if not (p.endswith("-shape") or p == "tiny")} == {"pretrained"}
-    assert to_config(compose_config(["model.name=/some/checkpoint"])).model.source == "pretrained"
-    assert to_config(compose_config(["model=qwen2.5-7b-shape", "model.num_layers=2"])).model.source == "synthetic"
+    assert compose(["model.name=/some/checkpoint"])[0].model.source == "pretrained"
+    assert compose(["model=qwen2.5-7b-shape", "model.num_layers=2"])[0].model.source == "synthetic"
 
 
 def test_yaml_presets_comment_every_field():
@@ -82,7 +90,7 @@ def test_flat_yaml_is_generated_from_the_schemas():
 
 
 def test_configs_are_read_only_once_validated():
-    cfg = to_config(compose_config(["train.steps=3"]))
+    cfg = compose(["train.steps=3"])[0]
     with pytest.raises(dataclasses.FrozenInstanceError, match="dataclasses.replace"):
         cfg.train.steps = 5
     assert dataclasses.replace(cfg.train, steps=7).steps == 7 and cfg.train.steps == 3

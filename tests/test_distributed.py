@@ -18,8 +18,8 @@ import torch
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, qerl, stable
 from qerl_exp import distributed
-from qerl_exp.cli import compose_config
-from qerl_exp.config import ConfigError, to_config
+from qerl_exp.cli import compose
+from qerl_exp.config import ConfigError
 from qerl_exp.rollout import HFSampler, RowSampling, row_seeds, sample
 
 # The command: 4 steps of 4 prompts x 4 completions, seed 5.
@@ -124,7 +124,7 @@ def test_every_rank_resumes_from_rank_0s_checkpoint(tmp_path, one_process):
 
 
 def test_process_counts_that_do_not_split_the_prompts_are_refused():
-    cfg = to_config(compose_config(["train.prompts_per_step=4"]))
+    cfg = compose(["train.prompts_per_step=4"])[0]
     distributed.check(cfg, 1, multirun=True)  # one process: anything goes
     distributed.check(cfg, 4, multirun=False)
     for world in (3, 8):  # not dividing 4; more processes than prompts

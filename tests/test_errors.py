@@ -78,14 +78,13 @@ def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     import shutil
 
     from qerl_exp import rundir
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
+    from qerl_exp.cli import compose
     from qerl_exp.eval.__main__ import run_config as eval_config
     from qerl_exp.train import run_config
 
     data = tmp_path / "gsm8k.jsonl"
     shutil.copy(ROOT / "tests" / "data" / "gsm8k_sample.jsonl", data)
-    cfg = to_config(compose_config(["task=gsm8k", f"task.path={data}"]))
+    cfg = compose(["task=gsm8k", f"task.path={data}"])[0]
     run_dir = tmp_path / "run"
     recorded = run_config(cfg, {})
     with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != rundir.DATA_KEY}):  # as runs were made before

@@ -20,8 +20,8 @@ import torch
 
 from conftest import TINY_RUN, kill_after, metrics_rows, qerl, run_in_process, stable, tiny_models
 from qerl_exp import train
-from qerl_exp.cli import compose_config
-from qerl_exp.config import AlgoConfig, to_config
+from qerl_exp.cli import compose
+from qerl_exp.config import AlgoConfig
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp
 from qerl_exp.noise import noisy_norms
@@ -175,7 +175,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
             changed += int((want != quantize_nvfp4(base).dequantize()).sum())
         checked.append(changed)
 
-    cfg = to_config(compose_config([*LOOP, *SAMPLER_NVFP4]))
+    cfg = compose([*LOOP, *SAMPLER_NVFP4])[0]
     rows = _run(tmp_path / "run", *SAMPLER_NVFP4, on_step=check, keep=keep)
     assert len(checked) == 3 and checked[-1] > 0, checked  # the LoRA moved the quantized weights
     assert len(layers) == len(decoder_linears(keep["models"].sampler.module, cfg.quant.targets))

@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, qerl
-from qerl_exp.cli import compose_config
-from qerl_exp.config import to_config
+from qerl_exp.cli import compose
 
 SMOLLM2 = ["model=smollm2-135m", "task=wordprob"]
 
@@ -26,7 +25,7 @@ def smollm2():
     from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
-    cfg = to_config(compose_config([*SMOLLM2, "monitor.every=0"]))
+    cfg = compose([*SMOLLM2, "monitor.every=0"])[0]
     task = build_task(cfg.task)
     try:
         models = build_models(cfg, task, torch.device("cpu"))

@@ -67,10 +67,9 @@ def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
 
 
 def _in_process_cfg(tmp_path, *overrides):
-    from qerl_exp.cli import compose_config
-    from qerl_exp.config import to_config
+    from qerl_exp.cli import compose
 
-    return to_config(compose_config([*TINY_RUN, "monitor.every=0", f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}", *overrides]))
+    return compose([*TINY_RUN, "monitor.every=0", f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}", *overrides])[0]
 
 
 class _Stop(Exception):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_RUN, import_or_skip, qerl
-from qerl_exp.cli import compose_config
-from qerl_exp.config import TaskConfig, to_config
+from qerl_exp.cli import compose
+from qerl_exp.config import TaskConfig
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.answer import answers_equal, last_boxed, parse_number
 from qerl_exp.tasks.datasets import gsm8k_problem, load_problems, math_problem, split
@@ -201,7 +201,7 @@ def test_parquet_files_load_like_jsonl(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert load_problems(path, gsm8k_problem) == load_problems(GSM8K, gsm8k_problem)
     # as a run composes it: task=gsm8k task.path=file.parquet
-    task = build_task(to_config(compose_config(["task=gsm8k", f"task.path={path}", "task.eval_size=6"])).task)
+    task = build_task(compose(["task=gsm8k", f"task.path={path}", "task.eval_size=6"])[0].task)
     from_jsonl = build_task(TaskConfig(name="gsm8k", path=str(GSM8K), eval_size=6))
     assert task.eval_problems() == from_jsonl.eval_problems() and task.train == from_jsonl.train
 

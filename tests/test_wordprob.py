@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from qerl_exp.cli import compose_config
-from qerl_exp.config import ConfigError, TaskConfig, to_config
+from qerl_exp.cli import compose
+from qerl_exp.config import ConfigError, TaskConfig
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.rewards import correctness_reward, natural_answer
 from qerl_exp.tasks.wordprob import OOD_TEMPLATES, TRAIN, Templates, held_out
@@ -149,13 +149,13 @@ def test_a_split_the_task_lacks_is_refused_in_one_line():
 
 
 def test_preset_turns_the_format_reward_off_and_judges_natural_answers():
-    cfg = to_config(compose_config(["task=wordprob"]))
+    cfg = compose(["task=wordprob"])[0]
     t = build_task(cfg.task)
     assert set(t.rewards) == {"correct"} and cfg.task.answer_from == "text"
     p = t.eval_problems()[0]
     assert t.rewards["correct"](f"Step by step.\n#### {p.answer}", p) == cfg.task.correct_reward
     # the other tasks keep both of the paper's rewards
-    assert set(build_task(to_config(compose_config([])).task).rewards) == {"format", "correct"}
+    assert set(build_task(compose([])[0].task).rewards) == {"format", "correct"}
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -25,7 +25,7 @@ import optuna
 import yaml
 from omegaconf import OmegaConf
 
-from qerl_exp.cli import CONF_DIR, UsageError, compose_config, expand_sweep, group_options, validate
+from qerl_exp.cli import CONF_DIR, UsageError, expand_sweep, group_options, validate
 from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
@@ -568,10 +568,9 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
     """Compose the config once for the declared keys, then a few sampled trials end to end."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        validate(plan.overrides, multirun=False)
+        cfg = validate(plan.overrides, multirun=False)[0]
     except UsageError as e:
         raise UsageError(f"overrides: {e}") from None
-    cfg = compose_config(plan.overrides)
     for p in plan.params:
         if not (p.name == CONFIG and plan.configs):
             _check_key(p.name, p.distribution, cfg, plan.spec_path)
@@ -619,7 +618,7 @@ def _check_key(key: str, dist, cfg, spec_path: Path) -> None:
                 if str(c) not in group_options(key):
                     raise UsageError(f"{spec_path}: params.{key}: '{c}' is not a preset; choose from: {', '.join(group_options(key))}")
         return
-    if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+    if OmegaConf.select(OmegaConf.structured(cfg), key, default=_MISSING) is _MISSING:
         raise UsageError(f"{spec_path}: unknown parameter '{key}': not a config key or group (see python -m qerl_exp --cfg job)")
 
 

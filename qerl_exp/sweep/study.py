@@ -36,8 +36,7 @@ import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from qerl_exp.cli import CONF_DIR, UsageError
-from qerl_exp.config import GROUPS, register_configs, to_config
+from qerl_exp.cli import UsageError, compose
 from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
                                   trial_overrides, trial_seeds)
 from qerl_exp.sweep.storage import claim_lock, first_line, open_storage, quiet_optuna, shown
@@ -331,23 +330,6 @@ class _Reporter:
             raise optuna.TrialPruned(f"pruned at step {at}: {obj.metric} {value:.4g}")
 
 
-def compose_trial(overrides: list[str]):
-    """The validated config of one run and its Hydra group choices."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import open_dict
-
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    choices = {g: str(c) for g, c in cfg.hydra.runtime.choices.items() if (g in GROUPS or g == "strategy") and c is not None}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return to_config(cfg), choices
-
-
 def _objective_values(plan: Plan, run_dir: Path, steps: int) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [o.value([r.get(o.metric) for r in rows if isinstance(r.get(o.metric), (int, float))], steps)
@@ -392,7 +374,7 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
             for i, seed in enumerate(seeds):
                 run_dir = _run_dir(plan, owner, seed)
                 run_dirs.append(str(run_dir))
-                cfg, choices = compose_trial(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
+                cfg, choices = compose(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
                 choices.update({"study": plan.study_name, "trial": str(owner)})
                 choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
                 reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
