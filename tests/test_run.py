@@ -21,7 +21,7 @@ def _rows(run_dir: Path) -> list[dict]:
 REQUIRED = [
     "reward", "reward_std", "rewards/format/mean", "rewards/correct/mean", "frac_reward_zero_std",
     "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "kl", "entropy", "sampler/entropy", "entropy_gain", "quant/kl", "sampling/logp_gap", "noise/sigma",
+    "entropy", "sampler/entropy", "entropy_gain", "quant/kl", "sampling/logp_gap", "noise/sigma",
     "noise/stage", "perf/rollout_tok_s", "perf/step_s", "mem/weights_bytes", "mem/quantized_linear_bytes",
     "mem/peak_bytes", "loss", "grad_norm", "lr",
 ]
@@ -37,6 +37,8 @@ def test_single_run_writes_metrics_summary_wandb_and_adapter(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in REQUIRED:
         assert all(name in r for r in rows), name
+    # at beta 0 the reference pass behind `kl` runs every monitor.kl_every (10) steps: step 0 only
+    assert ["kl" in r for r in rows] == [True, False, False]
     for name in set().union(*rows) - {"step"}:  # metrics.py's table names everything logged
         check_logged(name)
     assert all(r["noise/sigma"] == pytest.approx(0.3) for r in rows)
