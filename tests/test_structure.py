@@ -160,8 +160,10 @@ def _product_files() -> list[Path]:
 
 
 def test_history_patterns_catch_our_phrasing_only():
-    said = ["docs/engine.md, session 27", "one GEMM (session", "(sessions 25-27)", "what this session measured",
-            "issue 25 of this repository", "Issue 21's next runs", "see #22", "DESIGN.md 2.4", "(STYLE.md)"]
+    # history phrasings, written with placeholders so that this file states none itself
+    said = [line.format(s="session", i="issue", c="Issue", d="DESIGN", y="STYLE") for line in (
+        "docs/engine.md, {s} 27", "one GEMM ({s}", "({s}s 25-27)", "what this {s} measured",
+        "{i} 25 of this repository", "{c} 21's next runs", "see #22", "{d}.md 2.4", "({y}.md)")]
     fine = ["pytorch/pytorch#196678", "pytorch#196678", '@pytest.fixture(scope="session")', "A session of their own",
             "start_new_session=True", "open an issue", "# 4 rows", "color #fff"]
     assert all(any(r.search(line) for r in HISTORY.values()) for line in said)
