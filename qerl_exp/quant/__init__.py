@@ -154,14 +154,8 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
         A new fp32 tensor: exactly what the layer multiplies by (before casting to the activations'
         dtype).
     """
-    import bitsandbytes as bnb
-
-    if isinstance(module, bnb.nn.Linear4bit):
-        w = module.weight
-        return bnb.functional.dequantize_4bit(w.data, w.quant_state).float()
-    if callable(getattr(type(module), "dequantize", None)):
-        return module.dequantize(torch.float32)
-    return module.weight.detach().float().clone()
+    w = base_weight(module, torch.float32).detach()
+    return w.clone() if w.data_ptr() == module.weight.data_ptr() else w  # a dense fp32 layer's own weight
 
 
 def memory_bytes(model: nn.Module) -> dict[str, int]:
