@@ -287,6 +287,9 @@ class TaskConfig:
             its numbers growing with it (a start below 20 x difficulty).
         ops: arith and wordprob: operators to draw from (`/` for wordprob only; its quotients are
             whole numbers).
+        templates: wordprob: what training draws are phrased from: `base` (three themes) or
+            `wide` (those and six more, with their own sentence and question forms, names and
+            objects); the evaluation splits are the same for both.
         eval_size: held-out problems used by evaluation (a single file holds out at most a
             quarter of its problems).
         format_reward: reward for a completion in the <think>...</think><answer>...</answer>
@@ -304,6 +307,7 @@ class TaskConfig:
     eval_path: str = ""
     difficulty: int = 2
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    templates: str = "base"
     eval_size: int = 200
     format_reward: float = 0.2
     correct_reward: float = 2.0
@@ -313,6 +317,9 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _choice("task.name", self.name, ("arith", "wordprob", "gsm8k", "math"))
         _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        _choice("task.templates", self.templates, ("base", "wide"))
+        _check(self.templates == "base" or self.name == "wordprob",
+               f"task.templates={self.templates} is for task.name=wordprob; leave it at base for task.name={self.name}")
         top = 3 if self.name == "wordprob" else 6
         _check(1 <= self.difficulty <= top, f"task.difficulty must be in 1..{top} for task.name={self.name}, got {self.difficulty}")
         _check(len(self.ops) > 0, "task.ops must name at least one operator")

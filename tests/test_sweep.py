@@ -104,11 +104,14 @@ def test_shipped_specs_validate_against_the_config():
 
 
 def test_the_smollm2_study_specs_share_one_base():
-    """The real-model study, its repeats and its learning-rate sweep: analysis pairs and groups runs
-    only when every setting matches, so the three specs' runs must differ in their configs alone."""
-    study, repeat, lr = (load_plan(ROOT / "sweeps" / f"smollm2_{name}.yaml", []) for name in ("study", "repeat", "lr"))
-    assert study.grid and (study.n_trials, repeat.n_trials, lr.n_trials) == (20, 2, 8)
-    assert study.overrides == repeat.overrides == lr.overrides
+    """The real-model study, its repeats, its learning-rate sweep and its wide-template rows:
+    analysis pairs and groups runs only when every setting matches, so the specs' runs must differ
+    in their configs alone."""
+    study, repeat, lr, wide = (load_plan(ROOT / "sweeps" / f"smollm2_{name}.yaml", []) for name in ("study", "repeat", "lr", "wide"))
+    assert study.grid and (study.n_trials, repeat.n_trials, lr.n_trials, wide.n_trials) == (20, 2, 8, 10)
+    assert study.overrides == repeat.overrides == lr.overrides == wide.overrides
+    assert all("task.templates=wide" in c and c[0] in (study.configs["full_precision"][0], study.configs["nvfp4_lora_paper"][0])
+               for c in wide.configs.values())
     assert {"task=wordprob", "eval.at_start=true", "eval.every=50", "task.eval_size=100"} <= set(study.overrides)
     assert all(study.configs[name] == overrides for name, overrides in repeat.configs.items())
     assert study.configs["nvfp4_lora_relative"] == ["strategy=nvfp4_lora", "noise.relative=true"]

@@ -12,7 +12,7 @@ from qerl_exp.cli import compose
 from qerl_exp.config import ConfigError, TaskConfig
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.rewards import correctness_reward, natural_answer
-from qerl_exp.tasks.wordprob import OOD_TEMPLATES, TRAIN, Templates, held_out
+from qerl_exp.tasks.wordprob import OOD_TEMPLATES, TRAIN, WIDE, WIDE_EXTRA, Templates, held_out
 
 OPS = ["+", "-", "*", "/"]
 
@@ -69,12 +69,15 @@ def _replay(solution: str) -> int:
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3])
-def test_problems_have_whole_answers_and_the_asked_number_of_steps(difficulty):
-    problems = task(difficulty=difficulty).sample(300, np.random.default_rng(difficulty))
+@pytest.mark.parametrize("templates", ["base", "wide"])
+def test_problems_have_whole_answers_and_the_asked_number_of_steps(difficulty, templates):
+    problems = task(difficulty=difficulty, templates=templates).sample(300, np.random.default_rng(difficulty))
+    questions = {t.question.split("{")[0] for t in (TRAIN if templates == "base" else WIDE).themes}
     for p in problems:
         assert len(re.findall(r" = ", p.solution)) == difficulty, p
         assert str(_replay(p.solution)) == p.answer, p
-        assert p.question.endswith("now?") and p.answer not in ("", "0")
+        assert p.question.endswith("?") and p.answer not in ("", "0")
+        assert any(q in p.question for q in questions), p
     used = {op for p in problems for op in re.findall(r"\d+ ([-+x/]) \d+ =", p.solution)}
     assert used == {"+", "-", "x", "/"}
     assert len({p.question for p in problems}) > 0.95 * len(problems)
@@ -106,20 +109,40 @@ def _patterns(templates: Templates) -> list[str]:
             for theme in templates.themes for sentence in theme.sentences()]
 
 
-def test_the_out_of_template_words_share_nothing_with_training():
-    sentences = [{s for t in words.themes for s in t.sentences()} for words in (TRAIN, OOD_TEMPLATES)]
+@pytest.mark.parametrize("train", [TRAIN, WIDE], ids=["base", "wide"])
+def test_the_out_of_template_words_share_nothing_with_training(train):
+    sentences = [{s for t in words.themes for s in t.sentences()} for words in (train, OOD_TEMPLATES)]
     assert sentences[0].isdisjoint(sentences[1])
-    questions = [{t.question for t in words.themes} for words in (TRAIN, OOD_TEMPLATES)]
-    assert questions[0].isdisjoint(questions[1]) and all(len(q) == len(w.themes) for q, w in zip(questions, (TRAIN, OOD_TEMPLATES)))
-    assert set(TRAIN.names).isdisjoint(OOD_TEMPLATES.names) and set(TRAIN.objects).isdisjoint(OOD_TEMPLATES.objects)
+    questions = [{t.question for t in words.themes} for words in (train, OOD_TEMPLATES)]
+    assert questions[0].isdisjoint(questions[1]) and all(len(q) == len(w.themes) for q, w in zip(questions, (train, OOD_TEMPLATES)))
+    assert set(train.names).isdisjoint(OOD_TEMPLATES.names) and set(train.objects).isdisjoint(OOD_TEMPLATES.objects)
+
+
+def test_wide_templates_add_new_words_to_training_and_leave_both_splits_alone():
+    # WIDE is TRAIN and WIDE_EXTRA, whose every theme, sentence, question, name and object is new
+    assert WIDE.themes == TRAIN.themes + WIDE_EXTRA.themes and len(WIDE_EXTRA.themes) >= 6
+    base_sentences = {s for t in TRAIN.themes for s in t.sentences()}
+    assert not base_sentences & {s for t in WIDE_EXTRA.themes for s in t.sentences()}
+    assert not set(TRAIN.names) & set(WIDE_EXTRA.names) and not set(TRAIN.objects) & set(WIDE_EXTRA.objects)
+    base, wide = task(difficulty=2, eval_size=200), task(difficulty=2, eval_size=200, templates="wide")
+    for split in ("heldout", "ood"):
+        assert [p.question for p in wide.eval_problems(split)] == [p.question for p in base.eval_problems(split)]
+    held = {p.question for p in base.eval_problems()}
+    drawn = [p.question for seed in range(3) for p in wide.sample(1000, np.random.default_rng(seed))]
+    assert not any(q in held or held_out(q) for q in drawn)
+    # every extra theme is drawn, and the base themes still are
+    asks = [re.compile(_patterns(Templates((theme,), (), ()))[-1] + "$") for theme in WIDE.themes]
+    assert all(any(ask.search(q) for q in drawn) for ask in asks)
+    assert sum(any(n in q.split()[:8] for n in WIDE_EXTRA.names) for q in drawn) > 0.2 * len(drawn)
 
 
 @pytest.mark.parametrize("difficulty", [1, 3])
-def test_out_of_template_questions_match_no_training_template_and_have_one_more_step(difficulty):
-    t = task(difficulty=difficulty, eval_size=300)
+@pytest.mark.parametrize("templates", ["base", "wide"])
+def test_out_of_template_questions_match_no_training_template_and_have_one_more_step(difficulty, templates):
+    t = task(difficulty=difficulty, eval_size=300, templates=templates)
     ood = t.eval_problems("ood")
     drawn = t.sample(300, np.random.default_rng(0)) + t.eval_problems()
-    train_patterns, ood_patterns = _patterns(TRAIN), _patterns(OOD_TEMPLATES)
+    train_patterns, ood_patterns = _patterns(TRAIN if templates == "base" else WIDE), _patterns(OOD_TEMPLATES)
     for questions, own, other in (([p.question for p in ood], ood_patterns, train_patterns),
                                   ([p.question for p in drawn], train_patterns, ood_patterns)):
         alternatives = "|".join(own)
@@ -162,9 +185,12 @@ def test_preset_turns_the_format_reward_off_and_judges_natural_answers():
     ({"difficulty": 4}, "task.difficulty must be in 1..3 for task.name=wordprob"),
     ({"ops": ["+", "%"]}, "task.ops entry='%' is not valid"),
     ({"answer_from": "last"}, "task.answer_from='last' is not valid"),
+    ({"templates": "narrow"}, "task.templates='narrow' is not valid"),
 ])
 def test_bad_wordprob_settings_are_refused(kw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         TaskConfig(name="wordprob", **kw)
     with pytest.raises(ConfigError, match="task.ops entry='/' is not valid"):
         TaskConfig(name="arith", ops=["/"])
+    with pytest.raises(ConfigError, match=re.escape("task.templates=wide is for task.name=wordprob; leave it at base for task.name=arith")):
+        TaskConfig(name="arith", templates="wide")

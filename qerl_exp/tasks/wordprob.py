@@ -17,8 +17,10 @@ fixed seeds, never from the run's):
   one operation more than training's `task.difficulty` (numbers of training's size). It asks
   whether RL taught arithmetic in words or the training phrasings.
 
-The template lists are data: widening the training generator is adding themes, names or objects
-to `TRAIN` (the tests keep it disjoint from `OOD_TEMPLATES`).
+Training draws come from `TRAIN` (`task.templates=base`) or from `WIDE` (`task.templates=wide`:
+`TRAIN` and `WIDE_EXTRA`'s six more themes, names and objects); the held-out split always from
+`TRAIN`, so runs of either setting are scored on the same problems. The template lists are data:
+the tests keep every list disjoint from `OOD_TEMPLATES`.
 """
 
 from __future__ import annotations
@@ -146,6 +148,67 @@ OOD_TEMPLATES = Templates(
            "Wendy", "Xavier", "Bianca", "Dmitri"),
     objects=("goats", "hens", "ducks", "rabbits", "geese", "ponies", "cows", "pigs"),
 )
+
+# What `task.templates=wide` adds to TRAIN for training draws: six more themes, each with its own
+# sentence and question forms, and more names and objects; nothing of OOD_TEMPLATES either.
+WIDE_EXTRA = Templates(
+    themes=(
+        Theme(
+            start="There are {n} {x} on the desk of {a}.",
+            add=("{b} puts {n} extra {x} on the desk of {a}.", "Later, {a} collects {n} further {x}."),
+            sub=("{a} hands out {n} {x} to classmates.", "{n} of the {x} roll off the desk of {a} and get lost."),
+            mul=("The desk of {b} holds {n} times as many {x} as the desk of {a}.",),
+            div=("{a} sorts the {x} into {n} equal piles and passes one pile to {b}.",),
+            question="How many {x} are on the desk of {a}?",
+        ),
+        Theme(
+            start="{a} bakes {n} muffins for a school fair.",
+            add=("{a} bakes a second batch of {n} muffins.", "{b} drops off {n} muffins for {a} to sell."),
+            sub=("{a} sells {n} muffins before noon.", "{a} drops {n} muffins on the floor and throws them away."),
+            mul=("{b} bakes {n} times as many muffins as {a}.",),
+            div=("{a} packs the muffins into {n} equal boxes and hands one box to {b}.",),
+            question="How many muffins does {a} have left to sell?",
+        ),
+        Theme(
+            start="{a} keeps {n} coins in a piggy bank.",
+            add=("{a} drops {n} more coins into the piggy bank.", "{b} adds {n} coins to the savings of {a}."),
+            sub=("{a} takes {n} coins out to buy a snack.",),
+            mul=("The piggy bank of {b} holds {n} times as many coins as that of {a}.",),
+            div=("{a} empties the piggy bank into {n} equal piles and gives one pile to {b}.",),
+            question="What is the number of coins {a} has?",
+        ),
+        Theme(
+            start="A bus driven by {a} leaves the depot with {n} passengers.",
+            add=("At the next stop, {n} passengers get on the bus of {a}.",),
+            sub=("At the market, {n} passengers get off the bus of {a}.",),
+            mul=("The bus of {b} carries {n} times as many passengers as the bus of {a}.",),
+            div=("The passengers of {a} split evenly into {n} tour groups, and {b} guides one group.",),
+            question="How many passengers are with {a} now?",
+        ),
+        Theme(
+            start="{a} practices the piano for {n} minutes.",
+            add=("{a} practices {n} minutes longer in the evening.",),
+            sub=("{a} cuts the practice short by {n} minutes.",),
+            mul=("{b} practices {n} times as long as {a}.",),
+            div=("{a} splits the practice time into {n} equal sessions, and {b} joins only one session.",),
+            question="For how many minutes does {a} practice?",
+        ),
+        Theme(
+            start="{a} saves {n} euros in January.",
+            add=("In February {a} saves another {n} euros.", "{b} pays {a} back {n} euros."),
+            sub=("{a} spends {n} euros on a gift.",),
+            mul=("{b} saves {n} times as much as {a}.",),
+            div=("{a} gives the savings in equal parts to {n} charities, and {b} runs one of them.",),
+            question="How many euros does {a} hold?",
+        ),
+    ),
+    names=("Ada", "Bruno", "Carmen", "Dev", "Elif", "Farah", "Gus", "Hiro", "Iris", "Jonas", "Kofi", "Lucia"),
+    objects=("crayons", "erasers", "buttons", "beads", "badges", "pebbles", "postcards"),
+)
+WIDE = Templates(*(a + b for a, b in zip((TRAIN.themes, TRAIN.names, TRAIN.objects),
+                                         (WIDE_EXTRA.themes, WIDE_EXTRA.names, WIDE_EXTRA.objects))))
+TEMPLATES = {"base": TRAIN, "wide": WIDE}  # task.templates: what training draws from
+
 _SYMBOL = {"+": "+", "-": "-", "*": "x", "/": "/"}
 
 
@@ -215,9 +278,11 @@ class WordProblemTask:
         self.rewards = default_rewards(cfg)
 
     def _draw(self, rng: np.random.Generator, want_held_out: bool = False) -> Problem:
+        # held-out problems always come from TRAIN, so runs of either task.templates share them
+        templates = TRAIN if want_held_out else TEMPLATES[self.cfg.templates]
         while True:
             ops = [self.cfg.ops[i] for i in rng.integers(len(self.cfg.ops), size=self.cfg.difficulty)]
-            problem = make_problem(ops, rng, scale=self.cfg.difficulty)
+            problem = make_problem(ops, rng, scale=self.cfg.difficulty, templates=templates)
             if held_out(problem.question) == want_held_out:
                 return problem
 
