@@ -23,6 +23,7 @@ Example:
     python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
     python -m analysis docs/smollm2/study --out docs/smollm2/study --into docs/results.md
     python -m analysis determinism RUN_A RUN_B   (two runs of one config and seed, step by step)
+    python -m analysis keep runs/smollm2_study docs/smollm2/study   (a sweep's finished runs, to keep)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from analysis import determinism, figures, section, table
+from analysis import determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
 from qerl_exp.rundir import check_writable, os_error_line
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return wandb_report.main(argv[1:])
     if argv[:1] == ["determinism"]:
         return determinism.main(argv[1:])
+    if argv[:1] == ["keep"]:
+        return keep.main(argv[1:])
     args = _parser().parse_args(argv)
     if not args.paths and not args.wandb_project:
         _parser().error("give at least one PATH or --wandb-project")

@@ -27,7 +27,8 @@ Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval
 setting is, among the nvfp4_lora rows (settings equal to the `nvfp4_lora` preset's outside
 `noise.*`; AQN off is one of them), the one with the highest mean final training reward: chosen
 on training reward, never on held-out pass@1. Two runs of one row with one seed are a determinism
-pair: the first enters the row, and the section states their spread (`analysis.determinism`).
+pair: the first, in the order of the command's PATHs (so a study named before its repeats keeps its
+own runs), enters the row, and the section states their spread (`analysis.determinism`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def _family(run: Run, presets: dict[str, dict]) -> str | None:
 def build(loaded: Loaded) -> Section:
     """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats."""
     groups: dict[tuple, list[Run]] = {}
-    for run in sorted(loaded.runs, key=lambda r: r.source):
+    for run in loaded.runs:  # in PATH order: the first run of a row and seed is the row's
         key = tuple(sorted((k, repr(v)) for k, v in settings(run).items()))
         groups.setdefault(key, []).append(run)
     rows, pairs, notes, seen = [], [], [], Counter()

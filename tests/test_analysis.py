@@ -540,3 +540,28 @@ def test_offline_wandb_file_matches_metrics_jsonl(real_runs):
     # Named explicitly, the file is read; under its run directory, the directory is the source.
     dirs, files, _ = R.discover([str(wandb_file), str(d.parent)])
     assert files == [wandb_file] and dirs == sorted(d.parent.iterdir())
+
+
+def test_keep_copies_finished_trials_records_by_config_and_seed(tmp_path, capsys):
+    from analysis.__main__ import main
+
+    sweep = tmp_path / "sweep"
+    for i, (row, seed, finished) in enumerate([("fp", 0, True), ("fp", 1, True), ("q4", 0, False)]):
+        config = {**_config("full_precision", seed), "choices": {"strategy": "full_precision", "config": row}}
+        run = _write_run(sweep / "trials" / f"trial{i:04d}_s{seed}", config, _metrics("full_precision", seed), finished)
+        (run / "eval_ood.json").write_text("{}")
+        (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    dest = tmp_path / "kept"
+    _write_run(dest / "fp_s0", _config("full_precision", 9), _metrics("full_precision", 9))  # replaced
+    assert main(["keep", str(sweep), str(dest)]) == 0
+    out = capsys.readouterr()
+    assert "kept 2 runs" in out.out and "trial0002_s0: not finished (no summary.json)" in out.err
+    assert sorted(p.name for p in dest.iterdir()) == ["fp_s0", "fp_s1"]
+    for name, trial in (("fp_s0", "trial0000_s0"), ("fp_s1", "trial0001_s1")):
+        assert sorted(p.name for p in (dest / name).iterdir()) == ["config.json", "eval_ood.json", "metrics.jsonl", "summary.json"]
+        for f in ("config.json", "metrics.jsonl"):
+            assert (dest / name / f).read_bytes() == (sweep / "trials" / trial / f).read_bytes()
+    assert [r.seed for r in sorted(R.load([str(dest)]).runs, key=lambda r: r.seed)] == [0, 1]  # analysis reads them
+    assert main(["keep", str(tmp_path / "nothing"), str(dest)]) == 1
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'nothing'} holds no trials/*/config.json; "
+                                               "give the sweep_dir of a python -m qerl_exp.sweep run")

@@ -232,3 +232,15 @@ def test_runs_cut_short_are_compared_on_the_steps_all_of_them_logged(tmp_path):
         assert hi - m == pytest.approx(half(values), abs=2e-3) and m - lo == pytest.approx(half(values), abs=2e-3)
     assert "steps 10-13" in lines[0] and "14-17 of 20" in lines[0]
     assert section.cut_short(R.load([str(root / "fp_s0")])) == []  # nothing cut short: no table
+
+
+def test_a_row_keeps_the_run_of_the_first_path_and_pairs_the_other(study):
+    """A study named before its repeats keeps its own runs in the table, whatever the folders' names."""
+    def rows(paths):
+        built = section.build(R.load([str(study / p) for p in paths]))
+        return {r.label: {run.name for run in r.runs} for r in built.rows}, {(c.a.name, c.b.name) for c in built.pairs}
+
+    (study_first, pairs), (repeats_first, flipped) = rows(["trials", "trials_repeat"]), rows(["trials_repeat", "trials"])
+    assert "full_precision_s0" in study_first["full_precision"] and "fp_s0" not in study_first["full_precision"]
+    assert "q_s1" in repeats_first["nvfp4_lora_paper"] and "nvfp4_lora_paper_s1" not in repeats_first["nvfp4_lora_paper"]
+    assert pairs == {(b, a) for a, b in flipped} == {("full_precision_s0", "fp_s0"), ("nvfp4_lora_paper_s1", "q_s1")}

@@ -1,0 +1,78 @@
+"""`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials as run records to keep.
+
+Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.json` and any
+`eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/`, the names docs/results.md
+and `python -m analysis` read; checkpoints and adapters stay behind. A trial without
+`summary.json` has not finished and is left out, with a line saying so. A record of the same name
+already in DEST is replaced.
+
+Example:
+    python -m analysis keep runs/smollm2_study docs/smollm2/study
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+RECORD = ("config.json", "metrics.jsonl", "summary.json")
+
+
+def record_name(config: dict, trial: Path) -> str:
+    """`<config>_s<seed>` for a trial of a spec's `configs`; the trial folder's name otherwise."""
+    name = config.get("choices", {}).get("config")
+    return f"{name}_s{config['seed']}" if name else trial.name
+
+
+def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
+    """Copy the finished trials' records of `sweep_dir` into `dest`.
+
+    Returns:
+        The record folders written, and one line per trial left out.
+
+    Raises:
+        ValueError: `sweep_dir` holds no trials, or two trials would get one name.
+    """
+    configs = sorted((sweep_dir / "trials").glob("*/config.json"))
+    if not configs:
+        raise ValueError(f"{sweep_dir} holds no trials/*/config.json; give the sweep_dir of a python -m qerl_exp.sweep run")
+    finished, left_out = {}, []
+    for path in configs:
+        trial = path.parent
+        if not (trial / "summary.json").is_file():
+            left_out.append(f"{trial}: not finished (no summary.json)")
+            continue
+        name = record_name(json.loads(path.read_text()), trial)
+        if name in finished:
+            raise ValueError(f"{finished[name]} and {trial} would both be kept as {name}; keep them into different DESTs")
+        finished[name] = trial
+    written = []
+    for name, trial in finished.items():
+        out, tmp = dest / name, dest / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
+            shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)  # a record is whole or absent
+        written.append(out)
+    return written, left_out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep_dir", type=Path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
+    p.add_argument("dest", type=Path, help="where the records go, one folder per trial")
+    args = p.parse_args(argv)
+    try:
+        written, left_out = keep(args.sweep_dir, args.dest)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for line in left_out:
+        print(f"left out {line}", file=sys.stderr)
+    print(f"kept {len(written)} runs in {args.dest}")
+    return 0
