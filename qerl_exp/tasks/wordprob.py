@@ -205,8 +205,7 @@ WIDE_EXTRA = Templates(
     names=("Ada", "Bruno", "Carmen", "Dev", "Elif", "Farah", "Gus", "Hiro", "Iris", "Jonas", "Kofi", "Lucia"),
     objects=("crayons", "erasers", "buttons", "beads", "badges", "pebbles", "postcards"),
 )
-WIDE = Templates(*(a + b for a, b in zip((TRAIN.themes, TRAIN.names, TRAIN.objects),
-                                         (WIDE_EXTRA.themes, WIDE_EXTRA.names, WIDE_EXTRA.objects))))
+WIDE = Templates(TRAIN.themes + WIDE_EXTRA.themes, TRAIN.names + WIDE_EXTRA.names, TRAIN.objects + WIDE_EXTRA.objects)
 TEMPLATES = {"base": TRAIN, "wide": WIDE}  # task.templates: what training draws from
 
 _SYMBOL = {"+": "+", "-": "-", "*": "x", "/": "/"}
