@@ -23,13 +23,13 @@ activations fit in the free device memory (`checkpointed_layers`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from qerl_exp.loss import chunk_scores
 from qerl_exp.quant import base_weight
@@ -319,6 +319,17 @@ def _adjacent(ws: list[torch.Tensor]) -> bool:
                for w in ws) and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ws, ws[1:]))
 
 
+def _lora_product(x, base: _Base, scales: list[float], xa, a_list, b_list):
+    """`(y, lora_in, t, a, b)`: the group's output and what its backward needs (see `_LoraLinear`)."""
+    a = torch.cat(a_list).to(x.dtype) if len(a_list) > 1 else a_list[0].to(x.dtype)
+    b = torch.block_diag(*[bi * s for bi, s in zip(b_list, scales)]).to(x.dtype)
+    w, bias = base.weight(x.dtype), base.bias(x.dtype)
+    lora_in = x if xa is None else xa
+    t = lora_in @ a.t()  # [N, R]
+    c = torch.addmm(bias, t, b.t()) if bias is not None else t @ b.t()
+    return torch.addmm(c, x, w.t()), lora_in, t, a, b
+
+
 class _LoraLinear(torch.autograd.Function):
     """`x @ W^T + bias + sum_i s_i (xa @ A_i^T) @ B_i^T` (each adapter's output in its own columns) in
     one base GEMM whose epilogue adds the LoRA term.
@@ -335,13 +346,7 @@ class _LoraLinear(torch.autograd.Function):
     def forward(ctx, x, base, scales, xa, *ab):
         n = len(scales)
         a_list, b_list = ab[:n], ab[n:]
-        a = torch.cat(a_list).to(x.dtype) if n > 1 else a_list[0].to(x.dtype)
-        b = torch.block_diag(*[bi * s for bi, s in zip(b_list, scales)]).to(x.dtype)
-        w, bias = base.weight(x.dtype), base.bias(x.dtype)
-        lora_in = x if xa is None else xa
-        t = lora_in @ a.t()  # [N, R]
-        c = torch.addmm(bias, t, b.t()) if bias is not None else t @ b.t()
-        y = torch.addmm(c, x, w.t())
+        y, lora_in, t, a, b = _lora_product(x, base, scales, xa, a_list, b_list)
         ctx.base, ctx.dropout, ctx.scales = base, xa is not None, scales
         ctx.ranks, ctx.outs = [ai.shape[0] for ai in a_list], [bi.shape[0] for bi in b_list]
         ctx.save_for_backward(lora_in, t, a, b)
@@ -368,6 +373,8 @@ class _LoraLinear(torch.autograd.Function):
 
 
 def _frozen_linear(x: torch.Tensor, base: _Base) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return F.linear(x, base.weight(x.dtype), base.bias(x.dtype))
     return _FrozenGroup.apply(x, base)
 
 
@@ -399,8 +406,11 @@ def _group(layers: list[nn.Module], adapter: bool, x: torch.Tensor) -> torch.Ten
                            "set train.padding_free=false")
     dropout = adapters[0][0].lora_dropout[adapters[0][1]]
     xa = dropout(x) if not isinstance(dropout, nn.Identity) and dropout.training else None  # one config a group
-    return _LoraLinear.apply(x, base, [float(m.scaling[name]) for m, name in adapters], xa,
-                             *[m.lora_A[name].weight for m, name in adapters], *[m.lora_B[name].weight for m, name in adapters])
+    scales = [float(m.scaling[name]) for m, name in adapters]
+    a_list, b_list = [m.lora_A[name].weight for m, name in adapters], [m.lora_B[name].weight for m, name in adapters]
+    if not torch.is_grad_enabled():  # a forward without backward (old or reference log-probs, a checkpointed block)
+        return _lora_product(x, base, scales, xa, a_list, b_list)[0]
+    return _LoraLinear.apply(x, base, scales, xa, *a_list, *b_list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +448,44 @@ def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, compiled: bo
     return x, _group([mlp.down_proj], adapter, m)
 
 
+class _Recomputed(torch.autograd.Function):
+    """A checkpointed decoder block: forward runs it without autograd and keeps only its inputs;
+    backward runs it again under autograd (the random state restored, so a LoRA dropout draws the
+    same mask) and back-propagates through that. Lighter on the host than `torch.utils.checkpoint`,
+    whose forward records the graph and passes every saved tensor through hooks.
+
+    `run(x, delta) -> (x, delta)` is the block; `params` are its trainable parameters, inputs here so
+    that their gradients flow back through this node.
+    """
+
+    @staticmethod
+    def forward(ctx, run, x, delta, *params):
+        ctx.run, ctx.params = run, params
+        ctx.rng = torch.get_rng_state(), (torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        ctx.save_for_backward(x, delta)
+        return run(x, delta)
+
+    @staticmethod
+    def backward(ctx, gx, gdelta):
+        x, delta = ctx.saved_tensors
+        cpu_state, cuda_state = ctx.rng
+        now = torch.get_rng_state(), (torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, x.device)
+        with torch.enable_grad():
+            xi = x.detach().requires_grad_(ctx.needs_input_grad[1])
+            di = None if delta is None else delta.detach().requires_grad_(ctx.needs_input_grad[2])
+            outs = ctx.run(xi, di)
+        torch.set_rng_state(now[0])
+        if now[1] is not None:
+            torch.cuda.set_rng_state(now[1], x.device)
+        wrt = [t for t in (xi, di, *ctx.params) if t is not None and t.requires_grad]
+        used = [(o, g) for o, g in zip(outs, (gx, gdelta)) if g is not None]
+        grads = iter(torch.autograd.grad([o for o, _ in used], wrt, [g for _, g in used], allow_unused=True))
+        return (None, *[next(grads) if t is not None and t.requires_grad else None for t in (xi, di, *ctx.params)])
+
+
 def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, compiled: bool = False) -> torch.Tensor:
     """Final-norm hidden states `[M, H]` at the scored positions (`p.predict`).
 
@@ -456,9 +504,11 @@ def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, comp
     mask = None if uses_flash(x.new_empty(1, 1, inner.layers[0].self_attn.head_dim)) else block_mask(p)
     delta = None
     for i, layer in enumerate(inner.layers):
-        args = (layer, x, delta, cos, sin, p, mask, adapter, compiled)
-        recompute = i < checkpointed and torch.is_grad_enabled()
-        x, delta = checkpoint(_block, *args, use_reentrant=False) if recompute else _block(*args)
+        if i < checkpointed and torch.is_grad_enabled():
+            run = functools.partial(_block, layer, cos=cos, sin=sin, p=p, mask=mask, adapter=adapter, compiled=compiled)
+            x, delta = _Recomputed.apply(run, x, delta, *[q for q in layer.parameters() if q.requires_grad])
+        else:
+            x, delta = _block(layer, x, delta, cos, sin, p, mask, adapter, compiled)
     x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
     return _ELEMENTWISE.get(compiled)[1](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
 

@@ -91,6 +91,28 @@ def test_checkpointed_blocks_give_the_same_gradients(setup):
     assert packed.checkpointed_layers(lm, 1000, torch.float32, torch.device("cpu"), "true") == lm.config.num_hidden_layers
 
 
+def test_a_checkpointed_block_redraws_the_same_lora_dropout_mask():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    policy = get_peft_model(tiny_qwen2(), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.3, init_lora_weights=False,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj", "down_proj"])).train()
+    lm = policy.get_base_model()
+    p = packed.pack(_batch([6, 6], [5, 8], [False, True]), True, torch.device("cpu"))
+
+    def grads(seed, k):
+        torch.manual_seed(seed)
+        hidden = packed.hidden_states(lm, p, checkpointed=k)
+        torch.manual_seed(seed + 100)  # the random stream moves on before backward recomputes
+        return _grads(policy, hidden, hidden[:0])
+
+    kept, recomputed, other = grads(0, 0), grads(0, lm.config.num_hidden_layers), grads(1, 0)
+    for a, b in zip(kept, recomputed):
+        _close(a, b, 1e-6)
+    assert max((a - b).abs().max() for a, b in zip(kept, other)) > 1e-3  # the dropout draws do change them
+
+
 def _batch(prompt_lens: list[int], completion_lens: list[int], same: list[bool]) -> Sequences:
     """Rows with the given prompt and completion lengths; `same[i]`: row i repeats row i - 1's prompt."""
     p, t, b = max(prompt_lens), max(completion_lens), len(prompt_lens)
