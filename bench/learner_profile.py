@@ -8,7 +8,8 @@ adds LoRA r32 on all seven projections, and scores a packed micro-batch of `--to
 (groups of 8 rows: a 256-token prompt and 512-token completions, the prompt shared) with
 `qerl_exp.packed.score`, then backward of its log-probs. It prints the mean time of `--iters`
 timed iterations after a warm-up (compilation), the model TFLOPS at 4 x (matmul parameters) FLOP a
-row token, and the GPU kernels of one iteration summed by kind (torch.profiler).
+row token, and the GPU kernels of one iteration summed by kind (torch.profiler), with the time the
+host took to issue them (the call's return before the GPU is done).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from qerl_exp.rollout import Sequences  # noqa: E402
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                 vocab_size=152064, max_positions=32768, tie_embeddings=False)
 KINDS = [("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "ampere", "wgmma")), ("attention", ("flash",)),
-         ("decode", ("dequant", "nvfp4")), ("triton (compiled)", ("triton_",))]
+         ("decode", ("dequant", "nvfp4")), ("elementwise", ("_norm_", "_swiglu_", "_rope_", "elementwise"))]
 
 
 def micro_batch(tokens: int, prompt: int = 256, new: int = 512, group: int = 8) -> Sequences:
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--checkpointing", default="false", choices=["auto", "true", "false"])
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--eager", action="store_true", help="torch's eager elementwise ops instead of the fused kernels")
     args = ap.parse_args()
     cfg = ModelConfig(**SHAPE_7B)
     batch = micro_batch(args.tokens)
@@ -76,7 +78,8 @@ def main() -> None:
         policy = add_lora(model, LoraConfig(r=32, alpha=32))
 
         def step():
-            logp, _ = packed.score(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing, compiled=True)
+            logp, _ = packed.score(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing,
+                                     fused=not args.eager)
             logp.sum().backward()
 
         step()
@@ -87,6 +90,10 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - t0) / args.iters
+        t0 = time.perf_counter()
+        step()  # the host's part: until the last launch is queued
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -100,7 +107,7 @@ def main() -> None:
         busy = sum(by_kind.values())
         print(f"\n{fmt}: {rows} rows, {row_tokens} row tokens, {len(packed.pack(batch, True, 'cpu').input_ids)} packed, "
               f"checkpointing {args.checkpointing}: {seconds * 1e3:.0f} ms fwd+bwd, {row_tokens / seconds:.0f} row tok/s, "
-              f"{flops / seconds / 1e12:.0f} model TFLOPS; GPU busy {busy:.0f} ms; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+              f"{flops / seconds / 1e12:.0f} model TFLOPS; GPU busy {busy:.0f} ms; host {host * 1e3:.0f} ms; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         print(" | ".join(f"{k} {v:.0f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
         for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
             print(f"  {ms:8.1f} ms  {name}")

@@ -421,8 +421,9 @@ class TrainConfig:
         gradient_checkpointing: recompute decoder blocks in backward instead of keeping their
             activations (the paper does at 14B and 32B): `true` every block, `false` none, `auto`
             (padding_free on CUDA) the fewest that fit the micro-batch in 80 % of free memory.
-        compile: padding_free on CUDA: torch.compile the decoder's elementwise ops (RMSNorm with
-            the residual add, RoPE, SwiGLU); the first step pays the compilation.
+        fused_ops: padding_free on CUDA: the decoder's elementwise ops (RMSNorm with the residual
+            add, RoPE, SwiGLU) as hand-fused Triton kernels (`qerl_exp.elementwise`); false: torch's
+            eager ops.
         dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
             metric gathering) for the others before the run ends with an error: longer than the
             slowest step plus an evaluation and a checkpoint, short enough that a hung rank does
@@ -443,7 +444,7 @@ class TrainConfig:
     micro_batch_tokens: int = 16384
     shared_prefix: bool = True
     gradient_checkpointing: str = "auto"
-    compile: bool = True
+    fused_ops: bool = True
     dist_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -686,8 +687,15 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Keys that earlier versions saved in `config.json` and that no longer set anything (the torch.compile
+# switch the hand-fused kernels replaced): dropped when a saved config is read.
+RETIRED_KEYS = {("train", "compile")}
+
+
 def from_dict(data: dict) -> Config:
     """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`)."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in data.items() if k in fields})
+    data = {k: ({kk: vv for kk, vv in v.items() if (k, kk) not in RETIRED_KEYS} if isinstance(v, dict) else v)
+            for k, v in data.items() if k in fields}
+    merged = OmegaConf.merge(OmegaConf.structured(Config), data)
     return to_config(merged)

@@ -33,7 +33,7 @@ from qerl_exp import distributed, packed
 from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
 from qerl_exp.metrics import clip_metrics
-from qerl_exp.rollout import Rollout
+from qerl_exp.rollout import Rollout, Sequences
 
 # Attention kernels of the learner's forward and backward. Not cuDNN's: on torch 2.11 with an H100/H200
 # its backward returns NaN dQ when the length is 64 mod 128 and a query row is fully masked, which every
@@ -79,17 +79,31 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
-    """The completions `index` of a batch, without the padding columns none of them uses."""
-    pm, cm = rollout.prompt_mask[index], rollout.completion_mask[index]
+def span(batch: Sequences, index: torch.Tensor) -> tuple[int, int]:
+    """`(p0, t1)`: the first prompt column any of the rows `index` uses and their longest completion
+    (read from `batch`'s masks: on the CPU, without waiting for the device)."""
+    pm, cm = batch.prompt_mask[index], batch.completion_mask[index]
     p0 = int((pm.sum(0) > 0).nonzero().min()) if pm.any() else pm.shape[1] - 1
-    t1 = int(cm.sum(1).max()) if cm.any() else 1
-    return Rollout(
-        prompt_ids=rollout.prompt_ids[index, p0:], prompt_mask=pm[:, p0:],
-        completion_ids=rollout.completion_ids[index, :t1], completion_mask=cm[:, :t1],
-        sampler_logp=rollout.sampler_logp[index, :t1], sampler_entropy=rollout.sampler_entropy[index, :t1],
-        terminated=rollout.terminated[index], texts=[rollout.texts[i] for i in index.tolist()],
-    )
+    return p0, int(cm.sum(1).max()) if cm.any() else 1
+
+
+def rows(batch: Sequences, index: torch.Tensor, cut: tuple[int, int] | None = None) -> Sequences:
+    """The rows `index` of a batch (a `Rollout` or its `Sequences`), without the padding columns none
+    of them uses (`cut`: their `span`, when known)."""
+    p0, t1 = cut if cut is not None else span(batch, index)
+    part = dict(prompt_ids=batch.prompt_ids[index, p0:], prompt_mask=batch.prompt_mask[index, p0:],
+                completion_ids=batch.completion_ids[index, :t1], completion_mask=batch.completion_mask[index, :t1])
+    if isinstance(batch, Rollout):
+        part.update(sampler_logp=batch.sampler_logp[index, :t1], sampler_entropy=batch.sampler_entropy[index, :t1],
+                    terminated=batch.terminated[index], texts=[batch.texts[i] for i in index.tolist()])
+    return type(batch)(**part)
+
+
+def on_host(batch: Sequences) -> Sequences:
+    """The batch's ids and masks on the CPU, for planning and packing micro-batches without a wait
+    for the device at each one."""
+    return Sequences(batch.prompt_ids.cpu(), batch.prompt_mask.cpu(), batch.completion_ids.cpu(),
+                     batch.completion_mask.cpu())
 
 
 def chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -97,21 +111,24 @@ def chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(index.split(size)) if size > 0 else [index]
 
 
-def micro_batches(rollout: Rollout, index: torch.Tensor, train: TrainConfig) -> list[torch.Tensor]:
-    """The learner's micro-batches of the rows `index`: by packed tokens when padding-free, else by rows."""
+def micro_batches(host: Sequences, index: torch.Tensor, train: TrainConfig) -> list[torch.Tensor]:
+    """The learner's micro-batches of the rows `index` (CPU) of a batch (`host`: `on_host`'s copy):
+    by packed tokens when padding-free, else by rows."""
     if train.padding_free:
-        return packed.plan(rollout, index, train.micro_batch_tokens, train.shared_prefix)
+        return packed.plan(host, index, train.micro_batch_tokens, train.shared_prefix)
     return chunks(index, train.micro_batch_size)
 
 
 def score(policy, batch: Rollout, temperature: float, train: TrainConfig, *, adapter: bool = True,
-          entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          entropy_grad: bool = False, host: Sequences | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies `[b, t]` of `batch`'s completion tokens under the policy (`adapter`
-    False: the base alone, the reference policy), by the learner's scorer."""
+    False: the base alone, the reference policy), by the learner's scorer; `host`: the same rows'
+    ids and masks on the CPU, which the packed scorer packs from."""
     if train.padding_free:
-        compiled = train.compile and batch.completion_ids.is_cuda
-        return packed.score(policy, batch, temperature, shared_prefix=train.shared_prefix, compiled=compiled,
-                            checkpointing=train.gradient_checkpointing, adapter=adapter, entropy_grad=entropy_grad)
+        fused = train.fused_ops and batch.completion_ids.is_cuda
+        return packed.score(policy, batch if host is None else host, temperature, shared_prefix=train.shared_prefix,
+                            fused=fused, checkpointing=train.gradient_checkpointing, adapter=adapter,
+                            entropy_grad=entropy_grad)
     if adapter:
         return score_completions(policy, batch, temperature, entropy_grad=entropy_grad)
     with policy.disable_adapter():
@@ -124,9 +141,11 @@ def score_all(policy, rollout: Rollout, temperature: float, train: TrainConfig,
     b, t = rollout.completion_ids.shape
     logp = rollout.sampler_logp.new_zeros(b, t)
     entropy = torch.zeros_like(logp)
-    with torch.no_grad():
-        for idx in micro_batches(rollout, torch.arange(b, device=logp.device), train):
-            lp, ent = score(policy, rows(rollout, idx), temperature, train, adapter=adapter)
+    host = on_host(rollout)
+    with torch.no_grad(), packed.same_adapters():
+        for idx in micro_batches(host, torch.arange(b), train):
+            cut = span(host, idx)
+            lp, ent = score(policy, rows(rollout, idx, cut), temperature, train, adapter=adapter, host=rows(host, idx, cut))
             logp[idx, : lp.shape[1]] = lp
             entropy[idx, : ent.shape[1]] = ent
     return logp, entropy
@@ -169,33 +188,36 @@ def update_policy(
         old_logp, old_entropy = score_all(policy, rollout, algo.temperature, train)
     else:
         old_logp, old_entropy = torch.zeros(b, t, device=device), torch.zeros(b, t, device=device)
-    losses, norms, ratio_dev, ratios, ratio_adv = [], [], [], [], []
+    losses, norms, ratio_dev, ratios = [], [], [], []
     skipped = 0
+    host = on_host(rollout)  # micro-batches are planned, cut and packed from it: no wait for the GPU in between
     for _ in range(algo.num_iterations):
-        for mini in torch.arange(b, device=device).chunk(algo.mini_batches):
+        for mini in torch.arange(b).chunk(algo.mini_batches):
             normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
             optimizer.zero_grad(set_to_none=True)
-            loss, dev = 0.0, 0.0
-            for idx in micro_batches(rollout, mini, train):
-                sub = rows(rollout, idx)
-                w = sub.completion_ids.shape[1]
-                logp, entropy = score(policy, sub, algo.temperature, train, entropy_grad=algo.entropy_coef != 0)
-                if not reuse:  # one update: the learner before it is the old policy
-                    old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
-                per_token, ratio = policy_loss(
-                    logp, old_logp[idx, :w], advantages[idx], algo,
-                    ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
-                    sampler_logp=sub.sampler_logp,
-                )
-                mask = loss_mask[idx, :w]
-                part = aggregate(per_token, mask, algo.loss_agg, normalizer)
-                part.backward()
-                loss += part.item()
-                on = mask.bool()
-                ratios.append(ratio[on])
-                ratio_adv.append(advantages[idx].unsqueeze(1).expand_as(ratio)[on])
-                dev = max(dev, float((ratio[on] - 1).abs().max()) if on.any() else 0.0)
-            loss, dev = distributed.total(loss), distributed.maximum({"dev": dev})["dev"]
+            loss, dev = torch.zeros((), device=device), torch.zeros((), device=device)
+            with packed.same_adapters():  # until optimizer.step
+                for idx in micro_batches(host, mini, train):
+                    cut = span(host, idx)
+                    sub = rows(rollout, idx, cut)
+                    w = sub.completion_ids.shape[1]
+                    logp, entropy = score(policy, sub, algo.temperature, train, entropy_grad=algo.entropy_coef != 0,
+                                          host=rows(host, idx, cut))
+                    if not reuse:  # one update: the learner before it is the old policy
+                        old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
+                    per_token, ratio = policy_loss(
+                        logp, old_logp[idx, :w], advantages[idx], algo,
+                        ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
+                        sampler_logp=sub.sampler_logp,
+                    )
+                    mask = loss_mask[idx, :w]
+                    part = aggregate(per_token, mask, algo.loss_agg, normalizer)
+                    part.backward()
+                    ratio, on = ratio.detach(), mask.bool()
+                    loss = loss + part.detach()
+                    dev = torch.maximum(dev, torch.where(on, (ratio - 1).abs(), 0).amax())
+                    ratios.append((ratio, on, advantages[idx]))
+            loss, dev = distributed.total(float(loss)), distributed.maximum({"dev": float(dev)})["dev"]
             t_opt = clock(device)
             distributed.all_reduce_grads(params)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf")))
@@ -208,7 +230,8 @@ def update_policy(
             losses.append(loss)
             norms.append(grad_norm)
             ratio_dev.append(dev)
-    ratio_all, adv_all = distributed.gather(torch.cat(ratios)), distributed.gather(torch.cat(ratio_adv))
+    ratio_all = distributed.gather(torch.cat([r[on] for r, on, _ in ratios]))
+    adv_all = distributed.gather(torch.cat([a.unsqueeze(1).expand_as(r)[on] for r, on, a in ratios]))
     clip = clip_metrics(ratio_all, adv_all, torch.ones_like(ratio_all), algo.eps_low, algo.eps_high)
     return Update(
         loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms), skipped=skipped,

@@ -10,10 +10,11 @@ the HF forward and peft):
 - **The decoder pass** (`hidden_states`): the HF model's own modules and parameters (so optimizer,
   checkpoints and AQN are untouched), run by hand for Llama/Qwen2 blocks. Attention is FlashAttention
   over variable-length sequences on CUDA, a block mask over the packed tokens elsewhere. RMSNorm
-  (with the residual add before it), RoPE and SwiGLU are compiled on CUDA (`train.compile`); each
-  projection group (q/k/v, o,
-  gate/up, down) is one base product with its LoRA term added in the same GEMM's epilogue
-  (`_LoraLinear`), and 4-bit bases are decoded for that product and again in backward, never kept.
+  (with the residual add before it), RoPE and SwiGLU are one hand-fused Triton launch each way on
+  CUDA (`qerl_exp.elementwise`, `train.fused_ops`); each projection group (q/k/v, o, gate/up,
+  down) is one base product with its LoRA term added in the same GEMM's epilogue (`_LoraLinear`),
+  and 4-bit bases are decoded for that product and again in backward, never kept. Checkpointed
+  blocks run without autograd in forward and again under it in backward (`_Recomputed`).
 - **Scoring**: the LM head and log-probs on the scored (completion) positions only, in chunks
   (`loss.chunk_scores`).
 
@@ -23,6 +24,7 @@ activations fit in the free device memory (`checkpointed_layers`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl_exp.loss import chunk_scores
-from qerl_exp.quant import base_weight
+from qerl_exp.quant import base_weight, stacked_base_weight
 from qerl_exp.rollout import Sequences
 
 
@@ -228,7 +230,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# The elementwise pieces (compiled on CUDA)
+# The elementwise pieces (torch definitions; hand-fused kernels on CUDA in `qerl_exp.elementwise`)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -260,23 +262,14 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class _Elementwise:
-    """The elementwise pieces, compiled once per process on first CUDA use (dynamic token counts, so
-    a new micro-batch length does not recompile)."""
+def _elementwise(fused: bool):
+    """`(rms_norm, add_rms_norm, rope, swiglu)`: the Triton kernels of `qerl_exp.elementwise` when
+    `fused` (CUDA), else the torch definitions above."""
+    if not fused:
+        return _rms_norm, _add_rms_norm, _rope, _swiglu
+    from qerl_exp import elementwise  # needs Triton: imported on CUDA only
 
-    def __init__(self):
-        self.compiled = None
-
-    def get(self, compiled: bool):
-        pieces = (_rms_norm, _add_rms_norm, _rope, _swiglu)
-        if not compiled:
-            return pieces
-        if self.compiled is None:
-            self.compiled = tuple(torch.compile(f, dynamic=True) for f in pieces)
-        return self.compiled
-
-
-_ELEMENTWISE = _Elementwise()
+    return elementwise.rms_norm, elementwise.add_rms_norm, elementwise.rope, elementwise.swiglu
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +279,8 @@ _ELEMENTWISE = _Elementwise()
 class _Base:
     """The frozen base weights of one projection group, stacked along the output ([sum out, in]):
     a view of dense weights that lie end to end in one buffer (the rollout engine stacks q/k/v and
-    gate/up so), else built anew on each call, 4-bit ones decoded into it (`quant.base_weight`)."""
+    gate/up so), else built anew on each call, 4-bit ones decoded into it
+    (`quant.stacked_base_weight`; an NVFP4 group in one launch)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
@@ -299,11 +293,7 @@ class _Base:
         if len(dense) == len(self.layers) and _adjacent(dense):
             first = dense[0]
             return first.as_strided((sum(w.shape[0] for w in dense), first.shape[1]), (first.shape[1], 1))
-        rows = [m.out_features for m in self.layers]
-        out = torch.empty(sum(rows), self.layers[0].in_features, dtype=dtype, device=self.layers[0].weight.device)
-        for m, part in zip(self.layers, out.split(rows)):
-            base_weight(m, dtype, out=part)
-        return out
+        return stacked_base_weight(self.layers, dtype)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         if all(b is None for b in self.biases):
@@ -319,10 +309,37 @@ def _adjacent(ws: list[torch.Tensor]) -> bool:
                for w in ws) and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ws, ws[1:]))
 
 
+_stacks: dict | None = None  # inside `same_adapters()`: each group's stacked A and B, by (first A, dtype)
+
+
+@contextlib.contextmanager
+def same_adapters():
+    """A span in which the adapters do not change (one optimizer step's micro-batches): each group's
+    A and B are stacked and cast once in it, not at every pass of every micro-batch."""
+    global _stacks
+    outer, _stacks = _stacks, {}
+    try:
+        yield
+    finally:
+        _stacks = outer
+
+
+def _stack(a_list, b_list, scales: list[float], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(A, B)`: the adapters' A stacked `[R, K]`, B block-diagonal with its scales `[O, R]`, in `dtype`."""
+    key = (id(a_list[0]), dtype)
+    if _stacks is not None and key in _stacks:
+        return _stacks[key]
+    with torch.no_grad():
+        a = torch.cat(a_list).to(dtype) if len(a_list) > 1 else a_list[0].to(dtype)
+        b = torch.block_diag(*[bi * s for bi, s in zip(b_list, scales)]).to(dtype)
+    if _stacks is not None:
+        _stacks[key] = a, b
+    return a, b
+
+
 def _lora_product(x, base: _Base, scales: list[float], xa, a_list, b_list):
     """`(y, lora_in, t, a, b)`: the group's output and what its backward needs (see `_LoraLinear`)."""
-    a = torch.cat(a_list).to(x.dtype) if len(a_list) > 1 else a_list[0].to(x.dtype)
-    b = torch.block_diag(*[bi * s for bi, s in zip(b_list, scales)]).to(x.dtype)
+    a, b = _stack(a_list, b_list, scales, x.dtype)
     w, bias = base.weight(x.dtype), base.bias(x.dtype)
     lora_in = x if xa is None else xa
     t = lora_in @ a.t()  # [N, R]
@@ -425,10 +442,10 @@ def _check_model(lm) -> None:
                            f"({type(lm).__name__} is not one); set train.padding_free=false")
 
 
-def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, compiled: bool):
+def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, fused: bool):
     """One decoder block on the residual stream `x + delta`; returns the next `(x, delta)` (the
-    residual add is left to the next norm, which it is compiled into)."""
-    norm, add_norm, rope, swiglu = _ELEMENTWISE.get(compiled)
+    residual add is left to the next norm, which it is fused into)."""
+    norm, add_norm, rope, swiglu = _elementwise(fused)
     attn, mlp = layer.self_attn, layer.mlp
     n = x.shape[0]
     eps = layer.input_layernorm.variance_epsilon
@@ -486,7 +503,7 @@ class _Recomputed(torch.autograd.Function):
         return (None, *[next(grads) if t is not None and t.requires_grad else None for t in (xi, di, *ctx.params)])
 
 
-def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, compiled: bool = False) -> torch.Tensor:
+def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, fused: bool = False) -> torch.Tensor:
     """Final-norm hidden states `[M, H]` at the scored positions (`p.predict`).
 
     Args:
@@ -494,7 +511,7 @@ def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, comp
         p: the packed micro-batch.
         adapter: apply the LoRA adapters (False: the base alone, the reference policy).
         checkpointed: decoder blocks (the first ones) recomputed in backward instead of kept.
-        compiled: use the compiled elementwise pieces.
+        fused: use the hand-fused elementwise kernels (CUDA).
     """
     _check_model(lm)
     inner = lm.model
@@ -505,12 +522,14 @@ def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, comp
     delta = None
     for i, layer in enumerate(inner.layers):
         if i < checkpointed and torch.is_grad_enabled():
-            run = functools.partial(_block, layer, cos=cos, sin=sin, p=p, mask=mask, adapter=adapter, compiled=compiled)
+            if delta is not None:  # the residual sum: one saved input instead of two
+                x, delta = x + delta, None
+            run = functools.partial(_block, layer, cos=cos, sin=sin, p=p, mask=mask, adapter=adapter, fused=fused)
             x, delta = _Recomputed.apply(run, x, delta, *[q for q in layer.parameters() if q.requires_grad])
         else:
-            x, delta = _block(layer, x, delta, cos, sin, p, mask, adapter, compiled)
+            x, delta = _block(layer, x, delta, cos, sin, p, mask, adapter, fused)
     x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
-    return _ELEMENTWISE.get(compiled)[1](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
+    return _elementwise(fused)[1](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
 
 
 def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -545,17 +564,17 @@ def checkpointed_layers(lm, tokens: int, dtype: torch.dtype, device: torch.devic
 
 
 def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, checkpointing: str = "false",
-          compiled: bool = False, adapter: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          fused: bool = False, adapter: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probs and entropies `[B, T]` of the completion tokens, packed: equal to
     `loss.score_completions(policy, batch, ...)` (same zeros where the mask is 0), without padding.
 
     Args:
         policy: the peft model (or a plain Llama/Qwen2 causal LM).
-        batch: the rows to score.
+        batch: the rows to score (their ids and masks; on the CPU, packing them waits for nothing).
         temperature: logits are divided by it.
         shared_prefix: pack one copy of the prompt of adjacent rows that share it.
         checkpointing: `train.gradient_checkpointing` (`auto`, `true`, `false`).
-        compiled: use the compiled elementwise pieces.
+        fused: use the hand-fused elementwise kernels (CUDA).
         adapter: apply LoRA (False: the reference policy, the base alone).
         entropy_grad: whether the entropy is differentiable.
     """
@@ -564,7 +583,7 @@ def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, 
     p = pack(batch, shared_prefix, device)
     dtype = lm.lm_head.weight.dtype
     k = checkpointed_layers(lm, len(p.input_ids), dtype, device, checkpointing) if torch.is_grad_enabled() else 0
-    hidden = hidden_states(lm, p, adapter=adapter, checkpointed=k, compiled=compiled)
+    hidden = hidden_states(lm, p, adapter=adapter, checkpointed=k, fused=fused)
     logp, entropy = chunk_scores(hidden, p.targets, lm.lm_head, temperature, entropy_grad)
     b, t = p.shape
     zeros = hidden.new_zeros(b, t, dtype=torch.float32)

@@ -11,7 +11,7 @@ import yaml
 
 from conftest import ROOT, qerl
 from qerl_exp.cli import UsageError, compose, group_options, validate
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, from_dict
 from qerl_exp.flat_config import field_docs, flat_yaml
 
 
@@ -87,6 +87,17 @@ def test_flat_yaml_is_generated_from_the_schemas():
     committed = (ROOT / "conf" / "flat.yaml").read_text()
     assert committed == flat_yaml(), "conf/flat.yaml is stale: python -m qerl_exp.flat_config > conf/flat.yaml"
     assert yaml.safe_load(committed) == as_dict(Config())
+
+
+def test_a_saved_config_reads_back_and_retired_keys_are_dropped():
+    cfg, _ = compose(["train.steps=7", "train.fused_ops=false"])
+    saved = as_dict(cfg)
+    assert from_dict(saved) == cfg
+    saved["train"]["compile"] = True  # what earlier versions saved (the docs/smollm2 runs have it)
+    assert from_dict(saved) == cfg
+    saved["train"]["compiled"] = True  # not retired: still an error
+    with pytest.raises(Exception, match="compiled"):
+        from_dict(saved)
 
 
 def test_configs_are_read_only_once_validated():

@@ -702,6 +702,11 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
     ref = layout.dequantize_packed(pw)  # the torch twin
     assert torch.equal(layout.weight_of(pw, torch.float32), ref)
     assert torch.equal(layout.weight_of(pw, torch.bfloat16), ref.to(torch.bfloat16))
+    # a projection group's weights (rows in blocks of 64 and 32) decoded by one launch, stacked by rows
+    group = [_to(_nvfp4_packed(torch.randn(n, 256) * s), "cuda") for n, s in ((96, 0.1), (32, 3.0), (160, 0.01))]
+    for ws in (group[:1], group[:2], group):
+        out = layout.stacked_weight(ws, torch.empty(sum(w.n for w in ws), 256, device="cuda", dtype=torch.bfloat16))
+        assert torch.equal(out, torch.cat([layout.dequantize_packed(w) for w in ws]).to(torch.bfloat16))
 
 
 @gpu

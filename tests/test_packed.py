@@ -239,8 +239,8 @@ def test_flash_attention_equals_sdpa_under_the_block_mask(shared_prefix):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_cuda_packed_learner_equals_the_fp32_padded_one():
-    """The packed learner as a CUDA run has it (bf16, FlashAttention, compiled elementwise ops, the
-    first blocks checkpointed) against the padded HF learner in fp32: log-probs within bf16 rounding
+    """The packed learner as a CUDA run has it (bf16, FlashAttention, the hand-fused elementwise
+    kernels, every block checkpointed) against the padded HF learner in fp32: log-probs within bf16 rounding
     and gradients in direction."""
     torch.manual_seed(0)
     policy = with_lora(tiny_qwen2(hidden=256, heads=4, kv=2, max_positions=256)).cuda()
@@ -250,7 +250,7 @@ def test_the_cuda_packed_learner_equals_the_fp32_padded_one():
     want = score_completions(policy, rollout, 1.0)
     want_grads = _grads(policy, want[0], want[0][:0])
     policy.to(torch.bfloat16)
-    got = packed.score(policy, rollout, 1.0, shared_prefix=True, compiled=True, checkpointing="true")
+    got = packed.score(policy, rollout, 1.0, shared_prefix=True, fused=True, checkpointing="true")
     grads = _grads(policy, got[0], got[0][:0])
     mask = rollout.completion_mask.bool()
     assert (got[0][mask] - want[0][mask]).abs().max().item() < 0.05

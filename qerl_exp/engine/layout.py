@@ -26,6 +26,7 @@ Storage: 4.5 bits per weight for both (bitsandbytes' own NF4 with double quant: 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -183,11 +184,23 @@ def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype, out: Tensor | None =
     if w.fmt == "nvfp4" and w.codes.is_cuda and tk.HAS_TRITON:
         dst = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device) if out is None else \
             out[: w.n * w.k].view(w.n, w.k)
-        bn = math.gcd(w.n, 64)
-        tk._nvfp4_dequant_kernel[(w.n // bn, w.k // 64)](w.codes, w.scales, dst, w.k, w.out_scale,
-                                                         ASM=not tk.interpreting(), BLOCK_N=bn)
-        return dst
+        return stacked_weight([w], dst)
     return dequantize_packed(w).to(dtype)
+
+
+def stacked_weight(ws: list[PackedWeight], out: Tensor) -> Tensor:
+    """NVFP4 weights of one input width (kernel layout, on CUDA), at most three, dequantized into
+    `out` [sum of n, k] one after another by rows, in one launch."""
+    if not 1 <= len(ws) <= 3 or any(w.fmt != "nvfp4" or w.k != ws[0].k for w in ws):
+        raise ValueError("stacked_weight takes one to three NVFP4 weights of one input width")
+    bn = math.gcd(64, *(w.n for w in ws))
+    bounds = list(itertools.accumulate(w.n // bn for w in ws))
+    b1, b2 = (bounds + [bounds[-1]] * 2)[:2]
+    a, b, c = (ws + [ws[-1]] * 2)[:3]
+    tk._nvfp4_dequant_kernel[(bounds[-1], ws[0].k // 64)](
+        a.codes, a.scales, b.codes, b.scales, c.codes, c.scales, out, ws[0].k, a.out_scale, b.out_scale,
+        c.out_scale, b1, b2, ASM=not tk.interpreting(), BLOCK_N=bn)
+    return out
 
 
 def nf4_lut(device: torch.device | str = "cpu") -> Tensor:

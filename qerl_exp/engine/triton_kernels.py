@@ -251,13 +251,25 @@ if HAS_TRITON:
         return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
 
     @triton.jit
-    def _nvfp4_dequant_kernel(c_ptr, s_ptr, out_ptr, K, out_scale, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _nvfp4_dequant_kernel(c0, s0, c1, s1, c2, s2, out_ptr, K, scale0, scale1, scale2, B1, B2,
+                              ASM: tl.constexpr, BLOCK_N: tl.constexpr):
         # out[n, 64g + j] = W[n, 64g + j] in out's dtype, one (BLOCK_N rows, chunk g) tile a program
-        # (prefill multiplies whole prompts, where dequantize + cuBLAS beats the decode kernel).
+        # (prefill multiplies whole prompts, where dequantize + cuBLAS beats the decode kernel). Up to
+        # three weights stacked by rows in one launch (a learner's projection group): row blocks
+        # [0, B1) of out are weight 0's, [B1, B2) weight 1's, the rest weight 2's.
+        pid = tl.program_id(0)
         g = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if pid < B1:
+            w_lo, w_hi = _nvfp4_chunk(c0, s0, K // 64, g, pid * BLOCK_N, ASM, BLOCK_N)
+            out_scale = scale0
+        elif pid < B2:
+            w_lo, w_hi = _nvfp4_chunk(c1, s1, K // 64, g, (pid - B1) * BLOCK_N, ASM, BLOCK_N)
+            out_scale = scale1
+        else:
+            w_lo, w_hi = _nvfp4_chunk(c2, s2, K // 64, g, (pid - B2) * BLOCK_N, ASM, BLOCK_N)
+            out_scale = scale2
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         j = tl.arange(0, 32)
-        w_lo, w_hi = _nvfp4_chunk(c_ptr, s_ptr, K // 64, g, tl.program_id(0) * BLOCK_N, ASM, BLOCK_N)
         dst = out_ptr + rows[:, None] * K + g * 64 + j[None, :]
         tl.store(dst, (w_lo.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
         tl.store(dst + 32, (w_hi.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))

@@ -143,6 +143,18 @@ def base_weight(module: nn.Module, dtype: torch.dtype, out: torch.Tensor | None 
     return out.copy_(w)
 
 
+def stacked_base_weight(modules: list[nn.Module], dtype: torch.dtype) -> torch.Tensor:
+    """The [sum of out, in] matrix of frozen linears fed one input (a projection group), their
+    `base_weight`s one after another by rows, in a new tensor (NVFP4 layers decoded in one launch)."""
+    rows = [m.out_features for m in modules]
+    out = torch.empty(sum(rows), modules[0].in_features, dtype=dtype, device=modules[0].weight.device)
+    if all(isinstance(m, FP4Linear) for m in modules):
+        return FP4Linear.dequantize_stacked(modules, out)
+    for m, part in zip(modules, out.split(rows)):
+        base_weight(m, dtype, out=part)
+    return out
+
+
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear, quantized or not, as a dense fp32 [out, in] matrix.
 

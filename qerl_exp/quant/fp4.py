@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_exp.engine.layout import PackedWeight, relayout_nvfp4, weight_of
+from qerl_exp.engine.layout import PackedWeight, relayout_nvfp4, stacked_weight, weight_of
 
 FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
@@ -374,6 +374,19 @@ class FP4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return _FrozenLinear.apply(x, self, bias)
+
+    @staticmethod
+    def dequantize_stacked(layers: list[FP4Linear], out: torch.Tensor) -> torch.Tensor:
+        """`out` [sum of out_features, in] = the layers' weights one after another by rows: in one
+        launch for up to three NVFP4 layers on CUDA in the kernel layout, else layer by layer."""
+        if 1 <= len(layers) <= 3 and all(m.format == "nvfp4" and m.weight.is_cuda and m._kernel_layout_fits()
+                                         for m in layers):
+            return stacked_weight([m.kernel_weight() for m in layers], out)
+        for m, part in zip(layers, out.split([m.out_features for m in layers])):
+            w = m.dequantize(out.dtype, out=part)
+            if w.data_ptr() != part.data_ptr():
+                part.copy_(w)
+        return out
 
     def quantized_bytes(self) -> int:
         """Bytes this layer stores: codes, every block scale, the tensor scale and the bias."""
