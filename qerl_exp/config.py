@@ -687,9 +687,7 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# Keys that earlier versions saved in `config.json` and that no longer set anything (the torch.compile
-# switch the hand-fused kernels replaced): dropped when a saved config is read.
-RETIRED_KEYS = {("train", "compile")}
+RETIRED_KEYS = {("train", "compile")}  # saved by earlier versions, set nothing now: dropped on reading
 
 
 def from_dict(data: dict) -> Config:
