@@ -3,6 +3,7 @@
     python bench/kernels.py                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
     python bench/kernels.py --sweep         # NVFP4 dispatch: every candidate at M 1-256, writes dispatch.json
     python bench/kernels.py --tiles         # also try `_splitk_kernel` tile configs (NVFP4 and dense)
+    python bench/kernels.py --attention --m 8,64   # decode attention: one program a sequence-head vs split
 
 Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
 to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import dispatch, layout, linear  # noqa: E402
+from qerl_exp.engine import dispatch, launch, layout, linear  # noqa: E402
 from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
@@ -252,6 +253,34 @@ def sweep_configs() -> list[dict]:
             for bn in (64, 128, 256) for st in (3, 4) for sp in (1, 2, 4, 8) for nw in (4, 8) if bn < 256 or nw == 8]
 
 
+def bench_attention(ms: list[int], contexts: list[int], hq: int = 28, hkv: int = 4, d: int = 128) -> None:
+    """Decode attention of the 7B shape (28 query and 4 kv heads of 128) at `ms` sequences and each
+    live context length: one program a sequence-head against the split runs the engine launches
+    (`launch.attention_splits`), over 28 layers' caches (so keys and values come from HBM)."""
+    print(f"# decode attention: {torch.cuda.get_device_name()}, bf16, {hq}/{hkv} heads of {d}, 28 layers' caches")
+    print(f"{'M':>4} {'context':>8} {'splits':>6} {'one us':>8} {'split us':>9} {'speed-up':>9} {'KV GB/s':>8} {'max diff':>9}")
+    dev = torch.device("cuda")
+    for m in ms:
+        s = max(contexts)
+        s += -s % 64
+        caches = [(torch.randn(m, hkv, s, d, device=dev, dtype=torch.bfloat16),
+                   torch.randn(m, hkv, s, d, device=dev, dtype=torch.bfloat16)) for _ in range(28)]
+        q = torch.randn(m, hq, d, device=dev, dtype=torch.bfloat16)
+        pad = torch.zeros(m, dtype=torch.long, device=dev)
+        work = launch.attention_workspace(m, hq, hkv, d, dev)
+        outs = [torch.empty(m, hq * d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+        for ctx in contexts:
+            slot = torch.tensor([ctx - 1], device=dev)
+            times = [time_graph([lambda kc=kc, vc=vc, w=w, o=o: launch.decode_attention(q, kc, vc, pad, slot, d ** -0.5, o, w)
+                                 for kc, vc in caches]) for w, o in ((None, outs[0]), (work, outs[1]))]
+            diff = (outs[0].float() - outs[1].float()).abs().max().item()
+            gbs = 2 * m * hkv * ctx * d * 2 / times[1] / 1e9
+            splits = 1 if work is None else work[0].shape[2]
+            print(f"{m:>4} {ctx:>8} {splits:>6} {times[0] * 1e6:>8.1f} {times[1] * 1e6:>9.1f} "
+                  f"{times[0] / times[1]:>8.2f}x {gbs:>8.0f} {diff:>9.1e}", flush=True)
+        del caches
+
+
 def main(argv: list[str] | None = None) -> list:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b", help="7b or 0.5b")
@@ -264,10 +293,15 @@ def main(argv: list[str] | None = None) -> list:
     ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_M)), help="rows for --sweep")
     ap.add_argument("--dispatch-out", default=str(dispatch.TABLE_PATH), help="where --sweep writes the table")
     ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the kernel table after it")
+    ap.add_argument("--attention", action="store_true", help="time decode attention (one program vs split) instead")
+    ap.add_argument("--contexts", default="128,256,512,1024,2048,2304", help="live slots for --attention")
     a = ap.parse_args(argv)
     shapes = SHAPES_7B if a.shapes == "7b" else SHAPES_05B
     ms = [int(v) for v in a.m.split(",")]
     variants = a.variants.split(",")
+    if a.attention:
+        bench_attention(ms, [int(v) for v in a.contexts.split(",")])
+        return []
     if a.sweep:
         print(f"# dispatch sweep: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
         dispatch_sweep(LAUNCHES_7B, [int(v) for v in a.sweep_m.split(",")], Path(a.dispatch_out),

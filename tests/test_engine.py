@@ -514,6 +514,23 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
     att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
     torch.testing.assert_close(att, oracle.attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
+    # long contexts split over several programs a sequence-head, combined by the last to finish:
+    # every run count from one (short live ranges, or splits=1) to the workspace's, including runs
+    # that the split cap makes longer than the minimum, twice over one workspace (its counters reset)
+    s = 1408
+    kc, vc = (torch.randn(4, hkv, s, d).to(device, dtype) for _ in range(2))
+    works = {n: launch.attention_workspace(b, hq, hkv, d, torch.device(device), n) for n in (None, 1, 3, 16)}
+    assert works[1] is None and works[None][0].shape[2] == 16  # 132 SMs (the interpreter's) over 6 sequence-heads
+    for splits, pad_, slot_ in [(None, [0, 3, 70], 200), (None, [0, 3, 70], 1407), (16, [5, 300, 1000], 1300),
+                                (3, [0, 64, 700], 1407), (3, [0, 64, 700], 1407), (1, [0, 3, 70], 1407)]:
+        w = works[splits]
+        pad, slot = torch.tensor(pad_, device=device), torch.tensor([slot_], device=device)
+        live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
+        mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
+        out = torch.full((b, hq * d), float("nan"), device=device, dtype=dtype)
+        att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, out, w)
+        torch.testing.assert_close(att, oracle.attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
+        assert w is None or not w[2].any()
     # the prefill epilogue (LoRA term, GLU, residual on cuBLAS outputs) into a column slice, against
     # float64 with the model-dtype roundings where HF rounds
     m, n, r, ldt = 37, 96, 8, lora_dtype or dtype

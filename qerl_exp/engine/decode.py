@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp.engine.launch import decode_attention, norm_shrink, prefill_epilogue, rope_cache
+from qerl_exp.engine.launch import attention_workspace, decode_attention, norm_shrink, prefill_epilogue, rope_cache
 from qerl_exp.engine.layout import PackedWeight, relayout_nf4, weight_of
 from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.sampling import fused_sample, sample
@@ -294,6 +294,7 @@ class _State:
         self.h = torch.zeros(b, h, dtype=dt, device=dev)
         self.q = torch.zeros(b, m.hq, m.d, dtype=dt, device=dev)
         self.att = torch.zeros(b, m.hq * m.d, dtype=dt, device=dev)
+        self.att_work = attention_workspace(b, m.hq, m.hkv, m.d, dev)  # split runs of long contexts
         self.generator: torch.Generator | None = None
         self.seed = z(1)  # fused_sample's noise key, drawn anew each generate
 
@@ -402,7 +403,7 @@ def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
         fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
                      shrink=ly.qkv.a_tab)
         rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
-        att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att)
+        att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att, st.att_work)
         fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, ss_out=st.ss)
         # where down takes nvfp4_wgmma, the GLU epilogue writes its operand (inter / 16 in fp16)
         down16 = ly.down.plan.takes_x16(b, x.device)
