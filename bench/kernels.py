@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import dispatch, launch, layout, linear  # noqa: E402
+from qerl_exp.engine import attention, dispatch, layout, linear  # noqa: E402
 from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
@@ -256,7 +256,7 @@ def sweep_configs() -> list[dict]:
 def bench_attention(ms: list[int], contexts: list[int], hq: int = 28, hkv: int = 4, d: int = 128) -> None:
     """Decode attention of the 7B shape (28 query and 4 kv heads of 128) at `ms` sequences and each
     live context length: one program a sequence-head against the split runs the engine launches
-    (`launch.attention_splits`), over 28 layers' caches (so keys and values come from HBM)."""
+    (`attention.attention_splits`), over 28 layers' caches (so keys and values come from HBM)."""
     print(f"# decode attention: {torch.cuda.get_device_name()}, bf16, {hq}/{hkv} heads of {d}, 28 layers' caches")
     print(f"{'M':>4} {'context':>8} {'splits':>6} {'one us':>8} {'split us':>9} {'speed-up':>9} {'KV GB/s':>8} {'max diff':>9}")
     dev = torch.device("cuda")
@@ -267,11 +267,11 @@ def bench_attention(ms: list[int], contexts: list[int], hq: int = 28, hkv: int =
                    torch.randn(m, hkv, s, d, device=dev, dtype=torch.bfloat16)) for _ in range(28)]
         q = torch.randn(m, hq, d, device=dev, dtype=torch.bfloat16)
         pad = torch.zeros(m, dtype=torch.long, device=dev)
-        work = launch.attention_workspace(m, hq, hkv, d, dev)
+        work = attention.attention_workspace(m, hq, hkv, d, dev)
         outs = [torch.empty(m, hq * d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
         for ctx in contexts:
             slot = torch.tensor([ctx - 1], device=dev)
-            times = [time_graph([lambda kc=kc, vc=vc, w=w, o=o: launch.decode_attention(q, kc, vc, pad, slot, d ** -0.5, o, w)
+            times = [time_graph([lambda kc=kc, vc=vc, w=w, o=o: attention.decode_attention(q, kc, vc, pad, slot, d ** -0.5, o, w)
                                  for kc, vc in caches]) for w, o in ((None, outs[0]), (work, outs[1]))]
             diff = (outs[0].float() - outs[1].float()).abs().max().item()
             gbs = 2 * m * hkv * ctx * d * 2 / times[1] / 1e9

@@ -17,7 +17,7 @@ from torch import nn
 
 import engine_oracle as oracle
 from conftest import import_or_skip, tiny_qwen2, with_lora
-from qerl_exp.engine import dispatch, launch, layout, linear
+from qerl_exp.engine import attention, dispatch, launch, layout, linear
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
@@ -512,14 +512,14 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     pad, slot = torch.tensor([0, 3, 70], device=device), torch.tensor([90], device=device)
     live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
     mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
-    att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
+    att = attention.decode_attention(q, kc, vc, pad, slot, 0.3, torch.empty(b, hq * d, device=device, dtype=dtype))
     torch.testing.assert_close(att, oracle.attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
     # long contexts split over several programs a sequence-head, combined by the last to finish:
     # every run count from one (short live ranges, or splits=1) to the workspace's, including runs
     # that the split cap makes longer than the minimum, twice over one workspace (its counters reset)
     s = 1408
     kc, vc = (torch.randn(4, hkv, s, d).to(device, dtype) for _ in range(2))
-    works = {n: launch.attention_workspace(b, hq, hkv, d, torch.device(device), n) for n in (None, 1, 3, 16)}
+    works = {n: attention.attention_workspace(b, hq, hkv, d, torch.device(device), n) for n in (None, 1, 3, 16)}
     assert works[1] is None and works[None][0].shape[2] == 16  # 132 SMs (the interpreter's) over 6 sequence-heads
     for splits, pad_, slot_ in [(None, [0, 3, 70], 200), (None, [0, 3, 70], 1407), (16, [5, 300, 1000], 1300),
                                 (3, [0, 64, 700], 1407), (3, [0, 64, 700], 1407), (1, [0, 3, 70], 1407)]:
@@ -528,7 +528,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
         live = (torch.arange(s, device=device)[None] >= pad[:, None]) & (torch.arange(s, device=device)[None] <= slot)
         mask = torch.zeros(b, 1, 1, s, device=device, dtype=dtype).masked_fill_(~live[:, None, None], float("-inf"))
         out = torch.full((b, hq * d), float("nan"), device=device, dtype=dtype)
-        att = launch.decode_attention(q, kc, vc, pad, slot, 0.3, out, w)
+        att = attention.decode_attention(q, kc, vc, pad, slot, 0.3, out, w)
         torch.testing.assert_close(att, oracle.attend(q, kc[:b], vc[:b], mask, 0.3), rtol=tol * 5, atol=tol * 5)
         assert w is None or not w[2].any()
     # the prefill epilogue (LoRA term, GLU, residual on cuBLAS outputs) into a column slice, against
@@ -616,6 +616,27 @@ def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
 @pytest.mark.parametrize("check", list(INTERPRETED))
 def test_the_kernels_and_the_engine_in_the_interpreter(check):
     run_interpreted(__file__, f"{check} OK", 900, check)
+
+
+def test_decode_attention_compiles_for_hopper_and_splits_only_where_asked():
+    # The interpreter runs what the compiler may refuse (a loop-carried int32 re-assigned int64 did):
+    # compile for sm_90 without a GPU. With one program a sequence-head the combining code is
+    # compiled out; split, the runs release their partials (acq_rel) and are read past L1 (.cg).
+    import_or_skip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sig = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    sig.update(pad_ptr="*i64", slot_ptr="*i64", stride_kb="i32", stride_kh="i32", stride_ks="i32", scaling="fp32",
+               HQ="i32", acc_ptr="*fp32", ml_ptr="*fp32", count_ptr="*i32")
+    ptx = {}
+    for splits in (1, 8):
+        const = dict(G=7, G_PAD=16, D=128, BLOCK_S=64, SPLITS=splits, MIN_BLOCKS=attention.ATTENTION_MIN_BLOCKS)
+        src = triton.compiler.ASTSource(fn=attention._decode_attention_kernel, signature={**sig, **dict.fromkeys(const, "constexpr")},
+                                        constexprs=const)
+        ptx[splits] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx[8] and "ld.global.cg" in ptx[8]
+    assert "atom." not in ptx[1] and "ld.global.cg" not in ptx[1]
 
 
 def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():

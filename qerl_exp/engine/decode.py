@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp.engine.launch import attention_workspace, decode_attention, norm_shrink, prefill_epilogue, rope_cache
+from qerl_exp.engine.attention import attention_workspace, decode_attention
+from qerl_exp.engine.launch import norm_shrink, prefill_epilogue, rope_cache
 from qerl_exp.engine.layout import PackedWeight, relayout_nf4, weight_of
 from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.sampling import fused_sample, sample

@@ -1,6 +1,6 @@
-"""Launch wrappers of the engine's Triton kernels other than the linears' (those are `linear`'s):
-RMSNorm + LoRA shrink (`norm_shrink`), rope + KV-cache write (`rope_cache`), decode attention
-(`decode_attention`), the prefill's epilogue (`prefill_epilogue`), and what the launches ask of the
+"""Launch wrappers of the engine's Triton kernels other than the linears' (those are `linear`'s)
+and decode attention's (`attention`'s): RMSNorm + LoRA shrink (`norm_shrink`), rope + KV-cache
+write (`rope_cache`), the prefill's epilogue (`prefill_epilogue`), and what the launches ask of the
 device (`sm_count`, `capability`, `require_device`).
 """
 
@@ -93,55 +93,6 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
         BLOCK_M=block_m, BLOCK_K=block_k, H16=h16, SS_HERE=gamma is not None and ss is None, EXACT=exact,
         num_warps=4,
     )
-
-
-ATTENTION_MIN_BLOCKS = 4  # live 64-slot blocks a split of decode attention takes at least
-
-
-def attention_splits(b: int, hkv: int, device: torch.device) -> int:
-    """Programs a (sequence, kv head) of `decode_attention`: as many as make about two waves of the
-    SMs (at most 16), so that a batch of a few sequences at long contexts is not a few programs'
-    serial loops; from 2 * SMs sequence-heads on (64 sequences of 4 kv heads on an H200), one."""
-    return max(1, min(16, 2 * sm_count(device) // (b * hkv)))
-
-
-def attention_workspace(b: int, hq: int, hkv: int, d: int, device: torch.device,
-                        splits: int | None = None) -> tuple[Tensor, ...] | None:
-    """The buffers `decode_attention` combines split runs through, for batches of `b` sequences:
-    `(acc [b, hkv, splits, G_PAD, d], max and sum [b, hkv, splits, 2, G_PAD], count int32 [b, hkv])`;
-    None where it takes one program a sequence-head. `splits`: `attention_splits` unless given."""
-    splits = splits or attention_splits(b, hkv, device)
-    if splits == 1:
-        return None
-    g_pad = pow2(hq // hkv)
-    f32 = dict(dtype=torch.float32, device=device)
-    return (torch.zeros(b, hkv, splits, g_pad, d, **f32), torch.zeros(b, hkv, splits, 2, g_pad, **f32),
-            torch.zeros(b, hkv, dtype=torch.int32, device=device))
-
-
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pad: Tensor, slot: Tensor, scaling: float,
-                     out: Tensor, work: tuple[Tensor, ...] | None = None) -> Tensor:
-    """Triton: attention of one new token per sequence over its live cache slots (pad[b]..slot).
-
-    Args:
-        q: [B, hq, d]. k_cache / v_cache: [B_max, hkv, S, d], S a multiple of 64.
-        pad: int [B] first live slot per sequence. slot: int [1] this token's slot (the last live).
-        out: [B, hq * d], returned.
-        work: `attention_workspace(B, ...)`: the live slots of a sequence-head split over up to its
-            `splits` programs (runs of at least `ATTENTION_MIN_BLOCKS` blocks); None: one program.
-    """
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    g = hq // hkv
-    splits = 1 if work is None else work[0].shape[2]
-    acc, ml, count = work if work is not None else (dummy_tensor(q.device, torch.float32),) * 2 + (
-        dummy_tensor(q.device, torch.int32),)
-    tk._decode_attention_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, pad, slot, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scaling, hq,
-        acc, ml, count, G=g, G_PAD=pow2(g), D=d, BLOCK_S=64, SPLITS=splits, MIN_BLOCKS=ATTENTION_MIN_BLOCKS,
-        num_warps=4,
-    )
-    return out
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
