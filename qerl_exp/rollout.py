@@ -225,6 +225,7 @@ class FastSampler:
             ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
             eos_id=eos_id, pad_id=self.tokenizer.pad_id,
             generator=torch.Generator().manual_seed(seeds[0]),  # one stream for the batch, from its first row's seed
+            group=algo.group_size,  # a group's rows repeat one prompt: prefilled once
         )
         return out.completion_ids, out.logprobs, out.entropy
 

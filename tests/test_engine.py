@@ -294,6 +294,15 @@ def _check_eos_sampling_growth_and_release() -> None:
     a, b = (eng.generate(ids, mask, 5, temperature=0.9, top_p=0.95, eos_id=-1, pad_id=0,
                          generator=torch.Generator().manual_seed(3)) for _ in range(2))
     assert torch.equal(a.completion_ids, b.completion_ids)
+    # a group's rows share one prompt: prefilled once (the others get its cache slots), the same
+    # completions and log-probs as prefilling every row; the rows of a "group" that differ refuse
+    gids, gmask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    grouped = FastEngine(model, 6, 32).generate(gids, gmask, 6, temperature=0, eos_id=-1, pad_id=0, group=2)
+    assert torch.equal(grouped.completion_ids, hf_greedy(model, gids, gmask, 6))
+    torch.testing.assert_close(grouped.logprobs, FastEngine(model, 6, 32).generate(
+        gids, gmask, 6, temperature=0, eos_id=-1, pad_id=0).logprobs, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must share one prompt"):
+        eng.generate(torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]]), 3, eos_id=-1, pad_id=0, group=2)
     fmask = torch.cat([mask, torch.ones_like(a.completion_ids)], 1)
     with torch.no_grad():
         logits = model(input_ids=torch.cat([ids, a.completion_ids], 1), attention_mask=fmask,

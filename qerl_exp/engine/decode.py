@@ -387,6 +387,16 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     return F.linear(_rms_norm(last, m.norm, m.eps), m.lm_head).float()
 
 
+def share_prompts(cache: _Cache, prompts: int, group: int, p: int) -> None:
+    """Give each of `prompts` prefilled rows' cache slots 0..p-1 to the `group` adjacent rows that
+    share its prompt (rows g * group .. (g + 1) * group - 1 get row g's), in place: from the last
+    prompt down, so no row is overwritten before it is read."""
+    for g in reversed(range(prompts)):
+        first = g * group + (1 if g == 0 else 0)  # row 0 already holds its own
+        for kv in (cache.k, cache.v):
+            kv[:, first : (g + 1) * group, :, :p] = kv[:, g : g + 1, :, :p]
+
+
 def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
     # one token per sequence (st.tok [B] at cache slot st.slot, rotary position st.pos [B]), per
     # layer: qkv (norm and LoRA shrink, on load where the kernel does), rope + cache, attention, o

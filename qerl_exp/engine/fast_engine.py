@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked, base_layers,
                                     build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
-                                    setup_caches, stack_dense)
+                                    setup_caches, share_prompts, stack_dense)
 from qerl_exp.engine.launch import require_device
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
@@ -171,14 +171,20 @@ class FastEngine:
             self._graphs[key], _ = self._capture(self._step_fn(st, greedy, use_top_p), reset, warmups=2)
         return self._graphs[key]
 
-    def _prefill(self, ids: Tensor, mask: Tensor) -> Tensor:
-        """`prefill()`, replayed from a CUDA graph when a (batch, prompt length) comes back: run eagerly
-        it is bound by launching ~90 small ops a layer. A shape is captured on its second call (one
-        seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run eagerly."""
-        key = tuple(ids.shape)
+    def _prefill(self, ids: Tensor, mask: Tensor, group: int) -> Tensor:
+        """`prefill()` of one row a group (`share_prompts` gives its cache slots to the group's other
+        rows), replayed from a CUDA graph when a (batch, prompt length, group) comes back: run
+        eagerly it is bound by launching ~90 small ops a layer. A shape is captured on its second
+        call (one seen once costs no capture), at most `PREFILL_GRAPHS` of them; the others run
+        eagerly."""
+        key = (*ids.shape, group)
 
         def run(ids, mask):
-            return prefill(self.m, self.cache, ids, mask, self.scratch)
+            logits = prefill(self.m, self.cache, ids[::group], mask[::group], self.scratch)
+            if group == 1:
+                return logits
+            share_prompts(self.cache, ids.shape[0] // group, group, ids.shape[1])
+            return logits.repeat_interleave(group, 0)
 
         if not self.use_graph:
             return run(ids, mask)
@@ -232,7 +238,8 @@ class FastEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> GenerateOutput:
+                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None,
+                 group: int = 1) -> GenerateOutput:
         """Sample completions for left-padded prompts.
 
         Args:
@@ -245,12 +252,17 @@ class FastEngine:
             generator: makes sampling reproducible: `fused_sample`'s seed is drawn from it, and on
                 CUDA it seeds the graph's RNG for the call (the torch sampler's, under top-p) and
                 restores the global CUDA RNG state afterwards.
+            group: the rows come in groups of `group` adjacent rows with one prompt (GRPO's
+                completions of a prompt): the prefill runs once a group. Rows of a group that
+                differ stop the call with a ValueError.
 
         Returns:
             `GenerateOutput` with T = the longest completion (at most max_new_tokens).
         """
         require_device(self.m.embed.device)
         b, p = prompt_ids.shape
+        if group < 1 or b % group:
+            raise ValueError(f"generate(group={group}) needs a positive group that divides the batch of {b} rows")
         if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
             # Grow to what this call needs (KV cache, buffers and graphs are made anew).
             self.max_batch_size = max(b, self.max_batch_size)
@@ -263,6 +275,8 @@ class FastEngine:
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
         dev = self.m.embed.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
+        if group > 1 and not all(bool((t.view(b // group, group, p) == t[::group, None]).all()) for t in (ids, mask)):
+            raise ValueError(f"generate(group={group}): the rows of a group must share one prompt (ids and mask)")
         greedy = temperature <= 0
         use_top_p = (not greedy) and top_p < 1.0
         st = self._state(b)
@@ -284,7 +298,7 @@ class FastEngine:
             st.pad_id.fill_(pad_id)
             st.done.zero_()
             st.step.zero_()
-            logits = self._prefill(ids, mask)
+            logits = self._prefill(ids, mask, group)
             st.pad.copy_(p - mask.long().sum(1))
             st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
             st.pos.copy_(p - 1 - st.pad)
