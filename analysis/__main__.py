@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no complete runs to analyse", file=sys.stderr)
         return 1
     rows, notes = table.build(loaded.runs)
+    for note in table.base_notes(loaded.runs):
+        print(f"warning: {note}", file=sys.stderr)
+        notes.append(note)
     try:
         written = table.write(rows, args.out)
         written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)

@@ -237,6 +237,21 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
     return rows, notes
 
 
+def base_notes(runs: list[Run]) -> list[str]:
+    """A note when the runs started from more than one warmed-up embedded model (their summaries'
+    `warmup/weights` differ): the rows then compare bases as well as strategies."""
+    bases: dict[str, list[str]] = {}
+    for r in runs:
+        if "warmup/weights" in r.summary:
+            bases.setdefault(r.summary["warmup/weights"], []).append(r.name)
+    if len(bases) < 2:
+        return []
+    listed = "; ".join(f"{digest} ({len(names)} runs, e.g. {names[0]})" for digest, names in bases.items())
+    return [f"the runs started from {len(bases)} different warmed-up models (warmup/weights: {listed}): "
+            "another kind of CPU warms up another model; copy one machine's model.cache_dir to the others "
+            "to compare strategies alone"]
+
+
 # --------------------------------------------------------------------------- formatting
 
 COLUMNS = [

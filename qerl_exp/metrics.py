@@ -42,7 +42,9 @@ these functions; it never builds metric names itself. Token means are over compl
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
 `reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
-`mem/*`, `warmup/greedy_accuracy`, `steps`.
+`mem/*`, `steps`; for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
+`warmup/weights` (a digest of the weights: runs that show the same one started from the same model;
+another kind of CPU can warm up another, `models.warmup.weights_digest`).
 """
 
 from __future__ import annotations
@@ -366,10 +368,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def run_summary(history: list[dict[str, float]], warmup_accuracy: float) -> dict[str, float]:
+def run_summary(history: list[dict[str, float]], base: dict) -> dict[str, float | str]:
     """`summary.json` from the per-step metrics: the final reward (mean over the last
     `FINAL_FRACTION` of the steps) and the best, the means of entropy, speed and noise metrics, the
-    last evaluation, the largest memory figures, and the embedded model's warm-up accuracy."""
+    last evaluation, the largest memory figures, and the embedded model's warm-up (`base`:
+    `models.warmup.load_or_warm_up`'s info; empty for a pretrained model): its greedy accuracy, its
+    steps and the digest of the weights it ended with."""
     def series(name):
         return [h[name] for h in history if isinstance(h.get(name), (int, float)) and math.isfinite(h[name])]
 
@@ -388,5 +392,7 @@ def run_summary(history: list[dict[str, float]], warmup_accuracy: float) -> dict
         values = series(name)
         if values:
             out[name] = float(max(values))
-    out["warmup/greedy_accuracy"] = warmup_accuracy
+    out["warmup/greedy_accuracy"] = base.get("greedy_accuracy", float("nan"))
+    if "weights" in base:
+        out["warmup/steps"], out["warmup/weights"] = base["steps"], base["weights"]
     return out

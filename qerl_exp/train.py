@@ -224,7 +224,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
                 raise rundir.Interrupted(signum, step + 1)
 
         _save(loop, run_dir / "final", cfg.train.steps)
-        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info.get("greedy_accuracy", float("nan"))),
+        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
                                          "world_size": distributed.world_size(), "commit": rundir.source_commit()}
                                         if distributed.is_main() else None)
         loop.tracker.finish(summary)

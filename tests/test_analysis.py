@@ -301,6 +301,26 @@ def test_every_table_cell_matches_an_independent_recomputation(synthetic, tmp_pa
     assert any("train.lr" in n and "not in the table" in n for n in notes)
 
 
+def test_runs_from_different_warmed_up_models_are_named_on_stderr_and_in_the_run_list(tmp_path, capsys):
+    # runs made on two kinds of CPU start from two warm-ups of the embedded model: the table then
+    # compares bases as well as strategies, and says so
+    from analysis.__main__ import main
+
+    def make(root, digests):
+        for strategy, seed, digest in digests:
+            path = _write_run(root / strategy / f"s{seed}", _config(strategy, seed), _metrics(strategy, seed))
+            (path / "summary.json").write_text(json.dumps({"warmup/weights": digest, "warmup/steps": 1200}))
+
+    make(tmp_path / "one", [(s, seed, "aaaa") for s in ("full_precision", "nvfp4_lora") for seed in (0, 1)])
+    make(tmp_path / "two", [("full_precision", 0, "aaaa"), ("full_precision", 1, "bbbb"), ("nvfp4_lora", 0, "bbbb")])
+    for name, warned in (("one", False), ("two", True)):
+        assert main([str(tmp_path / name), "--out", str(tmp_path / f"{name}_report")]) == 0
+        err = capsys.readouterr().err
+        listed = (tmp_path / f"{name}_report" / "strategy_runs.md").read_text().split("## Notes")[1]
+        assert ("started from 2 different warmed-up models" in err) == warned
+        assert ("aaaa (1 runs" in listed and "bbbb (2 runs" in listed) == warned
+
+
 def test_table_without_full_precision_leaves_ratios_empty(synthetic):
     root, _, _, _ = synthetic
     loaded = R.load([str(root / "nvfp4_lora"), str(root / "nf4_dq")])

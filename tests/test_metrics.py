@@ -102,7 +102,7 @@ def test_one_final_score_for_the_summary_the_console_and_the_sweep():
     from qerl_exp.sweep.spec import Objective
 
     rewards = [float(i) for i in range(10)]
-    summary = M.run_summary([{"step": i, "reward": r} for i, r in enumerate(rewards)], float("nan"))
+    summary = M.run_summary([{"step": i, "reward": r} for i, r in enumerate(rewards)], {})
     assert summary["reward/final"] == pytest.approx((7 + 8 + 9) / 3)  # the last quarter: ceil(2.5) steps
     assert Objective("reward").value(rewards, steps=10) == summary["reward/final"]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -44,6 +46,9 @@ def test_single_run_writes_metrics_summary_wandb_and_adapter(tmp_path):
     assert all(r["noise/sigma"] == pytest.approx(0.3) for r in rows)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["reward/final"] == pytest.approx(rows[-1]["reward"])
+    # the base it started from: its warm-up's steps and a digest of the weights (the same on
+    # another machine only where that machine warms up the same model)
+    assert summary["warmup/steps"] >= 1 and re.fullmatch("[0-9a-f]{16}", summary["warmup/weights"])
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run file"
     assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").exists()
     config = json.loads((run_dir / "config.json").read_text())
@@ -126,16 +131,23 @@ def test_the_warm_up_gives_the_same_model_whatever_the_thread_count(tmp_path):
     from qerl_exp.tasks import build_task
 
     tok, task, before = CharTokenizer(), build_task(TaskConfig()), torch.get_num_threads()
-    models = []
+    models, digests = [], []
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             cfg = ModelConfig(cache_dir=str(tmp_path / f"t{threads}"), warmup=WarmupConfig(max_steps=20, eval_every=100))
-            models.append(load_or_warm_up(cfg, TaskConfig(), task, tok)[0])
+            model, info = load_or_warm_up(cfg, TaskConfig(), task, tok)
+            models.append(model)
+            # the run's summary names the model by a digest of its weights file
+            digests.append(info["weights"])
+            assert info["weights"] == hashlib.sha256((Path(info["path"]) / "model.safetensors").read_bytes()).hexdigest()[:16]
             assert torch.get_num_threads() == threads  # the run's own setting is left as it was
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    assert digests[0] == digests[1]
+    cfg = ModelConfig(cache_dir=str(tmp_path / "other"), warmup=WarmupConfig(max_steps=21, eval_every=100))
+    assert load_or_warm_up(cfg, TaskConfig(), task, tok)[1]["weights"] != digests[0]  # one more step: another model
 
 
 def test_a_corrupt_cached_warm_up_is_named_and_made_again(tmp_path):

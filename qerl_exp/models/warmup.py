@@ -101,7 +101,20 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
             os.replace(tmp, path)
             cached = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), info
     model, info = cached
-    return model, {**info, "cache_key": key, "path": str(path)}
+    return model, {**info, "cache_key": key, "path": str(path), "weights": weights_digest(path)}
+
+
+def weights_digest(path: Path) -> str:
+    """16 hex digits of the SHA-256 of a cached warm-up's weights file: runs that show the same
+    digest started from the same model. The warm-up is deterministic on one kind of CPU, but its
+    float sums round by the CPU's vector kernels (AVX-512, AVX2) and the warm-up amplifies that:
+    another kind of CPU can stop it at another step, with another model; copying the cache folder
+    along gives that machine the same one."""
+    digest = hashlib.sha256()
+    with open(path / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def _cached(path: Path):
