@@ -73,23 +73,29 @@ if HAS_TRITON:
                     tl.debug_barrier()  # every thread's partials written before the release below
                     last = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel") == runs - 1
                     if last:
-                        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-                        l_i = tl.zeros((G_PAD,), tl.float32)
-                        acc = tl.zeros((G_PAD, D), tl.float32)
-                        for r in range(0, runs):  # .cg: other SMs wrote them, past this SM's L1
-                            at = (bh * SPLITS + r) * G_PAD
-                            m_r = tl.load(ml_ptr + 2 * at + gq, cache_modifier=".cg")
-                            l_r = tl.load(ml_ptr + 2 * at + G_PAD + gq, cache_modifier=".cg")
-                            acc_r = tl.load(acc_ptr + (at + gq)[:, None] * D + d[None, :], cache_modifier=".cg")
-                            m_new = tl.maximum(m_i, m_r)
-                            alpha, beta = tl.exp(m_i - m_new), tl.exp(m_r - m_new)
-                            l_i = l_i * alpha + l_r * beta
-                            acc = acc * alpha[:, None] + acc_r * beta[:, None]
-                            m_i = m_new
+                        acc, l_i = _combine_runs(acc_ptr, ml_ptr, bh, runs, gq, d, SPLITS, G_PAD, D)
                         tl.store(count_ptr + bh, 0)  # ready for the next launch
             if last:
                 tl.store(out_ptr + rows, (acc / l_i[:, None]).to(ACT), mask=gq[:, None] < G)
 
+    @triton.jit
+    def _combine_runs(acc_ptr, ml_ptr, bh, runs, gq, d, SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr):
+        # (unnormalised output, sum) of sequence-head bh's runs, combined in run order; read .cg:
+        # other SMs wrote them, past this SM's L1
+        m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G_PAD,), tl.float32)
+        acc = tl.zeros((G_PAD, D), tl.float32)
+        for r in range(0, runs):
+            at = (bh * SPLITS + r) * G_PAD
+            m_r = tl.load(ml_ptr + 2 * at + gq, cache_modifier=".cg")
+            l_r = tl.load(ml_ptr + 2 * at + G_PAD + gq, cache_modifier=".cg")
+            acc_r = tl.load(acc_ptr + (at + gq)[:, None] * D + d[None, :], cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_r)
+            alpha, beta = tl.exp(m_i - m_new), tl.exp(m_r - m_new)
+            l_i = l_i * alpha + l_r * beta
+            acc = acc * alpha[:, None] + acc_r * beta[:, None]
+            m_i = m_new
+        return acc, l_i
 
 ATTENTION_MIN_BLOCKS = 4  # live 64-slot blocks a split of decode attention takes at least
 

@@ -275,7 +275,8 @@ class FastEngine:
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
         dev = self.m.embed.device
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev)
-        if group > 1 and not all(bool((t.view(b // group, group, p) == t[::group, None]).all()) for t in (ids, mask)):
+        if group > 1 and not bool(((ids.view(b // group, group, p) == ids[::group, None])  # one host sync
+                                   & (mask.view(b // group, group, p) == mask[::group, None])).all()):
             raise ValueError(f"generate(group={group}): the rows of a group must share one prompt (ids and mask)")
         greedy = temperature <= 0
         use_top_p = (not greedy) and top_p < 1.0
