@@ -14,7 +14,6 @@ import math
 import typing
 from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 # The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
@@ -93,11 +92,11 @@ class ModelConfig:
 
     Args:
         name: a synthetic model's label (`tiny`, `qwen2.5-7b-shape`); a pretrained one's hub id or
-            local folder of a Llama/Qwen2-family checkpoint, or with `gguf_file` its label.
+            local folder of a checkpoint (Llama, Qwen2, Qwen3: `qerl_exp.blocks`), or with `gguf_file` its label.
         source: `synthetic` builds the model from the fields below (the embedded tiny model, the
             shape presets); `pretrained` loads the checkpoint `name` or `gguf_file` names; `auto`
             is synthetic for `name=tiny` and pretrained for any other name.
-        family: architecture of a synthetic model (`qwen2` or `llama`).
+        family: architecture of a synthetic model (`qwen2`, `qwen3` or `llama`).
         hidden_size: synthetic model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: synthetic model MLP width; a multiple of 64.
         num_layers: decoder blocks of a synthetic model.
@@ -139,7 +138,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("model.source", self.source, ("auto", "synthetic", "pretrained"))
-        _choice("model.family", self.family, ("qwen2", "llama"))
+        _choice("model.family", self.family, ("qwen2", "qwen3", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
         _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
@@ -413,7 +412,7 @@ class TrainConfig:
         micro_batch_size: completions per forward/backward of the padded learner and per pass of
             the monitor; gradients accumulate to exactly the whole batch's. 0: all at once.
         padding_free: the learner packs each micro-batch's rows into one sequence without padding
-            and runs its own decoder pass (`qerl_exp.packed`); false: HF's forward through peft
+            and runs its own decoder pass (`qerl_exp.padding_free`); false: HF's forward through peft
             over left-padded rows. Same loss and gradients up to rounding.
         micro_batch_tokens: padding_free: most packed tokens per forward/backward (rows are never
             split; a longer one goes alone). 0: the whole mini-batch at once.
@@ -653,6 +652,8 @@ def register_configs() -> None:
     Its fields type every group's presets, so the groups need no schema entries of their own
     (which would show up in `--help` and be accepted as a preset, e.g. `quant=schema`).
     """
+    from hydra.core.config_store import ConfigStore  # Hydra itself only where a command composes configs
+
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 

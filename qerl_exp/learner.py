@@ -12,7 +12,7 @@ The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler 
 (noise, a separately quantized sampler) with weights min(old / sampler, cap).
 
 Each update accumulates gradients over micro-batches: with `train.padding_free` (the default),
-rows packed up to `train.micro_batch_tokens` tokens and scored by `qerl_exp.packed`; otherwise
+rows packed up to `train.micro_batch_tokens` tokens and scored by `qerl_exp.padding_free`; otherwise
 `train.micro_batch_size` left-padded rows through the HF forward (`loss.score_completions`). The
 loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals that of
 one pass over the mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl_exp import distributed, packed
+from qerl_exp import distributed, padding_free
 from qerl_exp.config import AlgoConfig, TrainConfig
 from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
 from qerl_exp.metrics import clip_metrics
-from qerl_exp.rollout import Rollout, Sequences
+from qerl_exp.batch import Rollout, Sequences
 
 # Attention kernels of the learner's forward and backward. Not cuDNN's: on torch 2.11 with an H100/H200
 # its backward returns NaN dQ when the length is 64 mod 128 and a query row is fully masked, which every
@@ -115,7 +115,7 @@ def micro_batches(host: Sequences, index: torch.Tensor, train: TrainConfig) -> l
     """The learner's micro-batches of the rows `index` (CPU) of a batch (`host`: `on_host`'s copy):
     by packed tokens when padding-free, else by rows."""
     if train.padding_free:
-        return packed.plan(host, index, train.micro_batch_tokens, train.shared_prefix)
+        return padding_free.plan(host, index, train.micro_batch_tokens, train.shared_prefix)
     return chunks(index, train.micro_batch_size)
 
 
@@ -123,10 +123,10 @@ def score(policy, batch: Rollout, temperature: float, train: TrainConfig, *, ada
           entropy_grad: bool = False, host: Sequences | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies `[b, t]` of `batch`'s completion tokens under the policy (`adapter`
     False: the base alone, the reference policy), by the learner's scorer; `host`: the same rows'
-    ids and masks on the CPU, which the packed scorer packs from."""
+    ids and masks on the CPU, which the padding-free scorer packs from."""
     if train.padding_free:
         fused = train.fused_ops and batch.completion_ids.is_cuda
-        return packed.score(policy, batch if host is None else host, temperature, shared_prefix=train.shared_prefix,
+        return padding_free.score(policy, batch if host is None else host, temperature, shared_prefix=train.shared_prefix,
                             fused=fused, checkpointing=train.gradient_checkpointing, adapter=adapter,
                             entropy_grad=entropy_grad)
     if adapter:
@@ -142,7 +142,7 @@ def score_all(policy, rollout: Rollout, temperature: float, train: TrainConfig,
     logp = rollout.sampler_logp.new_zeros(b, t)
     entropy = torch.zeros_like(logp)
     host = on_host(rollout)
-    with torch.no_grad(), packed.same_adapters():
+    with torch.no_grad(), padding_free.same_adapters():
         for idx in micro_batches(host, torch.arange(b), train):
             cut = span(host, idx)
             lp, ent = score(policy, rows(rollout, idx, cut), temperature, train, adapter=adapter, host=rows(host, idx, cut))
@@ -196,7 +196,7 @@ def update_policy(
             normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
             optimizer.zero_grad(set_to_none=True)
             loss, dev = torch.zeros((), device=device), torch.zeros((), device=device)
-            with packed.same_adapters():  # until optimizer.step
+            with padding_free.same_adapters():  # until optimizer.step
                 for idx in micro_batches(host, mini, train):
                     cut = span(host, idx)
                     sub = rows(rollout, idx, cut)

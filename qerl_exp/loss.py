@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl_exp.config import AlgoConfig
 from qerl_exp.metrics import kl_k3
-from qerl_exp.rollout import Sequences
+from qerl_exp.batch import Sequences
 
 LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
 
@@ -108,7 +108,7 @@ def chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperatur
                  chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies `[M]` (fp32) of `tokens` `[M]` predicted from `hidden` `[M, H]`,
     `chunk // vocabulary` tokens at a time, each chunk checkpointed under grad (its logits are
-    recomputed in backward, not kept): what both the padded and the packed scorer end in."""
+    recomputed in backward, not kept): what both the padded and the padding-free scorer end in."""
     step = max(1, chunk // lm_head.out_features)
     logp, entropy = [], []
     for i in range(0, len(tokens), step):

@@ -9,37 +9,16 @@ fast one on CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from qerl_exp.batch import Rollout, Sequences
 from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import FastEngine
 from qerl_exp.metrics import entropy_from_logits
-
-
-@dataclass
-class Sequences:
-    """Prompts with completions: what the teacher-forced scorer (`loss.score_completions`) reads."""
-
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    completion_ids: torch.Tensor  # [B, T] right-padded
-    completion_mask: torch.Tensor  # [B, T] 1 on the completion's tokens
-
-
-@dataclass
-class Rollout(Sequences):
-    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent; the
-    completion mask is 1 up to and including EOS."""
-
-    sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
-    sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
-    terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
-    texts: list[str]  # decoded completions
 
 
 class NonFiniteLogitsError(FloatingPointError):

@@ -26,6 +26,7 @@ import torch
 
 from qerl_exp import metrics as M
 from qerl_exp import checkpoint, distributed, logs, progress, rundir
+from qerl_exp.batch import Rollout
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
@@ -33,8 +34,9 @@ from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.rollout import NonFiniteLogitsError, Rollout, make_sampler, row_seeds, sample
-from qerl_exp.tasks import Task, build_task, file_digests
+from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
+from qerl_exp.tasks import Task, build_task
+from qerl_exp.tasks.datasets import file_digests
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -252,7 +254,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         models = build_models(cfg, task, device)
     policy, sampling = models.policy, models.sampler.module
     sampler = make_sampler(cfg.rollout.engine, sampling, models.tokenizer, device)
-    if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the packed learner checkpoints itself
+    if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the padding-free learner checkpoints itself
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
     if distributed.is_main() and (warning := aqn.scale_warning()):

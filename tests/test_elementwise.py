@@ -1,5 +1,5 @@
 """The learner's hand-fused elementwise kernels (`qerl_exp.elementwise`) against the torch
-definitions they replace (`qerl_exp.packed`), run in float64 as the independent computation:
+definitions they replace (`qerl_exp.padding_free`), run in float64 as the independent computation:
 values and input gradients, at odd widths (masked lanes) and on strided views, in the Triton
 interpreter on the CPU and natively on CUDA."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from qerl_exp import packed
+from qerl_exp import padding_free
 from test_engine import gpu, needs_cuda, patch_interpreter, run_interpreted
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # of the reference's largest magnitude; bf16: two ulps
@@ -59,12 +59,12 @@ def _check(device: str, dtypes: list[torch.dtype], n: int, hidden: int, inter: i
         return run
 
     for dtype in dtypes:
-        _compare(lambda x, w: elementwise.rms_norm(x, w, eps), lambda x, w: packed._rms_norm(x, w, eps),
+        _compare(lambda x, w: elementwise.rms_norm(x, w, eps), lambda x, w: padding_free._rms_norm(x, w, eps),
                  [x, weight], dtype, "rms_norm")
         _compare(lambda x, dl, w: elementwise.add_rms_norm(x, dl, w, eps),
-                 lambda x, dl, w: packed._add_rms_norm(x, dl, w, eps), [x, delta, weight], dtype, "add_rms_norm")
-        _compare(elementwise.swiglu, packed._swiglu, [gate_up], dtype, "swiglu")
-        _compare(heads(elementwise.rope), heads(packed._rope), [qkv, cos, sin], dtype, "rope")
+                 lambda x, dl, w: padding_free._add_rms_norm(x, dl, w, eps), [x, delta, weight], dtype, "add_rms_norm")
+        _compare(elementwise.swiglu, padding_free._swiglu, [gate_up], dtype, "swiglu")
+        _compare(heads(elementwise.rope), heads(padding_free._rope), [qkv, cos, sin], dtype, "rope")
 
 
 def _interp_main() -> None:

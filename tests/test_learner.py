@@ -22,7 +22,8 @@ from qerl_exp.metrics import entropy_from_logits
 from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
-from qerl_exp.rollout import HFSampler, Rollout, sample
+from qerl_exp.batch import Rollout
+from qerl_exp.rollout import HFSampler, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 

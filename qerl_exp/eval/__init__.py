@@ -44,9 +44,10 @@ import time
 import torch
 
 from qerl_exp import metrics as M
+from qerl_exp.batch import Sequences
 from qerl_exp.config import Config
 from qerl_exp.loss import score_completions
-from qerl_exp.rollout import Sequences, complete, encode_prompts, engine_for
+from qerl_exp.rollout import complete, encode_prompts, engine_for
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
 from qerl_exp.tasks.base import HELD_OUT
 

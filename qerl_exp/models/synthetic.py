@@ -13,25 +13,27 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from qerl_exp.config import ModelConfig
 
 SEED = 1234  # a synthetic model is a fixed artifact, independent of the run's seed (its warm-up draws from it too)
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | LlamaConfig:
-    """The HF config of a synthetic model (Qwen2 or Llama shaped).
+def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | Qwen3Config | LlamaConfig:
+    """The HF config of a synthetic model (Qwen2, Qwen3 or Llama shaped).
 
     Args:
         cfg: the model config (`family` and the sizes).
         vocab_size: the tokenizer's vocabulary.
 
     Returns:
-        A `Qwen2Config` or `LlamaConfig`.
+        A `Qwen2Config`, `Qwen3Config` or `LlamaConfig`.
     """
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[cfg.family]
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[cfg.family]
+    extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family == "qwen3" else {}  # Qwen3's default is 128
     return cls(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

@@ -10,15 +10,17 @@ from __future__ import annotations
 from typing import Callable
 
 from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
-from qerl_exp.tasks import arith, datasets, wordprob
 from qerl_exp.tasks.base import Problem, RewardFn, Task, reference_completion
-from qerl_exp.tasks.datasets import file_digests
 
-__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "file_digests", "reference_completion"]
+__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "reference_completion"]
 
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task named by `cfg.name`."""
+    # The task modules are loaded here, not with the package: `qerl_exp.tasks.base` (the problem
+    # type and the split names, which metrics and the learner side read) must stay light to import.
+    from qerl_exp.tasks import arith, datasets, wordprob
+
     tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "wordprob": wordprob.WordProblemTask,
                                                       **datasets.TASKS}
     if cfg.name not in tasks:

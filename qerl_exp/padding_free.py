@@ -7,9 +7,10 @@ the HF forward and peft):
   `train.shared_prefix`, the G completions of one prompt share one copy of it: the prompt is one
   attention sequence, and each completion is another whose keys are the prompt's tokens then its
   own (causal, aligned to the end). Micro-batches are filled up to `train.micro_batch_tokens`.
-- **The decoder pass** (`hidden_states`): the HF model's own modules and parameters (so optimizer,
-  checkpoints and AQN are untouched), run by hand for Llama/Qwen2 blocks. Attention is FlashAttention
-  over variable-length sequences on CUDA, a block mask over the packed tokens elsewhere. RMSNorm
+- **The decoder pass** (`hidden_states`): the HF model's own parameters (so optimizer, checkpoints
+  and AQN are untouched), read through `qerl_exp.blocks` (the architectures it declares; any other
+  is refused there) and run by hand. Attention is FlashAttention over variable-length sequences
+  on CUDA, a block mask over the packed tokens elsewhere. RMSNorm
   (with the residual add before it), RoPE and SwiGLU are one hand-fused Triton launch each way on
   CUDA (`qerl_exp.elementwise`, `train.fused_ops`); each projection group (q/k/v, o, gate/up,
   down) is one base product with its LoRA term added in the same GEMM's epilogue (`_LoraLinear`),
@@ -33,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_exp import blocks
+from qerl_exp.batch import Sequences
 from qerl_exp.loss import chunk_scores
-from qerl_exp.quant import base_weight, stacked_base_weight
-from qerl_exp.rollout import Sequences
 
 
 class PackingError(ValueError):
-    """A batch or model the packed learner cannot score; the message names the setting to change."""
+    """A batch the padding-free learner cannot score; the message names the setting to change."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,39 +277,6 @@ def _elementwise(fused: bool):
 # One launch per projection group: base product + LoRA
 
 
-class _Base:
-    """The frozen base weights of one projection group, stacked along the output ([sum out, in]):
-    a view of dense weights that lie end to end in one buffer (the rollout engine stacks q/k/v and
-    gate/up so), else built anew on each call, 4-bit ones decoded into it
-    (`quant.stacked_base_weight`; an NVFP4 group in one launch)."""
-
-    def __init__(self, layers: list[nn.Module]):
-        self.layers = layers
-        self.biases = [getattr(m, "bias", None) for m in layers]
-
-    def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        if len(self.layers) == 1:
-            return base_weight(self.layers[0], dtype)
-        dense = [m.weight for m in self.layers if type(m) is nn.Linear and m.weight.dtype == dtype]
-        if len(dense) == len(self.layers) and _adjacent(dense):
-            first = dense[0]
-            return first.as_strided((sum(w.shape[0] for w in dense), first.shape[1]), (first.shape[1], 1))
-        return stacked_base_weight(self.layers, dtype)
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        if all(b is None for b in self.biases):
-            return None
-        return torch.cat([torch.zeros(m.out_features, dtype=dtype, device=m.weight.device) if b is None else b.to(dtype)
-                          for b, m in zip(self.biases, self.layers)])
-
-
-def _adjacent(ws: list[torch.Tensor]) -> bool:
-    """The matrices lie end to end in one buffer, row-major, in this order."""
-    storage = ws[0].untyped_storage().data_ptr()
-    return all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage and w.shape[1] == ws[0].shape[1]
-               for w in ws) and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ws, ws[1:]))
-
-
 _stacks: dict | None = None  # inside `same_adapters()`: each group's stacked A and B, by (first A, dtype)
 
 
@@ -337,10 +305,10 @@ def _stack(a_list, b_list, scales: list[float], dtype: torch.dtype) -> tuple[tor
     return a, b
 
 
-def _lora_product(x, base: _Base, scales: list[float], xa, a_list, b_list):
+def _lora_product(x, base: blocks.Group, scales: list[float], xa, a_list, b_list):
     """`(y, lora_in, t, a, b)`: the group's output and what its backward needs (see `_LoraLinear`)."""
     a, b = _stack(a_list, b_list, scales, x.dtype)
-    w, bias = base.weight(x.dtype), base.bias(x.dtype)
+    w, bias = base.base_weight(x.dtype), base.bias(x.dtype)
     lora_in = x if xa is None else xa
     t = lora_in @ a.t()  # [N, R]
     c = torch.addmm(bias, t, b.t()) if bias is not None else t @ b.t()
@@ -375,7 +343,7 @@ class _LoraLinear(torch.autograd.Function):
         g = gy @ b  # [N, R]
         gx = gxa = None
         if ctx.needs_input_grad[0]:
-            w = ctx.base.weight(gy.dtype)
+            w = ctx.base.base_weight(gy.dtype)
             if ctx.dropout:
                 gx, gxa = gy @ w, g @ a
             else:
@@ -389,9 +357,9 @@ class _LoraLinear(torch.autograd.Function):
         return (gx, None, None, gxa, *ga, *gb)
 
 
-def _frozen_linear(x: torch.Tensor, base: _Base) -> torch.Tensor:
+def _frozen_linear(x: torch.Tensor, base: blocks.Group) -> torch.Tensor:
     if not torch.is_grad_enabled():
-        return F.linear(x, base.weight(x.dtype), base.bias(x.dtype))
+        return F.linear(x, base.base_weight(x.dtype), base.bias(x.dtype))
     return _FrozenGroup.apply(x, base)
 
 
@@ -401,68 +369,47 @@ class _FrozenGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, base):
         ctx.base = base
-        return F.linear(x, base.weight(x.dtype), base.bias(x.dtype))
+        return F.linear(x, base.base_weight(x.dtype), base.bias(x.dtype))
 
     @staticmethod
     def backward(ctx, gy):
-        return (gy @ ctx.base.weight(gy.dtype) if ctx.needs_input_grad[0] else None), None
+        return (gy @ ctx.base.base_weight(gy.dtype) if ctx.needs_input_grad[0] else None), None
 
 
-def _group(layers: list[nn.Module], adapter: bool, x: torch.Tensor) -> torch.Tensor:
-    """One projection group (modules fed the same input, outputs concatenated) on `x`."""
-    from peft.tuners.lora import LoraLayer  # imported on use, as models.add_lora does
-
-    bases = [m.get_base_layer() if isinstance(m, LoraLayer) else m for m in layers]
-    base = _Base(bases)
-    adapters = [(m, m.active_adapters[0]) for m in layers if adapter and isinstance(m, LoraLayer) and m.active_adapters
-                and not m.disable_adapters and m.active_adapters[0] in m.lora_A]
-    if not adapters:
-        return _frozen_linear(x, base)
-    if len(adapters) != len(layers) or any(len(m.active_adapters) != 1 for m, _ in adapters):
-        raise PackingError("the packed learner needs one active adapter on every module of a projection group; "
-                           "set train.padding_free=false")
-    dropout = adapters[0][0].lora_dropout[adapters[0][1]]
+def _group(group: blocks.Group, x: torch.Tensor) -> torch.Tensor:
+    """One projection group (its projections' outputs side by side) on `x`."""
+    if group.adapters is None:
+        return _frozen_linear(x, group)
+    dropout = group.adapters[0].dropout
     xa = dropout(x) if not isinstance(dropout, nn.Identity) and dropout.training else None  # one config a group
-    scales = [float(m.scaling[name]) for m, name in adapters]
-    a_list, b_list = [m.lora_A[name].weight for m, name in adapters], [m.lora_B[name].weight for m, name in adapters]
+    scales = [a.scale for a in group.adapters]
+    a_list, b_list = [a.a for a in group.adapters], [a.b for a in group.adapters]
     if not torch.is_grad_enabled():  # a forward without backward (old or reference log-probs, a checkpointed block)
-        return _lora_product(x, base, scales, xa, a_list, b_list)[0]
-    return _LoraLinear.apply(x, base, scales, xa, *a_list, *b_list)
+        return _lora_product(x, group, scales, xa, a_list, b_list)[0]
+    return _LoraLinear.apply(x, group, scales, xa, *a_list, *b_list)
 
 
 # ---------------------------------------------------------------------------------------------
 # The decoder pass
 
 
-def _check_model(lm) -> None:
-    config = lm.config
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False) \
-            or getattr(config, "mlp_bias", False):
-        raise PackingError(f"the packed learner supports Llama/Qwen2 decoders with SiLU MLPs and full attention "
-                           f"({type(lm).__name__} is not one); set train.padding_free=false")
-
-
-def _block(layer, x, delta, cos, sin, p: Pack, mask, adapter: bool, fused: bool):
+def _block(blk: blocks.Block, x, delta, cos, sin, p: Pack, mask, fused: bool):
     """One decoder block on the residual stream `x + delta`; returns the next `(x, delta)` (the
     residual add is left to the next norm, which it is fused into)."""
     norm, add_norm, rope, swiglu = _elementwise(fused)
-    attn, mlp = layer.self_attn, layer.mlp
-    n = x.shape[0]
-    eps = layer.input_layernorm.variance_epsilon
+    n, d = x.shape[0], blk.head_dim
     if delta is None:  # the first block: x is the embedding
-        h = norm(x, layer.input_layernorm.weight, eps)
+        h = norm(x, blk.input_norm, blk.eps)
     else:
-        x, h = add_norm(x, delta, layer.input_layernorm.weight, eps)
-    qkv = _group([attn.q_proj, attn.k_proj, attn.v_proj], adapter, h)
-    d = attn.head_dim
-    hq, hkv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k = rope(q.view(n, hq, d), k.view(n, hkv, d), cos, sin)
-    a = attend(q, k, v.reshape(n, hkv, d), p, attn.scaling, mask).reshape(n, hq * d)
-    x, h = add_norm(x, _group([attn.o_proj], adapter, a), layer.post_attention_layernorm.weight,
-                    layer.post_attention_layernorm.variance_epsilon)
-    m = swiglu(_group([mlp.gate_proj, mlp.up_proj], adapter, h))
-    return x, _group([mlp.down_proj], adapter, m)
+        x, h = add_norm(x, delta, blk.input_norm, blk.eps)
+    q, k, v = _group(blk.qkv, h).split([blk.heads * d, blk.kv_heads * d, blk.kv_heads * d], dim=-1)
+    if blk.q_norm is not None:  # per head, before RoPE
+        q = norm(q.reshape(n * blk.heads, d), blk.q_norm, blk.eps)
+        k = norm(k.reshape(n * blk.kv_heads, d), blk.k_norm, blk.eps)
+    q, k = rope(q.reshape(n, blk.heads, d), k.reshape(n, blk.kv_heads, d), cos, sin)
+    a = attend(q, k, v.reshape(n, blk.kv_heads, d), p, blk.scaling, mask).reshape(n, blk.heads * d)
+    x, h = add_norm(x, _group(blk.o, a), blk.post_attention_norm, blk.eps)
+    return x, _group(blk.down, swiglu(_group(blk.gate_up, h)))
 
 
 class _Recomputed(torch.autograd.Function):
@@ -513,23 +460,22 @@ def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, fuse
         checkpointed: decoder blocks (the first ones) recomputed in backward instead of kept.
         fused: use the hand-fused elementwise kernels (CUDA).
     """
-    _check_model(lm)
-    inner = lm.model
-    x = inner.embed_tokens(p.input_ids)
-    cos, sin = inner.rotary_emb(x.unsqueeze(0), p.position_ids.unsqueeze(0))
+    dec = blocks.read(lm, adapters=adapter)
+    x = F.embedding(p.input_ids, dec.embed)
+    cos, sin = dec.rotary(x.unsqueeze(0), p.position_ids.unsqueeze(0))
     cos, sin = cos[0], sin[0]
-    mask = None if uses_flash(x.new_empty(1, 1, inner.layers[0].self_attn.head_dim)) else block_mask(p)
+    mask = None if uses_flash(x.new_empty(1, 1, dec.blocks[0].head_dim)) else block_mask(p)
     delta = None
-    for i, layer in enumerate(inner.layers):
+    for i, (blk, layer) in enumerate(zip(dec.blocks, lm.model.layers)):
         if i < checkpointed and torch.is_grad_enabled():
             if delta is not None:  # the residual sum: one saved input instead of two
                 x, delta = x + delta, None
-            run = functools.partial(_block, layer, cos=cos, sin=sin, p=p, mask=mask, adapter=adapter, fused=fused)
+            run = functools.partial(_block, blk, cos=cos, sin=sin, p=p, mask=mask, fused=fused)
             x, delta = _Recomputed.apply(run, x, delta, *[q for q in layer.parameters() if q.requires_grad])
         else:
-            x, delta = _block(layer, x, delta, cos, sin, p, mask, adapter, fused)
+            x, delta = _block(blk, x, delta, cos, sin, p, mask, fused)
     x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
-    return _elementwise(fused)[1](x, delta, inner.norm.weight, inner.norm.variance_epsilon)[1]
+    return _elementwise(fused)[1](x, delta, dec.norm, dec.eps)[1]
 
 
 def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -538,9 +484,10 @@ def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
     attention statistics; the shared-prompt key copies counted at their most, two per token)."""
     c = lm.config
     h, inter = c.hidden_size, c.intermediate_size
-    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    d = getattr(c, "head_dim", None) or h // c.num_attention_heads  # Qwen3's heads may be wider than h / heads
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     size = torch.finfo(dtype).bits // 8
-    kept = tokens * (size * (6 * h + 4 * kv + 3 * inter) + 4 * (c.num_attention_heads + 2))
+    kept = tokens * (size * (4 * h + 2 * q + 4 * kv + 3 * inter) + 4 * (c.num_attention_heads + 2))
     return kept, tokens * size * h
 
 
@@ -569,7 +516,7 @@ def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, 
     `loss.score_completions(policy, batch, ...)` (same zeros where the mask is 0), without padding.
 
     Args:
-        policy: the peft model (or a plain Llama/Qwen2 causal LM).
+        policy: the peft model (or a plain causal LM), of an architecture `qerl_exp.blocks` declares.
         batch: the rows to score (their ids and masks; on the CPU, packing them waits for nothing).
         temperature: logits are divided by it.
         shared_prefix: pack one copy of the prompt of adjacent rows that share it.
@@ -578,7 +525,7 @@ def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, 
         adapter: apply LoRA (False: the reference policy, the base alone).
         entropy_grad: whether the entropy is differentiable.
     """
-    lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    lm = blocks.causal_lm(policy)
     device = lm.lm_head.weight.device
     p = pack(batch, shared_prefix, device)
     dtype = lm.lm_head.weight.dtype

@@ -1,4 +1,4 @@
-"""The padding-free learner (`qerl_exp.packed`) against the padded one (HF forward through peft,
+"""The padding-free learner (`qerl_exp.padding_free`) against the padded one (HF forward through peft,
 `loss.score_completions`), the independent computation: log-probs, entropies and gradients in fp32
 on the CPU for every base format, with and without shared prompts; its micro-batch plan; its fused
 LoRA product against peft's layer; and on CUDA its FlashAttention path against the dense mask."""
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from conftest import run_in_process, tiny_models, tiny_qwen2, with_lora
-from qerl_exp import packed
+from qerl_exp import blocks, padding_free
 from qerl_exp.config import TrainConfig
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import score_completions
-from qerl_exp.rollout import HFSampler, Rollout, Sequences, sample
+from qerl_exp.batch import Rollout, Sequences
+from qerl_exp.rollout import HFSampler, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 
@@ -57,7 +58,7 @@ def test_packed_scores_and_gradients_equal_the_padded_ones(setup, shared_prefix)
     lengths = rollout.completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows of different lengths: padding the packed path drops
     want = score_completions(policy, rollout, 0.7, entropy_grad=True)
-    got = packed.score(policy, rollout, 0.7, shared_prefix=shared_prefix, entropy_grad=True)
+    got = padding_free.score(policy, rollout, 0.7, shared_prefix=shared_prefix, entropy_grad=True)
     for a, b in zip(got, want):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -70,8 +71,8 @@ def test_llama_blocks_and_the_reference_policy_equal_the_padded_ones():
     with torch.no_grad(), policy.disable_adapter():
         want = score_completions(policy, rollout, 1.0)
     with torch.no_grad():
-        got = packed.score(policy, rollout, 1.0, shared_prefix=True, adapter=False)
-        with_adapter = packed.score(policy, rollout, 1.0, shared_prefix=True)
+        got = padding_free.score(policy, rollout, 1.0, shared_prefix=True, adapter=False)
+        with_adapter = padding_free.score(policy, rollout, 1.0, shared_prefix=True)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert (with_adapter[0] - got[0]).abs().max() > 1e-3  # the adapter was on in the other
 
@@ -79,16 +80,16 @@ def test_llama_blocks_and_the_reference_policy_equal_the_padded_ones():
 def test_checkpointed_blocks_give_the_same_gradients(setup):
     cfg, policy, rollout = setup
     lm = policy.get_base_model()
-    p = packed.pack(rollout, True, torch.device("cpu"))
+    p = padding_free.pack(rollout, True, torch.device("cpu"))
     outs = []
     for k in (0, lm.config.num_hidden_layers):
-        hidden = packed.hidden_states(lm, p, checkpointed=k)
+        hidden = padding_free.hidden_states(lm, p, checkpointed=k)
         outs.append((hidden, _grads(policy, hidden, hidden[:0])))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
     for a, b in zip(outs[0][1], outs[1][1]):
         _close(a, b, 1e-6)
-    assert packed.checkpointed_layers(lm, 1000, torch.float32, torch.device("cpu"), "auto") == 0
-    assert packed.checkpointed_layers(lm, 1000, torch.float32, torch.device("cpu"), "true") == lm.config.num_hidden_layers
+    assert padding_free.checkpointed_layers(lm, 1000, torch.float32, torch.device("cpu"), "auto") == 0
+    assert padding_free.checkpointed_layers(lm, 1000, torch.float32, torch.device("cpu"), "true") == lm.config.num_hidden_layers
 
 
 def test_a_checkpointed_block_redraws_the_same_lora_dropout_mask():
@@ -99,11 +100,11 @@ def test_a_checkpointed_block_redraws_the_same_lora_dropout_mask():
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "gate_proj", "up_proj", "down_proj"])).train()
     lm = policy.get_base_model()
-    p = packed.pack(_batch([6, 6], [5, 8], [False, True]), True, torch.device("cpu"))
+    p = padding_free.pack(_batch([6, 6], [5, 8], [False, True]), True, torch.device("cpu"))
 
     def grads(seed, k):
         torch.manual_seed(seed)
-        hidden = packed.hidden_states(lm, p, checkpointed=k)
+        hidden = padding_free.hidden_states(lm, p, checkpointed=k)
         torch.manual_seed(seed + 100)  # the random stream moves on before backward recomputes
         return _grads(policy, hidden, hidden[:0])
 
@@ -131,20 +132,20 @@ def test_plan_fills_micro_batches_by_tokens_counting_a_shared_prompt_once():
     index = torch.arange(6)
 
     def cost(part, shared):
-        return sum(len(p) for p in packed.pack(_sub(batch, part), shared, torch.device("cpu")).input_ids.split(10**6))
+        return sum(len(p) for p in padding_free.pack(_sub(batch, part), shared, torch.device("cpu")).input_ids.split(10**6))
 
     for shared in (False, True):
-        parts = packed.plan(batch, index, 40, shared)
+        parts = padding_free.plan(batch, index, 40, shared)
         assert torch.cat(parts).tolist() == list(range(6))  # every row once, in order
         for part in parts:
             assert cost(part, shared) <= 40 or len(part) == 1
     # shared: 15 | 40 | 10+12 + 6+7 = 35 | 6+9 + 20 = 35; unshared, row 5 repeats its prompt: 6+9 + 6+20 > 40
-    assert [p.tolist() for p in packed.plan(batch, index, 40, True)] == [[0], [1], [2, 3], [4, 5]]
-    assert [p.tolist() for p in packed.plan(batch, index, 40, False)] == [[0], [1], [2, 3], [4], [5]]
-    assert [p.tolist() for p in packed.plan(batch, index, 0, True)] == [list(range(6))]
+    assert [p.tolist() for p in padding_free.plan(batch, index, 40, True)] == [[0], [1], [2, 3], [4, 5]]
+    assert [p.tolist() for p in padding_free.plan(batch, index, 40, False)] == [[0], [1], [2, 3], [4], [5]]
+    assert [p.tolist() for p in padding_free.plan(batch, index, 0, True)] == [list(range(6))]
     # the packed tokens: one copy of each group's prompt, or one per row
-    assert len(packed.pack(batch, True, torch.device("cpu")).input_ids) == 10 + 6 + 83
-    assert len(packed.pack(batch, False, torch.device("cpu")).input_ids) == 3 * 10 + 3 * 6 + 83
+    assert len(padding_free.pack(batch, True, torch.device("cpu")).input_ids) == 10 + 6 + 83
+    assert len(padding_free.pack(batch, False, torch.device("cpu")).input_ids) == 3 * 10 + 3 * 6 + 83
 
 
 def _sub(batch: Sequences, index: torch.Tensor) -> Sequences:
@@ -154,8 +155,8 @@ def _sub(batch: Sequences, index: torch.Tensor) -> Sequences:
 
 def test_block_mask_is_causal_within_rows_and_shares_only_the_prompt():
     batch = _batch([3, 3], [2, 2], [False, True])
-    p = packed.pack(batch, True, torch.device("cpu"))
-    mask = packed.block_mask(p).int().tolist()
+    p = padding_free.pack(batch, True, torch.device("cpu"))
+    mask = padding_free.block_mask(p).int().tolist()
     # packed tokens: prompt 0-2, row 0's completion 3-4, row 1's completion 5-6
     assert mask == [
         [1, 0, 0, 0, 0, 0, 0],
@@ -174,7 +175,7 @@ def test_fused_lora_product_equals_peft_layers_in_values_and_gradients():
     attn = model.get_base_model().model.layers[0].self_attn
     x = torch.randn(7, 128, requires_grad=True)
     want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-    got = packed._group([attn.q_proj, attn.k_proj, attn.v_proj], True, x)
+    got = padding_free._group(blocks.read(model).blocks[0].qkv, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     params = [x] + [p for n, p in attn.named_parameters() if "lora_" in n and "o_proj" not in n]
     g = torch.randn_like(want)
@@ -225,12 +226,12 @@ def test_flash_attention_equals_sdpa_under_the_block_mask(shared_prefix):
     values and in the gradients of q, k and v."""
     torch.manual_seed(0)
     batch = _batch([40, 40, 40, 17, 17], [60, 3, 90, 25, 1], [False, True, True, False, True])
-    p = packed.pack(batch, shared_prefix, torch.device("cuda"))
+    p = padding_free.pack(batch, shared_prefix, torch.device("cuda"))
     n = len(p.input_ids)
     q, k, v = (torch.randn(n, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
     g = torch.randn(n, 8, 64, device="cuda", dtype=torch.bfloat16)
-    flash = packed.attend(q, k, v, p, 0.125, None)
-    dense = packed.attend(q.float(), k.float(), v.float(), p, 0.125, packed.block_mask(p))
+    flash = padding_free.attend(q, k, v, p, 0.125, None)
+    dense = padding_free.attend(q.float(), k.float(), v.float(), p, 0.125, padding_free.block_mask(p))
     assert ((flash.float() - dense).norm() / dense.norm()).item() < 1e-2
     for a, b in zip(torch.autograd.grad(flash, (q, k, v), g), torch.autograd.grad(dense, (q, k, v), g.float())):
         assert ((a.float() - b).norm() / b.norm()).item() < 2e-2
@@ -250,7 +251,7 @@ def test_the_cuda_packed_learner_equals_the_fp32_padded_one():
     want = score_completions(policy, rollout, 1.0)
     want_grads = _grads(policy, want[0], want[0][:0])
     policy.to(torch.bfloat16)
-    got = packed.score(policy, rollout, 1.0, shared_prefix=True, fused=True, checkpointing="true")
+    got = padding_free.score(policy, rollout, 1.0, shared_prefix=True, fused=True, checkpointing="true")
     grads = _grads(policy, got[0], got[0][:0])
     mask = rollout.completion_mask.bool()
     assert (got[0][mask] - want[0][mask]).abs().max().item() < 0.05

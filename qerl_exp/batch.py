@@ -1,0 +1,33 @@
+"""The rollout batch: prompts with their completions, as the sampler hands them to the learner.
+
+The learner side (`loss`, `learner`, `packed`, `metrics`) reads these types and nothing of the
+sampler that made them, so it imports neither the rollout engine nor the tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sequences:
+    """Prompts with completions: what the teacher-forced scorers (`loss.score_completions`,
+    `packed.score`) read."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    completion_ids: torch.Tensor  # [B, T] right-padded
+    completion_mask: torch.Tensor  # [B, T] 1 on the completion's tokens
+
+
+@dataclass
+class Rollout(Sequences):
+    """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent; the
+    completion mask is 1 up to and including EOS."""
+
+    sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
+    sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
+    terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
+    texts: list[str]  # decoded completions
