@@ -2,8 +2,8 @@
 and the reward curve, each in its own process.
 
     pip install -e '.[peer]'
-    python bench/peer.py --steps 10                                   # model=smollm2-135m task=wordprob
-    python bench/peer.py --steps 10 model.package='' model.gguf_file=/path/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m bench.peer --steps 10                                   # model=smollm2-135m task=wordprob
+    python -m bench.peer --steps 10 model.package='' model.gguf_file=/path/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Both take their settings from one harness config (`model=smollm2-135m task=wordprob` and the
 overrides given): the model and tokenizer as the harness loads them (bf16), LoRA with the config's
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import record
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model=smollm2-135m", "task=wordprob"]
@@ -54,7 +56,6 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT))
     from qerl_exp.cli import compose
     from qerl_exp.models.pretrained import load_pretrained
     from qerl_exp.tasks import build_task
@@ -121,8 +122,8 @@ def main() -> None:
         (out / "trl.json").write_text(json.dumps(run_trl(overrides, args.steps, out)))
         return
     results = {"qerl-exp": run_harness(overrides, args.steps, out)}
-    proc = subprocess.run([sys.executable, __file__, "--trl-only", f"--steps={args.steps}", f"--out={out}", *overrides],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "bench.peer", "--trl-only", f"--steps={args.steps}", f"--out={out}",
+                           *overrides], cwd=ROOT, capture_output=True, text=True)
     results["TRL GRPOTrainer"] = json.loads((out / "trl.json").read_text()) if proc.returncode == 0 else \
         {"error": (proc.stderr.strip() or "no output").splitlines()[-1][:200]}
     (out / "peer.json").write_text(json.dumps(results, indent=1))
@@ -134,6 +135,8 @@ def main() -> None:
             continue
         timed = r["step_s"][1:] or r["step_s"]
         print(f"| {name} | {sum(timed) / len(timed):.2f} | {r['peak']:.2f} | {' '.join(f'{x:.2f}' for x in r['reward'])} |")
+    record.write("peer", [{"tool": name, **r} for name, r in results.items()], {"steps": args.steps,
+                                                                                "overrides": BASE + overrides})
 
 
 if __name__ == "__main__":

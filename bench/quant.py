@@ -17,7 +17,7 @@ layers (`--timing-layers`, default 4, stated in the output) to keep the run shor
 bytes are always measured on all 24 layers. The tiny model is timed with 4x the repeats (it is
 fast). Timings are only as quiet as the machine: other processes on the same cores skew them.
 
-    python bench/quant.py [--timing-layers 4] [--repeats 5]
+    python -m bench.quant [--timing-layers 4] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from bench import record
 from qerl_exp.config import QuantConfig
 from qerl_exp.quant import decoder_linears, memory_bytes, quantize_model
 
@@ -128,27 +130,38 @@ def measure_time(config, repeats: int) -> tuple[dict, dict]:
     return {f: {s: sorted(v) for s, v in d.items()} for f, d in runs.items()}, warm
 
 
-def print_bytes(title: str, sizes: dict) -> None:
+def print_bytes(title: str, sizes: dict) -> list[dict]:
+    """Print the bytes table; return its rows."""
     print(f"\n{title}: bytes (quantized linears = q,k,v,o,gate,up,down with all scales, state and bias)")
     print(f"  {'format':<7} {'linear bytes':>14} {'MiB':>9} {'bits/weight':>11} {'ratio':>6}   "
           f"{'model bytes':>14} {'MiB':>9} {'ratio':>6}")
     lin0, mod0, _ = sizes["bf16"]
+    rows = []
     for fmt, (lin, mod, n) in sizes.items():
         print(f"  {fmt:<7} {lin:>14,d} {lin / MiB:>9.2f} {8 * lin / n:>11.3f} {lin / lin0:>6.3f}   "
               f"{mod:>14,d} {mod / MiB:>9.2f} {mod / mod0:>6.3f}")
+        rows.append(dict(table="bytes", model=title, format=fmt, linear_bytes=lin, bits_per_weight=8 * lin / n,
+                         linear_ratio=lin / lin0, model_bytes=mod, model_ratio=mod / mod0))
+    return rows
 
 
-def print_time(title: str, runs: dict, warm: dict, repeats: int) -> None:
+def print_time(title: str, runs: dict, warm: dict, repeats: int) -> list[dict]:
+    """Print the time table; return its rows."""
     print(f"\n{title}: CPU forward time of the decoder stack, median (and min) of {repeats} after "
           f"1 warm-up, {torch.get_num_threads()} torch threads; ratio of medians")
     head = "".join(f" {s + ' ms':>22} {'ratio':>6}" for s in SHAPES)
     print(f"  {'format':<7}{head}   {'warm-up ms':>22}")
     med = {f: {s: statistics.median(v) for s, v in d.items()} for f, d in runs.items()}
+    rows = []
     for fmt in runs:
         cols = "".join(f" {1e3 * med[fmt][s]:>12.2f} ({1e3 * runs[fmt][s][0]:>7.2f}) "
                        f"{med[fmt][s] / med['bf16'][s]:>6.2f}" for s in SHAPES)
         wcols = " / ".join(f"{1e3 * warm[fmt][s]:.1f}" for s in SHAPES)
         print(f"  {fmt:<7}{cols}   {wcols:>22}")
+        rows += [dict(table="time", model=title, format=fmt, shape=s, median_ms=1e3 * med[fmt][s],
+                      min_ms=1e3 * runs[fmt][s][0], ratio=med[fmt][s] / med["bf16"][s], warmup_ms=1e3 * warm[fmt][s])
+                 for s in SHAPES]
+    return rows
 
 
 def _load() -> str:
@@ -156,30 +169,32 @@ def _load() -> str:
     return "load average %.2f / %.2f / %.2f (1 / 5 / 15 min)" % os.getloadavg()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timing-layers", type=int, default=4, help="decoder layers of the 0.5B shape when timing")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per format and shape")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=record.RESULTS, help="where the JSON record goes (bench.record)")
+    args = parser.parse_args(argv)
     start = time.perf_counter()
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"activations bf16; shapes (batch x tokens): {', '.join(SHAPES)}; {_load()}")
 
     tiny = tiny_config()
-    print_bytes("tiny (Qwen2, hidden 128, MLP 256, 2 layers, vocab %d)" % tiny.vocab_size, measure_bytes(tiny))
-    print_time("tiny", *measure_time(tiny, 4 * args.repeats), 4 * args.repeats)
+    rows = print_bytes("tiny (Qwen2, hidden 128, MLP 256, 2 layers, vocab %d)" % tiny.vocab_size, measure_bytes(tiny))
+    rows += print_time("tiny", *measure_time(tiny, 4 * args.repeats), 4 * args.repeats)
 
     big = measure_bytes(qwen05b_config())
-    print_bytes("Qwen2.5-0.5B shape (hidden 896, MLP 4864, 24 layers, 14/2 heads, vocab 151936, tied)", big)
+    rows += print_bytes("Qwen2.5-0.5B shape (hidden 896, MLP 4864, 24 layers, 14/2 heads, vocab 151936, tied)", big)
     layers = args.timing_layers
-    print_time(f"Qwen2.5-0.5B shape, {layers} of 24 decoder layers",
-               *measure_time(qwen05b_config(layers), args.repeats), args.repeats)
+    rows += print_time(f"Qwen2.5-0.5B shape, {layers} of 24 decoder layers",
+                       *measure_time(qwen05b_config(layers), args.repeats), args.repeats)
 
     lin0 = big["bf16"][0]
     checks = [f"{fmt} {big[fmt][0] / lin0:.3f} <= {limit} {'ok' if big[fmt][0] / lin0 <= limit else 'FAIL'}"
               for fmt, limit in LIMITS.items()]
     print("\nQwen2.5-0.5B shape, quantized-linear bytes / bf16: " + "; ".join(checks))
     print(f"total runtime {time.perf_counter() - start:.1f} s; {_load()}")
+    record.write("quant", rows, {"threads": torch.get_num_threads(), "torch": torch.__version__}, out=args.out)
 
 
 

@@ -1,8 +1,8 @@
 """Rollout throughput: HF generate vs FastEngine, bf16 / NVFP4 / NF4, measured side by side.
 
-    python bench/rollout.py                          # 7B and 0.5B shapes, batch 8 and 64
-    python bench/rollout.py --shapes 0.5b --quick    # a smoke run
-    python bench/rollout.py --kernels                # also print the kernel table (bench/kernels.py)
+    python -m bench.rollout                          # 7B and 0.5B shapes, batch 8 and 64
+    python -m bench.rollout --shapes 0.5b --quick    # a smoke run
+    python -m bench.rollout --kernels                # also print the kernel table (bench/engine_kernels.py)
 
 Qwen2.5-shaped models with random weights (built from a Qwen2Config, nothing downloaded), LoRA
 r=32 (alpha 32) on all seven projections with non-zero B in every row, prompts of `--prompt`
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_power import PowerMeter  # noqa: E402
-from qerl_exp.engine import FastEngine  # noqa: E402
+from bench import record
+from bench.gpu_power import PowerMeter
+from qerl_exp.engine import FastEngine
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {
@@ -76,16 +76,9 @@ def quantized_bases(model, fmt: str) -> list:
 
             out.append(FP4Linear.from_linear(lin, "nvfp4"))
         else:
-            import bitsandbytes as bnb
+            from qerl_exp.quant.nf4 import NF4Linear
 
-            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                  compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True,
-                                  device="meta")
-            q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4",
-                                         compress_statistics=True)
-            if lin.bias is not None:
-                q.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
-            out.append(q.to("cuda"))
+            out.append(NF4Linear.from_linear(lin, double_quant=True, compute_dtype=torch.bfloat16).to("cuda"))
     return out
 
 
@@ -226,11 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         results += bench_shape(shape, a)
     print_table(results, a)
     if a.kernels:
-        import kernels as kb
+        from bench import engine_kernels as kb
 
         kb.main(["--shapes", "7b"])
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
+    record.write("rollout", results, {"prompt": a.prompt, "new": a.new, "hf_new": a.hf_new, "rank": a.rank})
 
 
 if __name__ == "__main__":

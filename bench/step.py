@@ -1,10 +1,10 @@
 """The whole RL step at 7B-32B shapes: weights, peak memory and step time per strategy, side by side.
 
-    python3 bench/step.py                                   # 7B, the paper's workload, 3 strategies
-    python3 bench/step.py --shapes 7b,14b --workload wide   # 64 sequences x 512 new tokens
-    python3 bench/step.py --workload real --strategies nvfp4_lora --learners padded,packed
-    python3 bench/step.py --shapes 32b --strategies nvfp4_lora,full_precision
-    python3 bench/step.py --workload wide --strategies nvfp4_lora --nproc 2   # one run on 2 GPUs (torchrun)
+    python -m bench.step                                   # 7B, the paper's workload, 3 strategies
+    python -m bench.step --shapes 7b,14b --workload wide   # 64 sequences x 512 new tokens
+    python -m bench.step --workload real --strategies nvfp4_lora --learners padded,packed
+    python -m bench.step --shapes 32b --strategies nvfp4_lora,full_precision
+    python -m bench.step --workload wide --strategies nvfp4_lora --nproc 2   # one run on 2 GPUs (torchrun)
 
 Each (shape, strategy, learner) is its own process, `python -m qerl_exp` with the shape preset
 (`model=qwen2.5-<shape>-shape`: Qwen2.5's decoder, vocabulary and untied lm_head, random weights),
@@ -51,6 +51,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench import record
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {
@@ -210,6 +212,9 @@ def main() -> None:
           f"{w['micro_tokens']} tokens, padded micro-batches of {args.micro} rows, {args.steps} steps (step 0 left "
           f"out), {args.nproc} process(es)\n")
     print(table(results, shapes, strategies, learners))
+    record.write("step", [{"shape": s, "strategy": t, "learner": lr, **r} for (s, t, lr), r in results.items()],
+                 {"workload": args.workload, **{k: v for k, v in workload.items() if k != "lengths"},
+                  "steps": args.steps, "nproc": args.nproc})
 
 
 if __name__ == "__main__":

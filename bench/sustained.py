@@ -1,16 +1,16 @@
 """What each 7B launch sustains at the GPU's power limit: rate, clock, power and energy per FLOP.
 
-    python bench/sustained.py                 # M = 64, 128, 256; about two minutes on an H200
-    python bench/sustained.py --m 128 --seconds 1
+    python -m bench.sustained                 # M = 64, 128, 256; about two minutes on an H200
+    python -m bench.sustained --m 128 --seconds 1
 
 At RL batch sizes both engines run against the board's power limit (docs/engine.md, "Known limits"),
 so a launch timed for a few replays on a cool GPU runs faster than it does inside a rollout. Here
 each case is replayed from one CUDA graph for `--seconds` (weights cycled beyond L2, as in
-bench/kernels.py) while `gpu_power.PowerMeter` reads the energy counter and samples the SM clock:
+bench/engine_kernels.py) while `gpu_power.PowerMeter` reads the energy counter and samples the SM clock:
 
 - `cublas`: cuBLAS bf16 `x @ W^T`, the bf16 engine's product;
 - `nvfp4 kernel`: the 4-bit product alone (`nvfp4_wgmma.launch`, the dispatch table's tiles);
-- `nvfp4 path`: what `bench/kernels.py` times for NVFP4, the product with its norm_shrink and
+- `nvfp4 path`: what `bench/engine_kernels.py` times for NVFP4, the product with its norm_shrink and
   epilogue launches (`linear.fused_linear`);
 - a cuBLAS bf16 8192^3 product first: the best dense rate and energy per FLOP the board sustains.
 
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels as kb  # noqa: E402
-from gpu_power import PowerMeter  # noqa: E402
+from bench import engine_kernels as kb
+from bench import record
+from bench.gpu_power import PowerMeter
 
-from qerl_exp.engine import dispatch, launch, linear, nvfp4_wgmma  # noqa: E402
+from qerl_exp.engine import dispatch, launch, linear, nvfp4_wgmma
 
 FLOP_PER_CLOCK_SM = 4096  # Hopper (sm_90) dense fp16/bf16 tensor rate
 
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(dev) != (9, 0):
-        sys.exit("bench/sustained.py needs a Hopper GPU ('% peak' is sm_90's tensor rate): run it on an H100 or H200")
+        sys.exit("bench.sustained needs a Hopper GPU ('% peak' is sm_90's tensor rate): run it on an H100 or H200")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; each case replayed for {a.seconds} s")
     rows = []
@@ -117,6 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 [lambda p=p: linear.fused_linear(p, xin, y, **kw) for p in plans], a.seconds)))
         del w, dense, plans
         torch.cuda.empty_cache()
+    record.write("sustained", rows, {"seconds": a.seconds})
     return rows
 
 

@@ -60,7 +60,7 @@ def _error_line(e: Exception, run_dir: Path, cache_dir: str) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
     # torch and the models: a refused config or --help answers without them
-    from qerl_exp.train import NonFiniteError, run, run_config
+    from qerl_exp.train import DecoderMismatch, NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
@@ -104,7 +104,7 @@ def main(cfg: DictConfig) -> float:
         if multirun:  # let Hydra record the failure and go on with the sibling jobs
             print(f"error: job {hc.job.num} failed: {message}", file=sys.stderr)
             raise
-        if isinstance(e, NonFiniteError):  # every rank reaches it at the same step
+        if isinstance(e, (NonFiniteError, DecoderMismatch)):  # every rank reaches it at the same step
             distributed.refuse(message, code=1)
         fail(message, code=1)
     if distributed.is_main():

@@ -58,7 +58,7 @@ import sys
 import numpy as np
 import torch
 
-from qerl_exp.tasks.base import HELD_OUT, OOD
+from qerl_exp.splits import HELD_OUT, OOD
 
 # A run's final score is the mean of a metric over the last quarter of its steps: in summary.json
 # (`reward/final`), on the console line, and as the sweep's default objective.

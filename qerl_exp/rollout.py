@@ -190,16 +190,18 @@ class HFSampler:
 
 class FastSampler:
     """Sampling through our CUDA-graph engine (`qerl_exp.engine.FastEngine`), built on the first
-    call and sized by it (batch, prompt + new tokens); a later, larger call grows it."""
+    call for `max_batch_size` rows (at least that call's) and its prompts + `max_new_tokens`; a
+    later, larger call grows it."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, max_batch_size: int = 0, max_new_tokens: int = 0):
         self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.max_new_tokens = max_batch_size, max_new_tokens
         self.engine: FastEngine | None = None
 
     def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
         if self.engine is None:  # room for prompts somewhat longer than the first batch's
-            self.engine = FastEngine(self.model, max_batch_size=ids.shape[0],
-                                     max_seq_len=ids.shape[1] + 64 + algo.max_new_tokens)
+            self.engine = FastEngine(self.model, max_batch_size=max(ids.shape[0], self.max_batch_size),
+                                     max_seq_len=ids.shape[1] + 64 + max(algo.max_new_tokens, self.max_new_tokens))
         out = self.engine.generate(
             ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
             eos_id=eos_id, pad_id=self.tokenizer.pad_id,
@@ -228,10 +230,12 @@ def engine_for(engine: str, device: torch.device) -> str:
     return engine
 
 
-def make_sampler(engine: str, model, tokenizer, device: torch.device):
-    """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere)."""
+def make_sampler(engine: str, model, tokenizer, device: torch.device, max_batch_size: int = 0,
+                 max_new_tokens: int = 0):
+    """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere); the fast one is
+    sized for `max_batch_size` rows of up to `max_new_tokens` new tokens (the run's rollouts)."""
     if engine_for(engine, device) == "fast":
-        return FastSampler(model, tokenizer)
+        return FastSampler(model, tokenizer, max_batch_size, max_new_tokens)
     return HFSampler(model, tokenizer)
 
 

@@ -11,6 +11,7 @@ says what is global); the `distributed` calls below are no-ops in a one-process 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import checkpoint, distributed, logs, progress, rundir
+from qerl_exp import blocks, checkpoint, distributed, logs, progress, rundir
 from qerl_exp.batch import Rollout
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
@@ -71,6 +72,47 @@ def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+class DecoderMismatch(RuntimeError):
+    """The sampler and the learner compute different models (`check_decoders`)."""
+
+
+# How far the sampler's and the learner's log-probs of the same tokens may lie apart (token mean of
+# |difference|, nats) when both compute one model: rounding. In float32 they agree to ~1e-7; in
+# bf16 the CUDA engine and the padding-free learner round differently, ~0.04 at step 0 (SmolLM2-135M,
+# H200; docs/learner.md). A decoder that computes another model (a missing norm) lies well above.
+DECODER_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+
+
+def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: torch.device) -> None:
+    """Before step 0: sample a short clean rollout (no noise) of two prompts from the sampler and
+    score its tokens with the learner; stop the run unless their log-probs agree to rounding
+    (`DECODER_GAP`). Its prompts, seeds and passes draw from no stream of the run's.
+
+    Raises:
+        DecoderMismatch: one line naming the architecture, the gap and the fallback settings.
+    """
+    module, tok = models.sampler.module, models.tokenizer
+    lm = blocks.causal_lm(module)
+    problems = task.sample(min(2, cfg.train.prompts_per_step), np.random.default_rng([cfg.seed, 2**31]))
+    algo = dataclasses.replace(cfg.algo, max_new_tokens=min(16, cfg.algo.max_new_tokens))
+    prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    module.eval()
+    try:
+        rollout = sample(sampler, tok, prompts, algo, device, seeds=row_seeds(cfg.seed, 2**31, range(len(prompts)),
+                                                                             algo.group_size))
+    except NonFiniteLogitsError:  # nothing to compare; the loop's own guard takes such steps
+        return
+    logp, _ = learner.score_all(module, rollout, algo.temperature, cfg.train)
+    mask = rollout.completion_mask.bool()
+    gap = float((rollout.sampler_logp - logp).abs()[mask].mean()) if mask.any() else 0.0
+    limit = DECODER_GAP.get(lm.get_input_embeddings().weight.dtype, 0.25)
+    if distributed.any_rank(gap > limit):
+        raise DecoderMismatch(
+            f"the sampler's and the learner's log-probs of the same tokens differ by {gap:.3g} nats a token before "
+            f"step 0 (rounding allows {limit:g}): they compute different models for {lm.config.model_type} "
+            f"({type(lm).__name__}); set {blocks.FALLBACK}")
 
 
 def _logged(run_dir: Path) -> list[dict]:
@@ -253,7 +295,8 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     with logs.quiet(cfg.verbose):
         models = build_models(cfg, task, device)
     policy, sampling = models.policy, models.sampler.module
-    sampler = make_sampler(cfg.rollout.engine, sampling, models.tokenizer, device)
+    rows = len(distributed.shard(cfg.train.prompts_per_step)) * cfg.algo.group_size
+    sampler = make_sampler(cfg.rollout.engine, sampling, models.tokenizer, device, rows, cfg.algo.max_new_tokens)
     if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the padding-free learner checkpoints itself
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
@@ -265,6 +308,8 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     loop = _Loop(cfg, run_dir, config, device, task, models, sampler, aqn, Schedule(cfg.noise, cfg.train.steps), params,
                  opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio)),
                  np.random.default_rng(cfg.seed), models.sampler.weights_bytes(), M.phase_peak_bytes(device))
+    if resume_from is None:
+        check_decoders(cfg, task, models, sampler, device)
     wandb_id = None
     if resume_from is not None:
         path, saved = resume_from

@@ -159,3 +159,50 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
 def tiny_policy():
     """The embedded model (warmed up once, cached) as a bf16-config policy with LoRA, on CPU."""
     return tiny_models("monitor.every=1")
+
+
+def char_tokenizer():
+    """A `transformers` fast tokenizer built here (nothing downloaded): one token per printable
+    character, ChatML-style special tokens and chat template, EOS `<|im_end|>`."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + list(dict.fromkeys(string.printable)))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def save_checkpoint(folder: Path, family: str = "qwen2", seed: int = 0) -> Path:
+    """A small random checkpoint of `family` (`qwen2`, `qwen3`, `llama` or `gpt2`) saved with
+    `save_pretrained`, with `char_tokenizer()` beside it; every norm scale (Qwen3's q/k norms
+    included) drawn away from 1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = char_tokenizer()
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "qwen3":
+        dims["head_dim"] = 32
+    if family == "gpt2":
+        dims = dict(n_embd=128, n_layer=2, n_head=4, n_positions=512)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **ids, **dims))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

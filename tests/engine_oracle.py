@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qerl_exp.engine.layout import weight_of
+from qerl_exp.quant.layout import weight_of
 
 
 def rms_norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_models, tiny_qwen2, with_lora
+from conftest import TINY_RUN, metrics_rows, qerl, save_checkpoint, tiny_models, tiny_qwen2, with_lora
 from qerl_exp import blocks, padding_free
 from qerl_exp.loss import score_completions
 from qerl_exp.rollout import HFSampler, sample
@@ -102,3 +102,40 @@ def test_a_group_views_its_stacked_dense_weights_instead_of_copying_them():
     viewed = blocks.read(model).blocks[0].qkv.base_weight(torch.float32)
     assert viewed.data_ptr() == stacked.data_ptr() and torch.equal(viewed, built)
     assert blocks.stack_dense(group).data_ptr() == stacked.data_ptr()  # stacked once
+
+
+def test_a_learner_that_computes_another_model_stops_the_run_before_step_0(monkeypatch):
+    from qerl_exp.rollout import make_sampler
+    from qerl_exp.train import DECODER_GAP, DecoderMismatch, check_decoders
+
+    cfg, task, models = tiny_models("model.warmup.max_steps=0", "monitor.every=0", "model.family=qwen3",
+                                    "algo.group_size=2", "train.prompts_per_step=2", "train.device=cpu")
+    cpu = torch.device("cpu")
+    sampler = make_sampler("hf", models.sampler.module, models.tokenizer, cpu)
+    check_decoders(cfg, task, models, sampler, cpu)  # the declared Qwen3: rounding only
+    # the padding-free learner reading Qwen3 as if it had no q/k norms (as it once did)
+    monkeypatch.setitem(blocks.ARCHITECTURES, "qwen3", blocks.Architecture("qwen3", qk_norm=False))
+    with pytest.raises(DecoderMismatch) as e:
+        check_decoders(cfg, task, models, sampler, cpu)
+    line = str(e.value)
+    assert "\n" not in line and "qwen3 (Qwen3ForCausalLM)" in line and blocks.FALLBACK in line
+    assert float(line.split("differ by ")[1].split()[0]) > 10 * DECODER_GAP[torch.float32]
+
+
+@pytest.mark.parametrize("padding_free", ["true", "false"])
+def test_a_qwen3_checkpoint_trains_through_decoders_that_match_it(tmp_path, padding_free):
+    folder = save_checkpoint(tmp_path / "qwen3", "qwen3")
+    run = tmp_path / "run"
+    out = qerl(f"model.name={folder}", "train.steps=3", f"train.padding_free={padding_free}", "algo.max_new_tokens=8",
+               "monitor.every=0", f"run_dir={run}", *TINY_RUN)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = metrics_rows(run)
+    assert rows[0]["sampling/logp_gap"] < 1e-4  # the learner's log-probs are HF generate's, to float32 rounding
+
+
+def test_a_checkpoint_of_an_undeclared_architecture_is_refused_in_one_line(tmp_path):
+    folder = save_checkpoint(tmp_path / "gpt2", "gpt2")
+    out = qerl(f"model.name={folder}", "train.steps=1", f"run_dir={tmp_path / 'run'}", *TINY_RUN)
+    assert out.returncode == 1
+    line = out.stderr.strip().splitlines()[-1]
+    assert "'gpt2'" in line and blocks.FALLBACK in line, out.stderr[-2000:]

@@ -17,7 +17,9 @@ from torch import nn
 
 import engine_oracle as oracle
 from conftest import import_or_skip, tiny_qwen2, with_lora
-from qerl_exp.engine import attention, dispatch, launch, layout, linear
+from qerl_exp import blocks
+from qerl_exp.engine import attention, dispatch, launch, linear
+from qerl_exp.quant import layout
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
 
@@ -38,10 +40,17 @@ def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora
     """A random Qwen2 with peaked logits (greedy margins well above rounding), optional 4-bit base
     and LoRA r=8 on all seven projections with a non-zero B. `family="llama"`: SmolLM2-135M's
     architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
-    head of 64), at width 192."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    head of 64), at width 192. `family="qwen3"`: Qwen3's (per-head q/k norms, no q/k/v bias, heads
+    of 32 wider than hidden / heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if family == "llama":
+    if family == "qwen3":
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=kv, head_dim=32, max_position_embeddings=512,
+                                             tie_word_embeddings=False))
+    elif family == "llama":
         torch.manual_seed(seed)
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=192, intermediate_size=256, num_hidden_layers=layers,
                           num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
@@ -80,17 +89,9 @@ def _quantize(model, fmt: str, dtype) -> None:
                 if fmt in ("nvfp4", "mxfp4"):
                     new = FP4Linear.from_linear(lin, fmt)
                 else:
-                    import bitsandbytes as bnb
+                    from qerl_exp.quant.nf4 import NF4Linear
 
-                    new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                            compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
-                                            device="meta")
-                    new.weight = bnb.nn.Params4bit(lin.weight.data.float().cpu(), requires_grad=False,
-                                                   quant_type="nf4", compress_statistics=True)
-                    if lin.bias is not None:
-                        new.bias = torch.nn.Parameter(lin.bias.data.clone(), requires_grad=False)
-                    new = new.to(lin.weight.device)
-                    new.support_avx512bf16_for_cpu = False
+                    new = NF4Linear.from_linear(lin, double_quant=True, compute_dtype=dtype)
                 setattr(parent, name, new)
 
 
@@ -224,7 +225,8 @@ def test_nf4_relayout_matches_bitsandbytes():
 
 
 def _check_greedy_equals_hf_generate() -> None:
-    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama")):
+    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama"), (None, "qwen3"),
+                          ("nvfp4", "qwen3")):
         model = tiny_model(quant=quant, family=family)
         ids, mask = prompts()
         ref = hf_greedy(model, ids, mask, 6)
@@ -237,7 +239,8 @@ def _check_greedy_equals_hf_generate() -> None:
 
 
 def _check_inplace_updates_and_rebuilds() -> None:
-    # LoRA and norm scales updated in place are seen without a rebuild; a re-allocated tensor rebuilds
+    # LoRA and norm scales (copied at every generate) are seen without a rebuild, updated in place or
+    # re-allocated; a re-allocated frozen tensor or a replaced layer rebuilds
     model = tiny_model()
     ids, mask = prompts()
     eng = FastEngine(model, 4, 32)
@@ -250,10 +253,14 @@ def _check_inplace_updates_and_rebuilds() -> None:
             blk.input_layernorm.weight.add_(torch.randn_like(blk.input_layernorm.weight) * 0.3)  # AQN, in place
             blk.mlp.down_proj.lora_B["default"].weight.mul_(-20)  # an optimizer step, in place
         after = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
-    assert not torch.equal(before, after)
-    assert torch.equal(after, hf_greedy(model, ids, mask, 6))
-    lin = base.model.layers[0].self_attn.q_proj.lora_A["default"]
-    lin.weight.data = lin.weight.data * 3  # re-allocated: the engine must notice
+        assert not torch.equal(before, after)
+        assert torch.equal(after, hf_greedy(model, ids, mask, 6))
+        lin = base.model.layers[0].self_attn.q_proj.lora_A["default"]
+        lin.weight.data = lin.weight.data * 3  # re-allocated: copied like any other LoRA state
+        again = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
+    assert torch.equal(again, hf_greedy(model, ids, mask, 6))
+    head = base.lm_head
+    head.weight.data = head.weight.data * 1.5  # a frozen tensor re-allocated: the engine must notice
     with pytest.warns(UserWarning, match="re-allocated"):
         out = eng.generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0).completion_ids
     assert torch.equal(out, hf_greedy(model, ids, mask, 6))
@@ -361,8 +368,8 @@ def test_engine_stacks_each_launchs_dense_weights_once_in_the_model_itself():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # neither engine sees a re-allocation
         q.mul_(2)  # an in-place update reaches the engine's GEMM operand
-        first._check_refs()
-        eng._check_refs()
+        first._check_refs(blocks.read(model))
+        eng._check_refs(blocks.read(model))
     assert torch.equal(eng.m.layers[0].qkv.plan.cublas[0][: q.shape[0]], q)
 
 
@@ -569,13 +576,13 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
         assert out[:, :16].isnan().all() and out[:, 16 + n:].isnan().all()
 
 
-def _nvfp4_packed(w: torch.Tensor) -> layout.PackedWeight:
+def _nvfp4_packed(w: torch.Tensor) -> layout.KernelWeight:
     """w [n, k] quantized to NVFP4 by `qerl_exp.quant`, in the kernels' layout."""
     q = quantize_nvfp4(w)
     return layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
 
 
-def _nf4_packed(w: torch.Tensor) -> layout.PackedWeight:
+def _nf4_packed(w: torch.Tensor) -> layout.KernelWeight:
     """w [n, k] rounded to NF4 with one absmax per 64 inputs, in the kernels' layout."""
     n, k = w.shape
     lut = layout.nf4_lut()
@@ -584,8 +591,8 @@ def _nf4_packed(w: torch.Tensor) -> layout.PackedWeight:
     return layout.relayout_nf4((lut[nib] * am[..., None]).reshape(n, k), am.flatten(), lut)
 
 
-def _to(pw: layout.PackedWeight, device) -> layout.PackedWeight:
-    return layout.PackedWeight(pw.fmt, pw.codes.to(device), pw.scales.to(device), pw.out_scale, pw.n, pw.k,
+def _to(pw: layout.KernelWeight, device) -> layout.KernelWeight:
+    return layout.KernelWeight(pw.fmt, pw.codes.to(device), pw.scales.to(device), pw.out_scale, pw.n, pw.k,
                                None if pw.lut is None else pw.lut.to(device))
 
 
@@ -758,7 +765,7 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
 def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512,

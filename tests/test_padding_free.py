@@ -239,12 +239,25 @@ def test_flash_attention_equals_sdpa_under_the_block_mask(shared_prefix):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_cuda_packed_learner_equals_the_fp32_padded_one():
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_cuda_packed_learner_equals_the_fp32_padded_one(family):
     """The packed learner as a CUDA run has it (bf16, FlashAttention, the hand-fused elementwise
-    kernels, every block checkpointed) against the padded HF learner in fp32: log-probs within bf16 rounding
-    and gradients in direction."""
+    kernels, Qwen3's q/k norms among them, every block checkpointed) against the padded HF learner
+    in fp32: log-probs within bf16 rounding and gradients in direction."""
     torch.manual_seed(0)
-    policy = with_lora(tiny_qwen2(hidden=256, heads=4, kv=2, max_positions=256)).cuda()
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=256,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=64, max_position_embeddings=256)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    else:
+        model = tiny_qwen2(hidden=256, heads=4, kv=2, max_positions=256)
+    policy = with_lora(model).cuda()
     batch = _batch([40, 40, 40, 17, 17], [60, 3, 90, 25, 1], [False, True, True, False, True])
     rollout = Rollout(*(t.cuda() for t in dataclasses.astuple(batch)), torch.zeros(5, 90).cuda(),
                       torch.zeros(5, 90).cuda(), torch.zeros(5, dtype=torch.bool).cuda(), [""] * 5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,39 @@ def test_cycle_finder_sees_function_level_relative_and_package_imports():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == [], "import cycles (function-level imports count; break them, do not hide them)"
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_learner_side_and_the_formats_import_neither_the_engine_nor_the_tasks():
+    # the learner reads rollout batches (`qerl_exp.batch`), not the sampler that made them; a weight
+    # format owns its layouts, which the engine reads; metrics name eval splits (`tasks.base`) only
+    graph = import_graph()
+    tasks = {m for m in graph if m.startswith("qerl_exp.tasks.")} - {"qerl_exp.tasks.base"}
+    for mod in ("qerl_exp.loss", "qerl_exp.learner", "qerl_exp.padding_free", "qerl_exp.metrics", "qerl_exp.blocks",
+                "qerl_exp.quant", "qerl_exp.quant.fp4", "qerl_exp.quant.nf4", "qerl_exp.quant.layout"):
+        reached = _reaches(graph, mod)
+        assert not {m for m in reached if m.startswith("qerl_exp.engine")}, f"{mod} reaches the engine"
+        assert not reached & tasks, f"{mod} reaches the task modules: {sorted(reached & tasks)}"
+    out = subprocess.run([sys.executable, "-c", "import sys, qerl_exp.loss, qerl_exp.learner\n"
+                          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'hydra') "
+                          "or m.startswith('qerl_exp.engine')))"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_weight_format_of_the_schema_has_its_module():
+    from qerl_exp import quant
+    from qerl_exp.config import QUANT_FORMATS
+
+    assert set(QUANT_FORMATS) - {"none"} == set(quant.FORMATS)
 
 
 def test_no_source_file_in_qerl_exp_is_over_700_lines():

@@ -1,19 +1,20 @@
-"""The decode path of `FastEngine` (`fast_engine`): gpt-fast style rollouts for HF
-Llama/Qwen2-family causal LMs, as free functions.
+"""The decode path of `FastEngine` (`fast_engine`): gpt-fast style rollouts for the causal LMs
+`qerl_exp.blocks` declares (Llama, Qwen2, Qwen3), as free functions.
 
 A static KV cache (`setup_caches`), a `prefill()`, and a `decode_one_token()` step (forward,
 sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once per batch
 size in a CUDA graph and replays `max_new_tokens - 1` times (`decode_n_tokens`).
 
-The engine holds the HF model's own tensors (dense base weights, LoRA A/B, RMSNorm scales,
-embeddings, lm_head), and its Triton kernels read them through address tables, so an optimizer
-step on the LoRA parameters or AQN noise added in place to `input_layernorm.weight` /
-`post_attention_layernorm.weight` is seen by the next replay without a recapture. `FP4Linear`
-bases (NVFP4/MXFP4) convert themselves to the kernels' layout (`layout.PackedWeight`) and the
-learner decodes from it too: one copy. bitsandbytes NF4 `Linear4bit` bases are re-laid out once,
-at build time, into a second copy (`FastEngine.nbytes` counts it with the KV cache). LoRA is
-applied unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a referenced tensor is
-re-allocated (`p.data = ...`), the next `generate` notices and rebuilds.
+The engine reads the model through `blocks.read`. Its Triton kernels read tensors through address
+tables: the model's frozen ones in place (dense base weights, stacked one group a buffer by
+`blocks.stack_dense`; embeddings, lm_head), and its own copies of what changes between rollouts
+(LoRA A/B after an optimizer step, norm scales with AQN's noise in them), which `refresh` brings up
+to date at the start of every `generate`, so a replay needs no recapture. `FP4Linear` bases
+(NVFP4/MXFP4) convert themselves to the kernels' layout (`layout.KernelWeight`) and the learner
+decodes from it too: one copy. bitsandbytes NF4 `Linear4bit` bases are re-laid out once, at build
+time, into a second copy (`FastEngine.nbytes` counts it with the KV cache). LoRA is applied
+unmerged: `y = base(x) + (x @ A^T) @ B^T * scaling`. If a frozen tensor is re-allocated
+(`p.data = ...`) or a layer replaced, the next `generate` notices and rebuilds.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qerl_exp import blocks
 from qerl_exp.engine.attention import attention_workspace, decode_attention
 from qerl_exp.engine.launch import norm_shrink, prefill_epilogue, rope_cache
-from qerl_exp.engine.layout import PackedWeight, relayout_nf4, weight_of
+from qerl_exp.quant.layout import KernelWeight, weight_of
 from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.sampling import fused_sample, sample
 from qerl_exp.engine.triton_kernels import pow2
@@ -53,7 +55,7 @@ class GenerateOutput:
 
 
 # ---------------------------------------------------------------------------------------------
-# The model as the engine sees it: references into the HF module tree
+# The model as the engine sees it: references to its frozen tensors, copies of the changing ones
 # ---------------------------------------------------------------------------------------------
 
 
@@ -62,23 +64,26 @@ class _Linear:
     """1-3 projections sharing one input (q/k/v; gate/up as GLU; o; down), as one launch."""
 
     fmt: str
-    weights: list  # Tensor (the model's own dense weight) or layout.PackedWeight
+    weights: list  # Tensor (the model's own dense weight) or layout.KernelWeight
     biases: list
-    lora_a: list | None  # the model's own LoRA A [r, K] per projection
+    lora_a: list | None  # the engine's copy of each projection's LoRA A [r, K]
     lora_b: list | None  # ... and B [N, r]
     scale: list
     r: int
     glu: bool
-    sources: list  # the base layers the weights were read from (an in-place requantize_ is seen)
-    updates: list  # each source's `updates` count when read (None: not an FP4Linear)
+    bases: list  # the base layers the weights were read from (an in-place requantize_ is seen)
+    updates: list  # each base layer's `updates` count when read (None: not an FP4Linear)
+    stacked: Tensor | None  # dense: the weights as one [sum of N, K] tensor (`blocks.stack_dense`)
     plan: LinearPlan | None = None
     a_tab: Tensor | None = None
 
 
 @dataclass
 class _Layer:
-    ln1: Tensor
+    ln1: Tensor  # the engine's copies of the norm scales
     ln2: Tensor
+    q_norm: Tensor | None  # Qwen3's per-head q/k norm scales [d], else None
+    k_norm: Tensor | None
     qkv: _Linear
     o: _Linear
     gate_up: _Linear
@@ -88,7 +93,7 @@ class _Layer:
 @dataclass
 class _Model:
     embed: Tensor
-    norm: Tensor
+    norm: Tensor  # the engine's copy
     lm_head: Tensor
     layers: list
     eps: float
@@ -100,158 +105,98 @@ class _Model:
     sin: Tensor
 
 
-def _split_lora(mod: nn.Module):
-    """(base layer, (A, B, scaling) or None) of a projection, peft-wrapped or not."""
-    if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
-        if getattr(mod, "merged", False):
-            raise ValueError("FastEngine needs unmerged LoRA adapters (call unmerge_adapter())")
-        active = [] if getattr(mod, "disable_adapters", False) else [a for a in mod.active_adapters if a in mod.lora_A]
-        if len(active) > 1:
-            raise NotImplementedError(f"FastEngine supports one active adapter, found {active}")
-        base = mod.get_base_layer()
-        if not active:
-            return base, None
-        a = active[0]
-        if getattr(mod, "use_dora", {}).get(a, False):
-            raise NotImplementedError("DoRA adapters are not supported by FastEngine")
-        return base, (mod.lora_A[a].weight, mod.lora_B[a].weight, float(mod.scaling[a]))
-    return mod, None
-
-
 def _base_weight(base: nn.Module):
-    """(format, weight, bias): the dense weight itself, or the 4-bit one in the kernel layout (an
-    `FP4Linear` on CUDA converts itself to it, so the engine holds no second copy; NF4 is laid out
-    again here, a copy counted by `FastEngine.nbytes`)."""
-    if callable(getattr(base, "kernel_weight", None)):  # FP4Linear (NVFP4, MXFP4)
-        return base.format, base.kernel_weight(), base.bias
-    qs = getattr(getattr(base, "weight", None), "quant_state", None)
-    if qs is not None:  # bitsandbytes Linear4bit
-        import bitsandbytes.functional as bnbf
-
-        if qs.quant_type != "nf4":
-            raise NotImplementedError(f"bitsandbytes quant_type {qs.quant_type!r}: only nf4 is supported")
-        deq = bnbf.dequantize_4bit(base.weight.data, qs)
-        absmax = qs.absmax
-        if qs.nested:
-            absmax = bnbf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
-        return "nf4", relayout_nf4(deq, absmax.float(), qs.code, qs.blocksize), base.bias
-    if isinstance(base, nn.Linear):
+    """(format, weight, bias): a dense layer's own weight, or a weight format's layer's weight in
+    the kernel layout (`runtime_weight`: an `FP4Linear` on CUDA converts itself to it, so the engine
+    holds no second copy; NF4 is laid out again, a copy counted by `FastEngine.nbytes`)."""
+    if type(base) is nn.Linear:
         return "dense", base.weight, base.bias
-    raise TypeError(f"FastEngine cannot read a {type(base).__name__} projection")
+    runtime = getattr(type(base), "runtime_weight", None)
+    if runtime is None:
+        raise TypeError(f"the rollout engine has no kernels for a {type(base).__name__} projection; "
+                        "set rollout.engine=hf")
+    w = runtime(base)
+    return w.fmt, w, base.bias
 
 
-def stack_dense(weights: list[Tensor]) -> Tensor:
-    """One launch's dense weights as one [sum of rows, K] tensor, so that cuBLAS multiplies them in one
-    GEMM (7B q/k/v at 64 rows: 11.2 us a layer against 23.8 for three GEMMs and two split-K reduces,
-    `bench/step_profile.py --batch 64 --formats bf16_cublas`, H200).
-
-    The model's parameters are re-pointed to its row blocks (`p.data = ...`), so the values stay
-    stored once and in-place updates (an optimizer step, a noise hook) are seen by the engine's GEMM.
-    Weights that already lie so, one after another in one storage (an earlier engine stacked them),
-    are viewed, not copied again.
-    """
-    first = weights[0]
-    if len(weights) == 1:
-        return first
-    offset, stacked_already = first.storage_offset(), True
-    for w in weights:
-        stacked_already &= (w.is_contiguous() and w.storage_offset() == offset
-                            and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
-        offset += w.numel()
-    rows = sum(w.shape[0] for w in weights)
-    if stacked_already:
-        return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
-    stacked = torch.cat([w.detach() for w in weights])
-    row = 0
-    for w in weights:
-        w.data = stacked[row: row + w.shape[0]]
-        row += w.shape[0]
-    return stacked
+def _copy(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().clone()
 
 
-def _group(mods: list[nn.Module], glu: bool = False) -> _Linear:
-    split = [_split_lora(m) for m in mods]
-    sources = [base for base, _ in split]
-    updates = [getattr(base, "updates", None) for base in sources]
-    parts = [(_base_weight(b), lora) for b, lora in split]
-    fmts = {p[0][0] for p in parts}
+def _linear(group: blocks.Group, glu: bool = False) -> _Linear:
+    stacked = None
+    if all(type(b) is nn.Linear for b in group.bases):  # stacked by every engine, so that none re-points what another read
+        stacked = blocks.stack_dense(group)
+    parts = [_base_weight(b) for b in group.bases]
+    fmts = {fmt for fmt, _, _ in parts}
     if len(fmts) != 1:
         raise NotImplementedError(f"mixed weight formats in one projection group: {sorted(fmts)}")
-    weights = [p[0][1] for p in parts]
-    biases = [p[0][2] for p in parts]
-    loras = [p[1] for p in parts]
     lora_a = lora_b = None
-    scale = [0.0] * len(mods)
-    r = 0
-    if any(lo is not None for lo in loras):
-        ranks = {lo[0].shape[0] for lo in loras if lo is not None}
+    scale, r = [0.0] * len(parts), 0
+    if group.adapters is not None:
+        ranks = {a.a.shape[0] for a in group.adapters}
         if len(ranks) != 1:
             raise NotImplementedError(f"LoRA ranks differ inside one projection group: {sorted(ranks)}")
         r = ranks.pop()
-        ref = next(lo for lo in loras if lo is not None)[0]
-        lora_a, lora_b = [], []
-        for (fw, w, _), lo in zip((p[0] for p in parts), loras):
-            if lo is None:  # a projection without adapter in a group with one: zero LoRA
-                n = w.n if isinstance(w, PackedWeight) else w.shape[0]
-                lo = (torch.zeros_like(ref), torch.zeros(n, r, dtype=ref.dtype, device=ref.device), 0.0)
-            lora_a.append(lo[0])
-            lora_b.append(lo[1])
-        scale = [lo[2] if lo is not None else 0.0 for lo in loras]
-    return _Linear(next(iter(fmts)), weights, biases, lora_a, lora_b, scale, r, glu, sources, updates)
+        lora_a, lora_b = [_copy(a.a) for a in group.adapters], [_copy(a.b) for a in group.adapters]
+        scale = [a.scale for a in group.adapters]
+    return _Linear(fmts.pop(), [w for _, w, _ in parts], [b for _, _, b in parts], lora_a, lora_b, scale, r, glu,
+                   list(group.bases), [getattr(b, "updates", None) for b in group.bases], stacked)
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    m = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not (hasattr(m, "model") and hasattr(m.model, "layers") and hasattr(m, "lm_head")):
-        raise TypeError(f"{type(m).__name__} is not a Llama/Qwen2-style causal LM (model.layers, lm_head)")
-    return m
-
-
-def _projections(blk: nn.Module) -> dict[str, list[nn.Module]]:
-    """A decoder block's projections, grouped as the engine launches them (`_Layer`'s fields)."""
-    at, mlp = blk.self_attn, blk.mlp
-    return {"qkv": [at.q_proj, at.k_proj, at.v_proj], "o": [at.o_proj],
-            "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
-
-
-def base_layers(model: nn.Module) -> list[nn.Module]:
-    """The base layer of every projection, in the order `build_model` reads them: the engine
-    compares it with what it read to notice a replaced layer."""
-    return [_split_lora(mod)[0] for blk in _causal_lm(model).model.layers
-            for mods in _projections(blk).values() for mod in mods]
-
-
-def build_model(model: nn.Module, max_seq_len: int) -> _Model:
-    """Collect references to every tensor the engine reads (and re-lay out 4-bit bases)."""
-    lm = _causal_lm(model)
-    dec = lm.model
-    cfg = lm.config
-    head, _ = _split_lora(lm.lm_head)
-    if _ is not None:
-        raise NotImplementedError("LoRA on lm_head is not supported by FastEngine")
-    layers = [_Layer(ln1=blk.input_layernorm.weight, ln2=blk.post_attention_layernorm.weight,
-                     **{name: _group(mods, glu=name == "gate_up") for name, mods in _projections(blk).items()})
-              for blk in dec.layers]
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    emb = dec.embed_tokens.weight
-    pos = torch.arange(max_seq_len, device=emb.device)[None]
-    cos, sin = dec.rotary_emb(emb[:1][None], pos)
+def build_model(dec: blocks.Decoder, max_seq_len: int) -> _Model:
+    """The engine's view of a model read by `blocks.read`: references to its frozen tensors (dense
+    base weights, embeddings, lm_head; 4-bit bases in the kernel layout), copies of what changes
+    between rollouts (LoRA A/B, norm scales: `refresh` brings them up to date)."""
+    layers = [_Layer(ln1=_copy(b.input_norm), ln2=_copy(b.post_attention_norm), q_norm=_copy(b.q_norm),
+                     k_norm=_copy(b.k_norm), **{name: _linear(g, glu=name == "gate_up") for name, g in b.groups.items()})
+              for b in dec.blocks]
+    first = dec.blocks[0]
+    pos = torch.arange(max_seq_len, device=dec.embed.device)[None]
+    cos, sin = dec.rotary(dec.embed[:1][None], pos)
     return _Model(
-        embed=emb, norm=dec.norm.weight, lm_head=head.weight, layers=layers,
-        eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), hq=cfg.num_attention_heads,
-        hkv=cfg.num_key_value_heads, d=d, scaling=float(getattr(dec.layers[0].self_attn, "scaling", d ** -0.5)),
+        embed=dec.embed, norm=_copy(dec.norm), lm_head=dec.lm_head.weight, layers=layers, eps=first.eps,
+        hq=first.heads, hkv=first.kv_heads, d=first.head_dim, scaling=first.scaling,
         cos=cos[0].contiguous(), sin=sin[0].contiguous(),
     )
 
 
-def _tracked(m: _Model) -> list[Tensor]:
-    out = [m.embed, m.norm, m.lm_head]
+def refresh(m: _Model, dec: blocks.Decoder) -> None:
+    """Copy what changes between rollouts from the model (`dec`, read now) into the engine's
+    buffers: LoRA A and B (an optimizer step) and every norm scale (AQN's noise, added to the
+    model's scales around a rollout)."""
+    m.norm.copy_(dec.norm)
+    for ly, blk in zip(m.layers, dec.blocks):
+        ly.ln1.copy_(blk.input_norm)
+        ly.ln2.copy_(blk.post_attention_norm)
+        if ly.q_norm is not None:
+            ly.q_norm.copy_(blk.q_norm)
+            ly.k_norm.copy_(blk.k_norm)
+        for lin, group in zip((ly.qkv, ly.o, ly.gate_up, ly.down), blk.groups.values()):
+            for s, adapter in enumerate(group.adapters or []):
+                lin.lora_a[s].copy_(adapter.a)
+                lin.lora_b[s].copy_(adapter.b)
+
+
+def frozen(m: _Model) -> list[Tensor]:
+    """The model's tensors the engine reads in place (its frozen ones): a re-allocated one means a rebuild."""
+    out = [m.embed, m.lm_head]
     for ly in m.layers:
-        out += [ly.ln1, ly.ln2]
         for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
             out += [w for w in lin.weights if isinstance(w, Tensor)] + [b for b in lin.biases if b is not None]
-            out += (lin.lora_a or []) + (lin.lora_b or [])
     return out
+
+
+def same_layout(m: _Model, dec: blocks.Decoder) -> bool:
+    """`dec` (the model read now) has the base layers and the adapters' presence and ranks the
+    engine was built from: else it must be built again."""
+    for ly, blk in zip(m.layers, dec.blocks):
+        for lin, group in zip((ly.qkv, ly.o, ly.gate_up, ly.down), blk.groups.values()):
+            if any(a is not b for a, b in zip(lin.bases, group.bases)) or (lin.lora_a is None) != (group.adapters is None):
+                return False
+            if group.adapters is not None and any(a.a.shape != mine.shape for a, mine in zip(group.adapters, lin.lora_a)):
+                return False
+    return len(m.layers) == len(dec.blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +297,10 @@ def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: T
     return out.view(*lead, -1)
 
 
+def _qk_norm(m: _Model, ly: _Layer) -> tuple[Tensor, Tensor, float] | None:
+    return (ly.q_norm, ly.k_norm, m.eps) if ly.q_norm is not None else None
+
+
 def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
     """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
 
@@ -374,7 +323,7 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     for li, ly in enumerate(m.layers):
         qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps))
         q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
-        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p)
+        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p, _qk_norm(m, ly))
         k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
         # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
         att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
@@ -413,7 +362,8 @@ def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
         fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
                      shrink=ly.qkv.a_tab)
-        rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d)
+        rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d,
+                   qk_norm=_qk_norm(m, ly))
         att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att, st.att_work)
         fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, ss_out=st.ss)
         # where down takes nvfp4_wgmma, the GLU epilogue writes its operand (inter / 16 in fp16)

@@ -2,8 +2,9 @@
 
 Two kinds, both finished by the same epilogue launch: "small", the decode kernels (`nvfp4_mma` up
 to 8 rows where the segments tile by 64, else `_splitk_kernel`), and "wgmma" (`nvfp4_wgmma`: a TMA
-ring and asynchronous wgmma, sm_90 only). `bench/kernels.py --sweep` times them for every 7B launch
-shape at M in 1-256 and writes `dispatch.json` beside this module:
+ring and asynchronous wgmma, sm_90 only). `python -m bench.dispatch_sweep` times them for every 7B
+launch shape at M in 1-256 and writes the table where `--out` says; the package's is `dispatch.json`
+beside this module:
 
     {"device": "NVIDIA H200", "capability": [9, 0], "command": ...,
      "shapes": {"4608x3584": [[16, "small"], [32, "wgmma", {"BLOCK_M": 32, ...}], ...]}}
@@ -65,7 +66,7 @@ def load_table(path: Path = TABLE_PATH) -> Table | None:
         for e in entries:
             if not (isinstance(e, list) and 2 <= len(e) <= 3 and isinstance(e[0], int) and e[1] in KINDS):
                 raise ValueError(f"{path}: entry {e} of shape {key} is not [rows, kind(, tiles)] with a kind in "
-                                 f"{KINDS}; regenerate it with `python bench/kernels.py --sweep`")
+                                 f"{KINDS}; regenerate it with `python -m bench.dispatch_sweep --out PATH`")
         shapes[key] = sorted(((e[0], Choice(e[1], e[2] if len(e) == 3 else None)) for e in entries), key=lambda b: b[0])
     return Table(tuple(content["capability"]), shapes)
 

@@ -13,28 +13,31 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, _tracked, base_layers,
-                                    build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
-                                    setup_caches, share_prompts, stack_dense)
+from qerl_exp import blocks
+from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, build_model, decode_n_tokens,
+                                    decode_one_token, frozen, prefill, refresh, same_layout, sample_next, setup_caches,
+                                    share_prompts)
 from qerl_exp.engine.launch import require_device
-from qerl_exp.engine.layout import PackedWeight
+from qerl_exp.quant.layout import KernelWeight
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
 from qerl_exp.engine.triton_kernels import pow2
 
 # dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
 # (bench/rollout.py, H200, ms a step) took 4.88 with the Triton split-K kernel against 5.54 with
 # cuBLAS at 16 rows and 6.46 against 5.92 at 32, where cuBLAS multiplies q/k/v in one GEMM
-# (`decode.stack_dense`); 13.2 against 10.2 at 128 rows, 23.3 against 15.3 at 256.
+# (`blocks.stack_dense`); 13.2 against 10.2 at 128 rows, 23.3 against 15.3 at 256.
 DENSE_CUBLAS_MIN_BATCH = 32
 
 
 class FastEngine:
-    """Rollout engine over an HF Llama/Qwen2 model (dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases,
-    optionally peft LoRA), with the decode step in a CUDA graph. Its kernels run on CUDA, and on
+    """Rollout engine over an HF causal LM of a declared architecture (`qerl_exp.blocks`: Llama,
+    Qwen2, Qwen3; dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases, optionally peft LoRA), with the
+    decode step in a CUDA graph. Its kernels run on CUDA, and on
     CPU only under the Triton interpreter (the tests).
 
     Args:
-        model: the HF causal LM (or a peft model around it). Its tensors are referenced, not copied.
+        model: the HF causal LM (or a peft model around it). Its frozen tensors are referenced, not
+            copied; LoRA and norm scales are copied at every `generate` (`decode.refresh`).
         max_batch_size: most sequences per `generate` call (the KV cache is sized for it).
         max_seq_len: most prompt + new tokens per sequence.
         cuda_graph: capture the decode step (CUDA only).
@@ -70,30 +73,29 @@ class FastEngine:
     def _build(self) -> None:
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.m = build_model(self.model, self.seq_cap)
+            self.m = build_model(blocks.read(self.model), self.seq_cap)
             dev = self.m.embed.device
-            widest = max(sum(w.n if isinstance(w, PackedWeight) else w.shape[0] for w in lin.weights)
+            widest = max(sum(w.n if isinstance(w, KernelWeight) else w.shape[0] for w in lin.weights)
                          for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down))
             ws = torch.zeros(SPLIT_MAX, self.max_batch_size, widest, dtype=torch.float32, device=dev)
             raw: dict = {}  # cuBLAS output buffers, shared by all layers: [B_max, n] per (group, n)
             for ly in self.m.layers:
                 for kind, lin in enumerate((ly.qkv, ly.o, ly.gate_up, ly.down)):
                     cublas = None
-                    if lin.fmt == "dense":  # stacked by every engine, so that none re-points what another read
-                        w = stack_dense(lin.weights)
-                        if self.dense_gemm == "cublas":
-                            cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
-                                self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
+                    if lin.fmt == "dense" and self.dense_gemm == "cublas":
+                        w = lin.stacked
+                        cublas = (w, raw.setdefault((kind, w.shape[0]), torch.empty(
+                            self.max_batch_size, w.shape[0], dtype=w.dtype, device=dev)))
                     lin.plan = make_plan(lin.fmt, lin.weights, lin.biases, lin.lora_b, lin.scale,
                                          lin.r, lin.glu, dev, cublas=cublas, workspace=ws)
                     if lin.lora_a is not None:
                         lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
             packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
-                      if isinstance(w, PackedWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
+                      if isinstance(w, KernelWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
             self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
                 if packed else None
-        self._refs = [(t, t.data_ptr()) for t in _tracked(self.m)]
+        self._refs = [(t, t.data_ptr()) for t in frozen(self.m)]
         self._states: dict[int, _State] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._prefills: dict[tuple, tuple] = {}  # (B, P) -> (graph, its ids, mask and logits buffers)
@@ -111,17 +113,17 @@ class FastEngine:
             ([self.scratch] if self.scratch is not None else [])
         for ly in self.m.layers:
             for lin in (ly.qkv, ly.o, ly.gate_up, ly.down):
-                tensors += [w for w in lin.weights if isinstance(w, PackedWeight) and w.fmt == "nf4"]
+                tensors += [w for w in lin.weights if isinstance(w, KernelWeight) and w.fmt == "nf4"]
                 if lin.plan is not None and lin.plan.workspace is not None:
                     tensors.append(lin.plan.workspace)
         for st in self._states.values():
             tensors += [v for v in vars(st).values() if isinstance(v, Tensor)]
         seen, total = set(), 0
         for t in tensors:
-            key = (t.codes.data_ptr(), t.scales.data_ptr()) if isinstance(t, PackedWeight) else t.data_ptr()
+            key = (t.codes.data_ptr(), t.scales.data_ptr()) if isinstance(t, KernelWeight) else t.data_ptr()
             if key not in seen:
                 seen.add(key)
-                total += t.nbytes if isinstance(t, PackedWeight) else t.numel() * t.element_size()
+                total += t.nbytes if isinstance(t, KernelWeight) else t.numel() * t.element_size()
         return total
 
     def _rt(self) -> int:
@@ -211,22 +213,21 @@ class FastEngine:
         self._prefill_seen.clear()
         self._pool = None
 
-    def _check_refs(self) -> None:
-        """Rebuild when a tensor the engine reads was re-allocated or a projection replaced; re-read
-        the tensor scales of FP4 layers re-quantized in place (`FP4Linear.requantize_`)."""
-        lins = [lin for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        read = [src for lin in lins for src in lin.sources]
-        if any(t.data_ptr() != p for t, p in self._refs) or any(a is not b for a, b in zip(read, base_layers(self.model))):
+    def _check_refs(self, dec: blocks.Decoder) -> None:
+        """Rebuild when a frozen tensor the engine reads was re-allocated, a projection replaced or
+        its adapters changed shape in `dec` (the model read now); re-read the tensor scales of FP4
+        layers re-quantized in place (`FP4Linear.requantize_`)."""
+        if any(t.data_ptr() != p for t, p in self._refs) or not same_layout(self.m, dec):
             warnings.warn("FastEngine: a model tensor was re-allocated or a layer replaced (not updated in "
                           "place); rebuilding the engine and its CUDA graphs", stacklevel=3)
             self._build()
             return
         rescaled = False
-        for lin in lins:
-            for s, src in enumerate(lin.sources):
+        for lin in (lin for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)):
+            for s, src in enumerate(lin.bases):
                 if lin.updates[s] is None or src.updates == lin.updates[s]:
                     continue
-                pw = src.kernel_weight()
+                pw = src.runtime_weight()
                 if pw.codes is not lin.weights[s].codes:  # the engine holds a converted copy (CPU)
                     self._build()
                     return
@@ -270,7 +271,9 @@ class FastEngine:
             self.seq_cap = -(-self.max_seq_len // 64) * 64
             self.cache = None
             self._build()
-        self._check_refs()
+        dec = blocks.read(self.model)
+        self._check_refs(dec)
+        refresh(self.m, dec)
         if self.cache is None:  # after release()
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap)
         dev = self.m.embed.device

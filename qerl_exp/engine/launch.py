@@ -68,7 +68,7 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
     RT = pow2(nseg * R)
     # Up to 16 rows ~32 programs (4x more measured no faster, and more atomics); from 17 rows 16-row
     # blocks of 64 inputs, ~128 programs: 64-row blocks of 128 made 28 programs, and a 64-row NVFP4
-    # decode step spent 1063 us in this kernel against 629 now (H200, `bench/step_profile.py --batch
+    # decode step spent 1063 us in this kernel against 629 now (H200, `bench/profile/decode_step.py --batch
     # 64`, docs/engine.md). K slices need not divide K (the last is masked): dividing it cut 7B
     # down's 148 chunks into 4 slices, 28 us for its x / 16 at 64 rows
     wide = m > 16
@@ -96,7 +96,8 @@ def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | Non
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,
-               k_cache: Tensor, v_cache: Tensor, hq: int, hkv: int, d: int, p: int = 1) -> None:
+               k_cache: Tensor, v_cache: Tensor, hq: int, hkv: int, d: int, p: int = 1,
+               qk_norm: tuple[Tensor, Tensor, float] | None = None) -> None:
     """Triton: rotate q and k of p tokens per sequence; write k, v into the cache from `slot` on.
 
     Args:
@@ -105,12 +106,15 @@ def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor,
         pos: int [B * p] rotary position per row. slot: int [1] cache index of each sequence's first
             row (decode: its one token; the prefill: 0, with p its prompt length).
         q_out: [B, hq, p, d]. k_cache / v_cache: [B_max, hkv, S_max, d] (batch rows 0..B-1 used).
+        qk_norm: (q scale [d], k scale [d], eps): each head's q and k RMS-normalised before the
+            rotation (Qwen3); None: none.
     """
     rows = qkv.shape[0]
+    qn, kn, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     tk._rope_cache_kernel[(rows, hq + 2 * hkv)](
         qkv, qkv.stride(0), cos, sin, pos, slot, q_out,
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        hq, hkv, p, D=d, HALF=d // 2, num_warps=1,
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), qn, kn, eps,
+        hq, hkv, p, D=d, HALF=d // 2, QK_NORM=qk_norm is not None, num_warps=1,
     )
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from qerl_exp.engine import dispatch
 from qerl_exp.engine import triton_kernels as tk
 from qerl_exp.engine.launch import capability, norm_shrink, require_device, sm_count, triton
-from qerl_exp.engine.layout import PackedWeight
+from qerl_exp.quant.layout import KernelWeight
 from qerl_exp.engine.triton_kernels import dummy_tensor, norm_shrink_args, pow2, tl_dtype
 
 try:  # the NVFP4 Gluon kernels (mma.sync for decode rows, wgmma for 16-256), where Triton has Gluon
@@ -58,7 +58,7 @@ def norm_on_load(fmt: str, k: int, m: int) -> bool:
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
     """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
-    H200, 132 SMs, docs/engine.md; `bench/kernels.py --tiles` searches them again).
+    H200, 132 SMs, docs/engine.md; `bench/engine_kernels.py --tiles` searches them again).
 
     dense / nvfp4 / nf4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM
     (NVFP4 up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by
@@ -247,7 +247,7 @@ class DensePlan(_SplitKPlan):
 class NVFP4Plan(_SplitKPlan):
     """NVFP4 weights (`layout.relayout_nvfp4`): the dispatch table's kernel for the shape and M."""
 
-    packed: list | None = None  # the segments' PackedWeight (nvfp4_wgmma's TMA descriptors)
+    packed: list | None = None  # the segments' KernelWeight (nvfp4_wgmma's TMA descriptors)
     fmt: ClassVar[str] = "nvfp4"
     OUT_UNIT: ClassVar[float] = 1024.0  # the products are in units of 2^-6 / 16 (`_splitk_kernel`)
 
@@ -405,7 +405,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
 
     Args:
         fmt: "dense", "nvfp4", "nf4" or "mxfp4".
-        weights: per segment the model's own dense weight, or a `layout.PackedWeight`.
+        weights: per segment the model's own dense weight, or a `layout.KernelWeight`.
         biases, lora_b, lora_scale, r: per segment its bias (or None), LoRA B [n, r] and scaling
             (lora_b None: no LoRA), and the rank.
         glu: two segments, gate and up, over the same output columns.
@@ -419,8 +419,8 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(PLANS)}")
     cls = PLANS[fmt]
     nseg = len(weights)
-    sizes = [w.n if isinstance(w, PackedWeight) else w.shape[0] for w in weights]
-    k = weights[0].k if isinstance(weights[0], PackedWeight) else weights[0].shape[1]
+    sizes = [w.n if isinstance(w, KernelWeight) else w.shape[0] for w in weights]
+    k = weights[0].k if isinstance(weights[0], KernelWeight) else weights[0].shape[1]
     tab = torch.zeros(nseg, 8, dtype=torch.int64)
     fsc = torch.zeros(nseg, 2, dtype=torch.float32)
     raw = None
@@ -432,7 +432,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
             tab[s, 0] = raw[s].data_ptr()
             tab[s, 5] = raw[s].stride(0)
             fsc[s, 1] = 1.0
-        elif isinstance(w, PackedWeight):
+        elif isinstance(w, KernelWeight):
             tab[s, 0] = w.codes.data_ptr()
             tab[s, 1] = w.scales.data_ptr()
             fsc[s, 1] = w.out_scale * cls.OUT_UNIT
@@ -446,7 +446,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
         if biases[s] is not None:
             tab[s, 3] = biases[s].data_ptr()
     tensors = [t_ for t_ in list(weights) + biases + list(lora_b or []) + list(raw or []) if isinstance(t_, Tensor)]
-    tensors += [t_ for w in weights if isinstance(w, PackedWeight) for t_ in (w.codes, w.scales)]
+    tensors += [t_ for w in weights if isinstance(w, KernelWeight) for t_ in (w.codes, w.scales)]
     if any(sz % 16 for sz in sizes + [k]) or any(t_.data_ptr() % 16 for t_ in tensors if t_ is not None):
         raise ValueError(f"the engine's kernels need sizes {sizes} x {k} and tensor addresses that are "
                          "multiples of 16")
@@ -457,7 +457,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     splitk = issubclass(cls, _SplitKPlan) and raw is None
     if splitk and (workspace is None or workspace.dim() != 3 or workspace.shape[2] < sum(sizes)):
         raise ValueError(f"a {fmt} plan needs a workspace fp32 [SPLIT_MAX, B_max, >= {sum(sizes)}]")
-    lut = next((w.lut for w in weights if isinstance(w, PackedWeight) and w.lut is not None), None)
+    lut = next((w.lut for w in weights if isinstance(w, KernelWeight) and w.lut is not None), None)
     plan = cls(
         nseg=nseg, glu=glu, n=n, k=k, n1=sizes[0] if nseg > 1 else n, n2=sizes[0] + sizes[1] if nseg > 2 else n,
         tab=tab.to(device), fsc=fsc.to(device), has_bias=any(b is not None for b in biases),

@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from qerl_exp.engine.ptx import e2m1x2_asm, e2m1x4_asm
+from qerl_exp.quant.ptx import e2m1x2_asm, e2m1x4_asm
 from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
 
 MAX_M = 8  # rows up to which `linear.fused_linear` takes this kernel for NVFP4 (docs/engine.md)

@@ -3,7 +3,7 @@ decode step runs (`fused_sample`).
 
 `sample` makes about fifteen passes over the [B, V] logits (log-softmax, exp, the entropy sum, the
 noise, its log, argmax, gather). At 7B's vocabulary of 152064 and 64 rows they took 0.32 ms of a
-4.6 ms NVFP4 decode step on the H200 (bench/step_profile.py), growing with the batch: time the
+4.6 ms NVFP4 decode step on the H200 (bench/profile/decode_step.py), growing with the batch: time the
 4-bit and the bf16 engine both spend, so it dilutes what 4-bit weights save. `fused_sample` (45 us
 there) reads the logits once (`_partial_kernel`: online max, sum of exp and entropy term, and the Gumbel-max
 argmax over a slice of each row) and combines the slices (`_finish_kernel`). Its noise is

@@ -1,9 +1,10 @@
 """The engine's Triton kernels: the decode linears (`_splitk_kernel`, `_linear_kernel`), RMSNorm +
-LoRA shrink, rope + KV-cache write, the prefill epilogue and NVFP4 dequantization, with the helpers
-that pass them their arguments (decode attention is `attention`'s).
+LoRA shrink, rope + KV-cache write and the prefill epilogue, with the helpers that pass them their
+arguments (decode attention is `attention`'s; decoding FP4 weights is the format's,
+`qerl_exp.quant.fp4_decode`).
 
-`linear` and `launch` decide tiles and launch them (`layout.weight_of` launches the dequantize
-kernel); the weights arrive in the layouts of `layout`; the tests hold each kernel to a torch
+`linear` and `launch` decide tiles and launch them; the weights arrive in the layouts of
+`qerl_exp.quant.layout`; the tests hold each kernel to a torch
 oracle (tests/engine_oracle.py) or to float64. Kernel names keep their leading underscore: the
 profiles in docs/engine.md name them so. Without a GPU the kernels run only under the Triton
 interpreter, which the caller turns on with TRITON_INTERPRET=1 before triton is first imported
@@ -12,26 +13,15 @@ interpreter, which the caller turns on with TRITON_INTERPRET=1 before triton is 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from qerl_exp.engine.ptx import e2m1x4_asm
-
-try:  # CPU builds of torch ship without Triton (the rollout engine then cannot be built)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from qerl_exp.quant.fp4_decode import HAS_TRITON, interpreting, tl, triton  # noqa: F401 - the engine's too
 
 FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3, "raw": 4}  # the kernels' FMT constexpr (raw: a cuBLAS buffer)
 
 if HAS_TRITON:
+    from qerl_exp.quant.fp4_decode import _e2m1_to, _nvfp4_chunk  # how the FP4 formats decode, in every kernel
 
     @triton.jit
     def _dot(a, b, acc):
@@ -184,13 +174,6 @@ if HAS_TRITON:
         return code_ptr, sc_ptr, _tab(tab_ptr, seg * 8 + 4)
 
     @triton.jit
-    def _e2m1_to(c, DT: tl.constexpr):
-        # permuted E2M1 bytes -> (low, high) elements in DT, in units of 2^-6 (`layout`'s docstring)
-        lo = (c & 0x9C).to(tl.float8e4nv, bitcast=True).to(DT)
-        hi = (((c << 2) & 0x8C) | ((c >> 2) & 0x10)).to(tl.float8e4nv, bitcast=True).to(DT)
-        return lo, hi
-
-    @triton.jit
     def _nf4_tile(code_ptr, sc_ptr, nrows, g, rows, lut_ptr, jj, DT: tl.constexpr):
         # k-group g (32 inputs) of BLOCK_N NF4 weight rows, dequantized: (w_lo, w_hi), [BN, 16] each.
         c = tl.load(code_ptr + g * nrows * 16 + rows[:, None] * 16 + jj[None, :])
@@ -216,63 +199,6 @@ if HAS_TRITON:
         sc = tl.exp2(e - 121.0).to(DT)[:, :, None]
         lo, hi = _e2m1_to(c, DT)
         return lo * sc, hi * sc
-
-    _E2M1X4_TO_F16 = tl.constexpr(e2m1x4_asm(4, 5))
-
-    @triton.jit
-    def _e4m3_byte(word, b: tl.constexpr):
-        return ((word >> (8 * b)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-    @triton.jit
-    def _nvfp4_chunk(c_ptr, s_ptr, G, g, row0, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
-        # One 64-input chunk g (of G) of BLOCK_N NVFP4 rows from row0 (a multiple of 16) as fp16
-        # (w_lo, w_hi), each [BN, 32], in units of 2^-6 (exact: e2m1 * e4m3 needs 6 significant bits
-        # and stays inside fp16's range).
-        # The rows' 16-row blocks are read whole (contiguous) and their bytes put back in row order
-        # in registers (the mma.sync kernel, `nvfp4_mma`, multiplies them in fragment order).
-        blk = (row0 // 16 + tl.arange(0, BLOCK_N // 16)) * G + g
-        c = tl.load(c_ptr + blk[:, None] * 512 + tl.arange(0, 512)[None, :])
-        c = tl.permute(tl.reshape(c, (BLOCK_N // 16, 8, 4, 2, 2, 2, 2)), (0, 5, 1, 3, 4, 2, 6))
-        c = tl.reshape(c, (BLOCK_N, 2, 16))  # [row 16 rb + 8 b1 + r, half b3, byte 8 b2 + 2 c + b0]
-        word = tl.reshape(tl.load(s_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :]), (BLOCK_N // 16, 8, 2))
-        # byte 2 h + b1 of entry (r, b3): block 2 h + b3 of row 8 b1 + r -> [row, b3] per half h
-        s_lo = tl.reshape(tl.permute(tl.join(_e4m3_byte(word, 0), _e4m3_byte(word, 1)), (0, 3, 1, 2)), (BLOCK_N, 2))
-        s_hi = tl.reshape(tl.permute(tl.join(_e4m3_byte(word, 2), _e4m3_byte(word, 3)), (0, 3, 1, 2)), (BLOCK_N, 2))
-        s_lo = tl.broadcast_to(s_lo[:, :, None], (BLOCK_N, 2, 16))
-        s_hi = tl.broadcast_to(s_hi[:, :, None], (BLOCK_N, 2, 16))
-        if ASM:
-            w_lo, w_hi = tl.inline_asm_elementwise(
-                asm=_E2M1X4_TO_F16, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s_lo, s_hi],
-                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        else:  # the interpreter cannot run PTX: the same bit tricks with Triton ops
-            lo, hi = _e2m1_to(c, tl.float16)
-            w_lo = lo * s_lo
-            w_hi = hi * s_hi
-        return tl.reshape(w_lo, (BLOCK_N, 32)), tl.reshape(w_hi, (BLOCK_N, 32))
-
-    @triton.jit
-    def _nvfp4_dequant_kernel(c0, s0, c1, s1, c2, s2, out_ptr, K, scale0, scale1, scale2, B1, B2,
-                              ASM: tl.constexpr, BLOCK_N: tl.constexpr):
-        # out[n, 64g + j] = W[n, 64g + j] in out's dtype, one (BLOCK_N rows, chunk g) tile a program
-        # (prefill multiplies whole prompts, where dequantize + cuBLAS beats the decode kernel). Up to
-        # three weights stacked by rows in one launch (a learner's projection group): row blocks
-        # [0, B1) of out are weight 0's, [B1, B2) weight 1's, the rest weight 2's.
-        pid = tl.program_id(0)
-        g = tl.program_id(1)
-        if pid < B1:
-            w_lo, w_hi = _nvfp4_chunk(c0, s0, K // 64, g, pid * BLOCK_N, ASM, BLOCK_N)
-            out_scale = scale0
-        elif pid < B2:
-            w_lo, w_hi = _nvfp4_chunk(c1, s1, K // 64, g, (pid - B1) * BLOCK_N, ASM, BLOCK_N)
-            out_scale = scale1
-        else:
-            w_lo, w_hi = _nvfp4_chunk(c2, s2, K // 64, g, (pid - B2) * BLOCK_N, ASM, BLOCK_N)
-            out_scale = scale2
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        j = tl.arange(0, 32)
-        dst = out_ptr + rows[:, None] * K + g * 64 + j[None, :]
-        tl.store(dst, (w_lo.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
-        tl.store(dst + 32, (w_hi.to(tl.float32) * (out_scale * 64.0)).to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _lora_tile(tab_ptr, fsc_ptr, seg, rows, t_ptr, stride_tm, offs_m, m_ok, r,
@@ -529,13 +455,14 @@ if HAS_TRITON:
     @triton.jit
     def _rope_cache_kernel(
         qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
-        kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs,
-        HQ, HKV, P, D: tl.constexpr, HALF: tl.constexpr,
+        kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs, qn_ptr, kn_ptr, eps,
+        HQ, HKV, P, D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
     ):
         # One (token row, head) per program, P rows a sequence (decode: 1; the prefill: the prompt
         # length, row i of sequence b at slot `slot` + i); heads [0, HQ) are queries (rotated,
         # written to q [B, HQ, P, D]), [HQ, HQ + HKV) keys (rotated, into the cache), the rest
-        # values (copied).
+        # values (copied). QK_NORM (Qwen3): queries and keys are first RMS-normalised over the
+        # head's D values and scaled by qn / kn [D].
         ACT = qkv_ptr.dtype.element_ty
         row = tl.program_id(0)
         h = tl.program_id(1)
@@ -554,6 +481,13 @@ if HAS_TRITON:
             s2 = tl.load(sin_ptr + pos * D + HALF + d).to(tl.float32)
             f1 = x1.to(tl.float32)
             f2 = x2.to(tl.float32)
+            if QK_NORM:  # HF's RMSNorm: in fp32, rounded to the activations' dtype, then times the scale
+                rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+                w_ptr = qn_ptr if h < HQ else kn_ptr
+                w1 = tl.load(w_ptr + d).to(tl.float32)
+                w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+                f1 = (w1 * (f1 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
+                f2 = (w2 * (f2 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
             # HF: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
             y1 = ((f1 * c1).to(ACT).to(tl.float32) + (-f2 * s1).to(ACT).to(tl.float32)).to(ACT)
             y2 = ((f2 * c2).to(ACT).to(tl.float32) + (f1 * s2).to(ACT).to(tl.float32)).to(ACT)
@@ -640,8 +574,3 @@ def norm_shrink_args(x: Tensor, norm: tuple | None, shrink: Tensor | None, t: Te
             shrink if shrink is not None else dummy_tensor(x.device, torch.int64), t if t is not None else f32,
             t.stride(0) if t is not None else 0)
     return args, pow2(ss.shape[0] if ss is not None else 1, 1)
-
-
-def interpreting() -> bool:
-    """Whether the kernels run in the Triton interpreter (then without inline PTX)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qerl_exp import blocks
 from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.models.pretrained import load_pretrained
 from qerl_exp.models.synthetic import build
@@ -105,7 +106,13 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import get_peft_model
 
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
-    return get_peft_model(model, peft_cfg)
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:
+        if "not found in the base model" not in str(e):
+            raise
+        raise ValueError(f"lora.targets={list(cfg.targets)} name no layer of {type(model).__name__}; "
+                         "set lora.targets to the names of its linear layers") from None
 
 
 def sync_lora(src: nn.Module, dst: nn.Module) -> None:
@@ -134,6 +141,10 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     dense_copies = cfg.monitor.every > 0 or cfg.rollout.quant != "none"
     on_block = None if dense_copies or cfg.quant.format == "none" else lambda block: quantize_model(block, cfg.quant, dtype)
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
+    # the padding-free learner and the CUDA engine (rollout.engine=fast, or auto on CUDA) compute the
+    # architectures `blocks` declares: refuse any other before LoRA and quantization look for its layers
+    if cfg.train.padding_free or cfg.rollout.engine == "fast" or (cfg.rollout.engine == "auto" and device.type == "cuda"):
+        blocks.architecture(base.config)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
     sampler_copy = copy.deepcopy(base) if cfg.rollout.quant != "none" else None

@@ -28,7 +28,7 @@ more coarsely than the format otherwise allows (still finite).
 
 Memory: `FP4Linear.forward` decodes the weight in forward and again in backward (a custom autograd
 function that saves no tensor), so autograd never holds a dense copy. On CUDA the layer converts
-itself once to the engine kernels' layout (`kernel_weight`), which both the learner's decode (a
+itself once to the engine kernels' layout (`runtime_weight`), which both the learner's decode (a
 Triton dequant kernel for NVFP4) and the rollout engine read: one 4-bit copy per layer.
 
 LoRA through peft: `FP4Linear` subclasses `nn.Linear` the way bitsandbytes' `Linear4bit` does (its
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_exp.engine.layout import PackedWeight, relayout_nvfp4, stacked_weight, weight_of
+from qerl_exp.quant.layout import KernelWeight, relayout_nvfp4, stacked_weight, weight_of
 
 FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
@@ -267,7 +267,7 @@ class FP4Linear(nn.Linear):
 
     Two layouts hold the same bits: the storage layout of `FP4Tensor` (`codes`, `block_scales`),
     and on CUDA the engine kernels' layout (`kernel_codes`, `kernel_scales`), to which the layer
-    converts itself on its first CUDA forward or when the rollout engine asks (`kernel_weight`).
+    converts itself on its first CUDA forward or when the rollout engine asks (`runtime_weight`).
 
     Args:
         weight: the packed weight.
@@ -315,18 +315,18 @@ class FP4Linear(nn.Linear):
     def weight_fp4(self) -> FP4Tensor:
         """The packed weight as an `FP4Tensor` (shares the buffers); only in the storage layout."""
         if self.codes is None:
-            raise RuntimeError("this FP4Linear holds the kernel layout; use dequantize() or kernel_weight()")
+            raise RuntimeError("this FP4Linear holds the kernel layout; use dequantize() or runtime_weight()")
         return FP4Tensor(self.format, self.codes, self.block_scales, self.tensor_scale)
 
-    def kernel_weight(self) -> PackedWeight:
-        """The weight in the engine kernels' layout (`qerl_exp.engine.layout.PackedWeight`).
+    def runtime_weight(self) -> KernelWeight:
+        """The weight in the engine kernels' layout (`layout.KernelWeight`).
 
         On CUDA the layer converts itself (once; its storage-layout buffers are freed), so that the
         engine and the learner read one copy. On the CPU a converted copy is returned and the layer
         keeps its storage layout.
         """
         if self.kernel_codes is not None:
-            return PackedWeight(self.format, self.kernel_codes, self.kernel_scales, self._out_scale,
+            return KernelWeight(self.format, self.kernel_codes, self.kernel_scales, self._out_scale,
                                 self.out_features, self.in_features)
         pw = relayout_nvfp4(self.codes, self.block_scales, self.tensor_scale, self.format)
         if self.codes.is_cuda:
@@ -366,9 +366,9 @@ class FP4Linear(nn.Linear):
         contiguous [out, in] tensor the CUDA kernel decodes into (elsewhere the result is returned
         and the caller copies it)."""
         if self.kernel_codes is None and self.codes.is_cuda and self._kernel_layout_fits():
-            self.kernel_weight()
+            self.runtime_weight()
         if self.kernel_codes is not None:
-            return weight_of(self.kernel_weight(), dtype, out=None if out is None else out.view(-1))
+            return weight_of(self.runtime_weight(), dtype, out=None if out is None else out.view(-1))
         return self.weight_fp4.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -381,7 +381,7 @@ class FP4Linear(nn.Linear):
         launch for up to three NVFP4 layers on CUDA in the kernel layout, else layer by layer."""
         if 1 <= len(layers) <= 3 and all(m.format == "nvfp4" and m.weight.is_cuda and m._kernel_layout_fits()
                                          for m in layers):
-            return stacked_weight([m.kernel_weight() for m in layers], out)
+            return stacked_weight([m.runtime_weight() for m in layers], out)
         for m, part in zip(layers, out.split([m.out_features for m in layers])):
             w = m.dequantize(out.dtype, out=part)
             if w.data_ptr() != part.data_ptr():

@@ -1,6 +1,6 @@
 """What every task is made of: `Problem`, the reward function type, the `Task` protocol, its
-evaluation splits, and a problem's reference completion. The task modules import these from here,
-so that the package (`qerl_exp.tasks`) can import the task modules at its top."""
+evaluation splits (named in `qerl_exp.splits`), and a problem's reference completion. The task
+modules import these from here."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
+
+from qerl_exp.splits import HELD_OUT, OOD, SPLITS  # noqa: F401 - the splits a task declares
 
 
 @dataclass(frozen=True)
@@ -20,11 +22,6 @@ class Problem:
 
 
 RewardFn = Callable[[str, Problem], float]
-
-# Evaluation splits: every task holds problems out of training (`heldout`, phrased as training's
-# are); a task whose problems come from templates may also have an out-of-template split (`ood`).
-HELD_OUT, OOD = "heldout", "ood"
-SPLITS = (HELD_OUT, OOD)
 
 
 def reference_completion(problem: Problem) -> str:

@@ -1,4 +1,4 @@
-"""Kernel weight layouts: 4-bit weights as the engine's kernels read them (`PackedWeight`), decoded
+"""Kernel weight layouts: 4-bit weights as the engine's kernels read them (`KernelWeight`), decoded
 back by a torch reference (`dequantize_packed`) and, into a dense weight, by `weight_of` (on the GPU
 through the NVFP4 dequantize kernel).
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qerl_exp.engine import triton_kernels as tk
+from qerl_exp.quant import fp4_decode
 
 
 @dataclass
-class PackedWeight:
+class KernelWeight:
     """A 4-bit weight [n, k] in the kernel layout (see the module docstring).
 
     Args:
@@ -91,7 +91,7 @@ def _e2m1_halves(c: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | float,
-                   fmt: str = "nvfp4") -> PackedWeight:
+                   fmt: str = "nvfp4") -> KernelWeight:
     """Convert the FP4 storage layout of `qerl_exp.quant.fp4` to the kernel layout.
 
     Args:
@@ -113,11 +113,11 @@ def relayout_nvfp4(codes: Tensor, block_scales: Tensor, tensor_scale: Tensor | f
         codes = byte.permute(1, 0, 3, 6, 4, 5, 2, 7).reshape(n // 16, g, 512)
         sb = sc.view(n // 16, 2, 8, g, 2, 2)  # (rb, b1, r, chunk, h, b3): block 2 h + b3
         scales = sb.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, g, 16, 4).contiguous().view(torch.int32).squeeze(-1)
-        return PackedWeight(fmt, codes.contiguous(), scales.contiguous(), float(tensor_scale), n, k)
-    return PackedWeight(fmt, _to_chunks(nib, fmt, 32), block_scales.t().contiguous(), float(tensor_scale), n, k)
+        return KernelWeight(fmt, codes.contiguous(), scales.contiguous(), float(tensor_scale), n, k)
+    return KernelWeight(fmt, _to_chunks(nib, fmt, 32), block_scales.t().contiguous(), float(tensor_scale), n, k)
 
 
-def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int = 64) -> PackedWeight:
+def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int = 64) -> KernelWeight:
     """Kernel layout of a bitsandbytes NF4 weight, recovered from its own dequantization.
 
     Reading the codes back from `dequantize_4bit`'s output (nearest NF4 level of W / absmax) makes
@@ -139,7 +139,7 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
     zero_idx = int(lut.float().abs().argmin())
     nib = torch.where((am == 0).unsqueeze(-1), torch.full_like(nib, zero_idx), nib).reshape(n, k)
     levels = lut.float().to(weight_deq.device)
-    return PackedWeight(
+    return KernelWeight(
         fmt="nf4",
         codes=_to_chunks(nib, "nf4", 32),
         scales=am.t().contiguous(),
@@ -150,7 +150,7 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
     )
 
 
-def dequantize_packed(pw: PackedWeight) -> Tensor:
+def dequantize_packed(pw: KernelWeight) -> Tensor:
     """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
     c = pw.codes  # [G, n, chunk / 2]
     if pw.fmt == "nvfp4":  # back from fragment order (see the module docstring)
@@ -173,22 +173,22 @@ def dequantize_packed(pw: PackedWeight) -> Tensor:
     return (w * pw.scales.t().unsqueeze(-1)).reshape(pw.n, pw.k) * pw.out_scale
 
 
-def weight_of(w: Tensor | PackedWeight, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+def weight_of(w: Tensor | KernelWeight, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
     """A usable [n, k] weight: the referenced tensor itself, or the 4-bit one dequantized.
 
     `out`: a flat buffer of at least n * k elements to dequantize NVFP4 weights into on the GPU
     (prefill reuses one for every linear instead of allocating each weight anew).
     """
-    if not isinstance(w, PackedWeight):
+    if not isinstance(w, KernelWeight):
         return w
-    if w.fmt == "nvfp4" and w.codes.is_cuda and tk.HAS_TRITON:
+    if w.fmt == "nvfp4" and w.codes.is_cuda and fp4_decode.HAS_TRITON:
         dst = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device) if out is None else \
             out[: w.n * w.k].view(w.n, w.k)
         return stacked_weight([w], dst)
     return dequantize_packed(w).to(dtype)
 
 
-def stacked_weight(ws: list[PackedWeight], out: Tensor) -> Tensor:
+def stacked_weight(ws: list[KernelWeight], out: Tensor) -> Tensor:
     """NVFP4 weights of one input width (kernel layout, on CUDA), at most three, dequantized into
     `out` [sum of n, k] one after another by rows, in one launch."""
     if not 1 <= len(ws) <= 3 or any(w.fmt != "nvfp4" or w.k != ws[0].k for w in ws):
@@ -197,9 +197,9 @@ def stacked_weight(ws: list[PackedWeight], out: Tensor) -> Tensor:
     bounds = list(itertools.accumulate(w.n // bn for w in ws))
     b1, b2 = (bounds + [bounds[-1]] * 2)[:2]
     a, b, c = (ws + [ws[-1]] * 2)[:3]
-    tk._nvfp4_dequant_kernel[(bounds[-1], ws[0].k // 64)](
+    fp4_decode._nvfp4_dequant_kernel[(bounds[-1], ws[0].k // 64)](
         a.codes, a.scales, b.codes, b.scales, c.codes, c.scales, out, ws[0].k, a.out_scale, b.out_scale,
-        c.out_scale, b1, b2, ASM=not tk.interpreting(), BLOCK_N=bn)
+        c.out_scale, b1, b2, ASM=not fp4_decode.interpreting(), BLOCK_N=bn)
     return out
 
 

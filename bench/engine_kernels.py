@@ -1,9 +1,8 @@
 """Weight-only 4-bit GEMM kernels against bf16 cuBLAS at decode shapes (one process, one GPU).
 
-    python bench/kernels.py                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
-    python bench/kernels.py --sweep         # NVFP4 dispatch: every candidate at M 1-256, writes dispatch.json
-    python bench/kernels.py --tiles         # also try `_splitk_kernel` tile configs (NVFP4 and dense)
-    python bench/kernels.py --attention --m 8,64   # decode attention: one program a sequence-head vs split
+    python -m bench.engine_kernels                 # Qwen2.5-7B layer shapes, M in 1, 8, 64, 256
+    python -m bench.engine_kernels --tiles         # also try `_splitk_kernel` tile configs (NVFP4 and dense)
+    python -m bench.engine_kernels --attention --m 8,64   # decode attention: one program a sequence-head vs split
 
 Each timing is the median over graph replays of 20 launches that cycle through enough weight copies
 to exceed the L2 cache (so weights come from HBM, as in decode); warm-up and compilation are
@@ -22,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp.engine import attention, dispatch, layout, linear  # noqa: E402
-from qerl_exp.quant.fp4 import quantize_nvfp4  # noqa: E402
+from bench import record
+from qerl_exp.engine import attention, dispatch, linear
+from qerl_exp.quant import layout
+from qerl_exp.quant.fp4 import quantize_nvfp4
 
 # (name, in_features K, out_features N) of Qwen2.5-7B decoder linears
 SHAPES_7B = [("qkv 3584x4608", 3584, 4608), ("o 3584x3584", 3584, 3584),
@@ -92,7 +92,7 @@ def time_eager(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def _packed(fmt: str, w: torch.Tensor) -> layout.PackedWeight:
+def _packed(fmt: str, w: torch.Tensor) -> layout.KernelWeight:
     if fmt == "nvfp4":
         q = quantize_nvfp4(w)
         return layout.relayout_nvfp4(q.codes, q.block_scales, q.tensor_scale)
@@ -123,7 +123,7 @@ def _plans(fmt: str, w: torch.Tensor, packs: dict, dense_copies: list) -> tuple[
         ws, nbytes = dense_copies, w.numel() * 2
     else:
         pw = packs[fmt]
-        ws = [pw] + [layout.PackedWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
+        ws = [pw] + [layout.KernelWeight(pw.fmt, pw.codes.clone(), pw.scales.clone(), pw.out_scale, pw.n, pw.k, pw.lut)
                      for _ in range(copies_for(pw.nbytes) - 1)]
         nbytes = pw.nbytes
     scratch = torch.zeros(linear.SPLIT_MAX, 256, w.shape[0], device=dev)  # split-K slices (as the engine has)
@@ -204,49 +204,6 @@ def sweep_shape(name: str, k: int, n: int, m: int, fmt: str = "nvfp4") -> dict |
     return results[0][1] if results else None
 
 
-def dispatch_sweep(launches: list, ms: list[int], out_path: Path, command: str) -> dict:
-    """Time cuBLAS bf16, the decode kernels ("small") and `nvfp4_wgmma` (its tile table and the
-    `wgmma_tiles` variants) for every launch shape and M; print them side by side and write the
-    fastest per (shape, M) as the dispatch table."""
-    dev = torch.device("cuda")
-    rows = []
-    print(f"{'launch (N x K)':22} {'M':>4} {'cuBLAS us':>10} {'small':>7} {'wgmma':>7}  best "
-          "(x cuBLAS bf16: higher is faster)")
-    for name, k, n in launches:
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        dense = [w] + [w.clone() for _ in range(copies_for(w.numel() * 2) - 1)]
-        plans, _ = _plans("nvfp4", w, {"nvfp4": _packed("nvfp4", w)}, dense)
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            t_ref = time_graph([lambda wc=wc: torch.mm(x, wc.t(), out=out) for wc in dense])
-            cands = {"small": dispatch.Choice("small")}
-            if m >= 16:
-                cands["wgmma"] = dispatch.Choice("wgmma")
-                for tiles in wgmma_tiles(m):
-                    cands["wgmma " + json.dumps(tiles)] = dispatch.Choice("wgmma", tiles)
-            us = {}
-            for cand, choice in cands.items():
-                xin, x16 = operand(name, plans[0], x, choice.kind)
-                try:
-                    us[cand] = time_graph([lambda p=p: linear.fused_linear(p, xin, out, choice=choice, **x16)
-                                           for p in plans]) * 1e6
-                except Exception as e:  # keep the sweep going; the failure is printed and never chosen
-                    print(f"  {name} M={m} {cand} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    us[cand] = float("nan")
-            rows.append(dict(shape=f"{n}x{k}", m=m, us=us))
-            best = min((c for c in us if us[c] == us[c]), key=us.get)
-            wg_best = min([us[c] for c in us if c.startswith("wgmma") and us[c] == us[c]], default=float("nan"))
-            ref = t_ref * 1e6
-            print(f"{name + f' {n}x{k}':22} {m:>4} {ref:>10.1f} {ref / us['small']:>6.2f}x {ref / wg_best:>6.2f}x  "
-                  f"{best} ({ref / us[best]:.2f}x)", flush=True)
-        del plans, dense, w
-        torch.cuda.empty_cache()
-    header = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                  command=command)
-    return dispatch.write_table(out_path, rows, header)
-
-
 def sweep_configs() -> list[dict]:
     """`_splitk_kernel` configs (dense and NVFP4)."""
     return [dict(BLOCK_N=bn, num_stages=st, SPLIT=sp, num_warps=nw)
@@ -288,11 +245,6 @@ def main(argv: list[str] | None = None) -> list:
     ap.add_argument("--variants", default="dense,nvfp4,nf4,bnb_nf4",
                     help="dense = the Triton bf16 kernel; nvfp4; nf4; bnb_nf4 = bitsandbytes")
     ap.add_argument("--tiles", action="store_true", help="search NVFP4 and dense tile configs (M=8 and 64)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="time every NVFP4 path for the 7B launches at M 1-256 and write the dispatch table")
-    ap.add_argument("--sweep-m", default=",".join(map(str, SWEEP_M)), help="rows for --sweep")
-    ap.add_argument("--dispatch-out", default=str(dispatch.TABLE_PATH), help="where --sweep writes the table")
-    ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the kernel table after it")
     ap.add_argument("--attention", action="store_true", help="time decode attention (one program vs split) instead")
     ap.add_argument("--contexts", default="128,256,512,1024,2048,2304", help="live slots for --attention")
     a = ap.parse_args(argv)
@@ -302,13 +254,6 @@ def main(argv: list[str] | None = None) -> list:
     if a.attention:
         bench_attention(ms, [int(v) for v in a.contexts.split(",")])
         return []
-    if a.sweep:
-        print(f"# dispatch sweep: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
-        dispatch_sweep(LAUNCHES_7B, [int(v) for v in a.sweep_m.split(",")], Path(a.dispatch_out),
-                       "python bench/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-        print(f"# wrote {a.dispatch_out}")
-        if a.no_table:
-            return []
     print(f"# kernel table: {torch.cuda.get_device_name()}, bf16 activations, weights from HBM")
     print(f"{'shape (in x out)':22} {'kernel':12} {'M':>4} {'time us':>9} {'weight GB/s':>12} {'x cuBLAS':>9} {'rel err':>9}")
     all_rows = []
@@ -322,6 +267,7 @@ def main(argv: list[str] | None = None) -> list:
             print(f"{name:22} {v:12} {m:>4} {t * 1e6:>9.1f} {gbs:>12.0f} {sp:>8.2f}x {err:>9.1e}", flush=True)
             all_rows.append(dict(shape=name, kernel=v, m=m, us=t * 1e6, gbs=gbs, speedup=sp, err=err))
     print_summary(all_rows, ms)
+    record.write("engine_kernels", all_rows, {"variants": variants})
     return all_rows
 
 

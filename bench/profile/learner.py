@@ -1,7 +1,7 @@
 """Where one packed learner micro-batch goes: forward + backward wall time and the kernels inside it.
 
-    python bench/learner_profile.py                          # 7B shape, 16,384 tokens, bf16 and nvfp4
-    python bench/learner_profile.py --tokens 2304 --checkpointing true
+    python -m bench.profile.learner                          # 7B shape, 16,384 tokens, bf16 and nvfp4
+    python -m bench.profile.learner --tokens 2304 --checkpointing true
 
 Builds the 7B-shape model (random weights, block by block on the GPU), quantizes it per format,
 adds LoRA r32 on all seven projections, and scores a packed micro-batch of `--tokens` tokens
@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qerl_exp import padding_free  # noqa: E402
-from qerl_exp.config import LoraConfig, ModelConfig, QuantConfig  # noqa: E402
-from qerl_exp.models import add_lora  # noqa: E402
-from qerl_exp.models.synthetic import build  # noqa: E402
-from qerl_exp.quant import quantize_model  # noqa: E402
-from qerl_exp.batch import Sequences  # noqa: E402
+from qerl_exp import padding_free
+from qerl_exp.config import LoraConfig, ModelConfig, QuantConfig
+from qerl_exp.models import add_lora
+from qerl_exp.models.synthetic import build
+from qerl_exp.quant import quantize_model
+from qerl_exp.batch import Sequences
 
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                 vocab_size=152064, max_positions=32768, tie_embeddings=False)

@@ -1,7 +1,7 @@
 """What is live on the GPU at an RL run's memory peak, grouped by where it was allocated.
 
-    python3 bench/memory.py model=qwen2.5-7b-shape strategy=nvfp4_lora lora=r32 train.steps=2 ...
-    python3 bench/memory.py --out snap/ --top 30 <overrides>
+    python -m bench.profile.memory model=qwen2.5-7b-shape strategy=nvfp4_lora lora=r32 train.steps=2 ...
+    python -m bench.profile.memory --out snap/ --top 30 <overrides>
 
 Runs `qerl_exp.train.run` in this process with `torch.cuda.memory._record_memory_history` on, saves
 the snapshot (`snapshot.pickle`, readable at https://pytorch.org/memory_viz), then replays its
@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from qerl_exp.cli import validate
 from qerl_exp.train import run

@@ -1,7 +1,7 @@
 """Where one decode step of the engine goes: graph-replayed step time and the kernels inside it.
 
-    python bench/step_profile.py                       # 7B shape, batch 8, bf16 and nvfp4
-    python bench/step_profile.py --shape 0.5b --formats bf16
+    python -m bench.profile.decode_step                       # 7B shape, batch 8, bf16 and nvfp4
+    python -m bench.profile.decode_step --shape 0.5b --formats bf16
 
 Builds the same random-weight, LoRA-r32 models as bench/rollout.py. For each format it prints the
 CUDA-graph replay time of one decode step, the prefill time, and the GPU kernels of one eager step
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import rollout as rb  # noqa: E402
+from bench import rollout as rb
 
-from qerl_exp.engine import FastEngine  # noqa: E402
-from qerl_exp.engine.decode import decode_one_token, prefill  # noqa: E402
+from qerl_exp.engine import FastEngine
+from qerl_exp.engine.decode import decode_one_token, prefill
 
 
 def replay_ms(graph, n: int = 50) -> float:
