@@ -32,7 +32,8 @@ from bench import engine_kernels as kb
 from bench import record
 from bench.gpu_power import PowerMeter
 
-from qerl_exp.engine import dispatch, launch, linear, nvfp4_wgmma
+from qerl_exp.engine import dispatch, linear, nvfp4_wgmma
+from qerl_exp.engine.triton_util import capability
 
 FLOP_PER_CLOCK_SM = 4096  # Hopper (sm_90) dense fp16/bf16 tensor rate
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             rows.append(row(name, m, "cublas", flops, sms,
                             *sustain([lambda d=d: torch.mm(x, d.t(), out=y) for d in dense], a.seconds)))
-            choice = dispatch.choose(n, k, m, launch.capability(dev))
+            choice = dispatch.choose(n, k, m, capability(dev))
             if choice.kind == "wgmma":
                 x16 = (x / 16).half()
                 rows.append(row(name, m, "nvfp4 kernel", flops, sms, *sustain(

@@ -188,6 +188,14 @@ class Decoder:
     config: object
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as every declared architecture computes it, rounded where HF rounds: in fp32, the
+    normalised value cast to x's dtype, then times the scale (the torch definition both decoders'
+    kernels are held to)."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def causal_lm(model: nn.Module) -> nn.Module:
     """The HF causal LM inside a peft wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

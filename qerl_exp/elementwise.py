@@ -1,10 +1,10 @@
-"""The packed learner's elementwise ops on CUDA as hand-fused Triton kernels, forward and backward:
-the residual add with RMSNorm, RoPE, SwiGLU (`qerl_exp.packed` calls them; elsewhere it runs its
+"""The padding-free learner's elementwise ops on CUDA as hand-fused Triton kernels, forward and backward:
+the residual add with RMSNorm, RoPE, SwiGLU (`qerl_exp.padding_free` calls them; elsewhere it runs its
 torch definitions, which these equal up to the rounding of intermediates).
 
 Each op is one autograd node of one forward and one backward launch. At the learner's small
 micro-batches the step is bound by the host issuing launches: a node here costs the host one
-launch where a `torch.compile`d op costs its guards and AOT-autograd wrappers (~0.2 ms a call);
+launch where a `torch.compile`d op costs its guards and AOT-autograd wrappers (docs/learner.md);
 and each kernel streams its rows once, SwiGLU's backward included. Rounding follows HF's modules
 in bf16/fp16: each torch op's result is rounded to the activation dtype where the op would round
 it. Norm weights are frozen (only LoRA trains): no gradient for them.
@@ -85,12 +85,12 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`packed._rms_norm` (HF's Llama/Qwen2 RMSNorm) in one launch each way."""
+    """`blocks.rms_norm` (the declared architectures' RMSNorm) in one launch each way."""
     return _RMSNorm.apply(x, None, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """`packed._add_rms_norm`: `(x + delta, RMSNorm(x + delta))` in one launch each way."""
+    """`padding_free._add_rms_norm`: `(x + delta, RMSNorm(x + delta))` in one launch each way."""
     return _RMSNorm.apply(x, delta, weight, eps)
 
 
@@ -148,7 +148,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """`packed._swiglu`: `silu(gate) * up` of `[..., gate | up]` in one launch each way."""
+    """`padding_free._swiglu`: `silu(gate) * up` of `[..., gate | up]` in one launch each way."""
     return _SwiGLU.apply(gate_up)
 
 
@@ -213,6 +213,6 @@ class _Rope(torch.autograd.Function):
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """`packed._rope`: rotary embedding of `[N, H, D]` queries and keys (strided views of one
+    """`padding_free._rope`: rotary embedding of `[N, H, D]` queries and keys (strided views of one
     projection's output are read in place) in one launch each way; cos, sin `[N, D]`."""
     return _Rope.apply(q, k, cos, sin)

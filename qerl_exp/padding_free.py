@@ -234,17 +234,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: fl
 # The elementwise pieces (torch definitions; hand-fused kernels on CUDA in `qerl_exp.elementwise`)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm rounded as HF's Llama/Qwen2 RMSNorm rounds (in fp32, the scale applied in x's dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """`(x + delta, RMSNorm(x + delta))`: the residual add fused into the next norm."""
     x = x + delta
-    return x, _rms_norm(x, weight, eps)
+    return x, blocks.rms_norm(x, weight, eps)
 
 
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -267,7 +260,7 @@ def _elementwise(fused: bool):
     """`(rms_norm, add_rms_norm, rope, swiglu)`: the Triton kernels of `qerl_exp.elementwise` when
     `fused` (CUDA), else the torch definitions above."""
     if not fused:
-        return _rms_norm, _add_rms_norm, _rope, _swiglu
+        return blocks.rms_norm, _add_rms_norm, _rope, _swiglu
     from qerl_exp import elementwise  # needs Triton: imported on CUDA only
 
     return elementwise.rms_norm, elementwise.add_rms_norm, elementwise.rope, elementwise.swiglu

@@ -79,9 +79,9 @@ class DecoderMismatch(RuntimeError):
 
 
 # How far the sampler's and the learner's log-probs of the same tokens may lie apart (token mean of
-# |difference|, nats) when both compute one model: rounding. In float32 they agree to ~1e-7; in
-# bf16 the CUDA engine and the padding-free learner round differently, ~0.04 at step 0 (SmolLM2-135M,
-# H200; docs/learner.md). A decoder that computes another model (a missing norm) lies well above.
+# |difference|, nats) when both compute one model: rounding, far smaller in float32 than in bf16,
+# where the CUDA engine and the padding-free learner round differently (docs/learner.md measures
+# both). A decoder that computes another model (a missing norm) lies above.
 DECODER_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from qerl_exp import padding_free
+from qerl_exp import blocks, padding_free
 from test_engine import gpu, needs_cuda, patch_interpreter, run_interpreted
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # of the reference's largest magnitude; bf16: two ulps
@@ -59,7 +59,7 @@ def _check(device: str, dtypes: list[torch.dtype], n: int, hidden: int, inter: i
         return run
 
     for dtype in dtypes:
-        _compare(lambda x, w: elementwise.rms_norm(x, w, eps), lambda x, w: padding_free._rms_norm(x, w, eps),
+        _compare(lambda x, w: elementwise.rms_norm(x, w, eps), lambda x, w: blocks.rms_norm(x, w, eps),
                  [x, weight], dtype, "rms_norm")
         _compare(lambda x, dl, w: elementwise.add_rms_norm(x, dl, w, eps),
                  lambda x, dl, w: padding_free._add_rms_norm(x, dl, w, eps), [x, delta, weight], dtype, "add_rms_norm")

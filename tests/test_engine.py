@@ -18,7 +18,7 @@ from torch import nn
 import engine_oracle as oracle
 from conftest import import_or_skip, tiny_qwen2, with_lora
 from qerl_exp import blocks
-from qerl_exp.engine import attention, dispatch, launch, linear
+from qerl_exp.engine import attention, dispatch, linear, norm, prefill, rope_cache
 from qerl_exp.quant import layout
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
@@ -477,7 +477,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     x = torch.randn(5, 128).to(device, dtype)
     gamma = (1 + 0.1 * torch.randn(128)).to(device, dtype)
     h = torch.empty_like(x)
-    launch.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
+    norm.norm_shrink(x, gamma, 1e-6, h, None, 1, 0, None)
     torch.testing.assert_close(h.float(), oracle.rms_norm(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
     hq, hkv, d, b, s = 4, 2, 32, 3, 16
     qkv = torch.randn(b, (hq + 2 * hkv) * d).to(device, dtype)
@@ -489,7 +489,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     q = torch.empty(b, hq, d, device=device, dtype=dtype)
     kc = torch.zeros(4, hkv, s, d, device=device, dtype=dtype)
     vc = torch.zeros_like(kc)
-    launch.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
+    rope_cache.rope_cache(qkv, cos, sin, pos, slot, q, kc, vc, hq, hkv, d)
     qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], 1)
     c, sn = cos[pos][:, None], sin[pos][:, None]
     torch.testing.assert_close(q, oracle.rope(qr.view(b, hq, d), c, sn), rtol=tol, atol=tol)
@@ -501,7 +501,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     pos = torch.randint(0, s, (b * p,), device=device)
     q = torch.empty(b, hq, p, d, device=device, dtype=dtype)
     kc, vc = (torch.zeros(4, hkv, s, d, device=device, dtype=dtype) for _ in range(2))
-    launch.rope_cache(qkv, cos, sin, pos, torch.tensor([2], device=device), q, kc, vc, hq, hkv, d, p)
+    rope_cache.rope_cache(qkv, cos, sin, pos, torch.tensor([2], device=device), q, kc, vc, hq, hkv, d, p)
     qr, kr, vr = qkv.view(b, p, -1).split([hq * d, hkv * d, hkv * d], -1)
     c, sn = cos[pos].view(b, p, 1, d), sin[pos].view(b, p, 1, d)
     torch.testing.assert_close(q, oracle.rope(qr.view(b, p, hq, d), c, sn).transpose(1, 2), rtol=tol, atol=tol)
@@ -517,7 +517,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
     a = [(torch.randn(8, 192) * 0.1).to(device, ldt) for _ in range(2)]
     a_tab = torch.tensor([t_.data_ptr() for t_ in a], dtype=torch.int64, device=device)
     h, t = torch.empty_like(x), torch.zeros(37, 32, device=device)  # 2 segments of rank 8, padded to 16
-    launch.norm_shrink(x, gamma, 1e-6, h, a_tab, 2, 8, t, ldt, exact=True)
+    norm.norm_shrink(x, gamma, 1e-6, h, a_tab, 2, 8, t, ldt, exact=True)
     torch.testing.assert_close(h.float(), oracle.rms_norm(x, gamma, 1e-6).float(), rtol=tol, atol=tol)
     tref = torch.cat([torch.nn.functional.pad(h.double() @ ai.double().T, (0, 8)) for ai in a], 1)
     assert ((t.double() - tref).abs().max() / tref.abs().max()).item() < 1e-5
@@ -571,7 +571,7 @@ def _check_kernels(device: str, dtype: torch.dtype, tol: float, lora_dtype: torc
             kw.update(residual=res)
             ref = rnd(g + res.double())
         out = torch.full((m, n + 48), float("nan"), device=device, dtype=dtype)
-        launch.prefill_epilogue(y, out[:, 16:16 + n], **kw)
+        prefill.prefill_epilogue(y, out[:, 16:16 + n], **kw)
         torch.testing.assert_close(out[:, 16:16 + n].double(), ref.to(device), rtol=tol, atol=tol)
         assert out[:, :16].isnan().all() and out[:, 16 + n:].isnan().all()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine_oracle as oracle
-from qerl_exp.engine import dispatch, launch, linear
+from qerl_exp.engine import dispatch, linear, norm, triton_util
 from qerl_exp.engine.fast_engine import FastEngine
 from test_engine import (_nvfp4_packed, _to, assert_greedy_like_hf, gpu, hf_greedy, needs_cuda, patch_interpreter,
                          prompts, run_interpreted, tiny_model)
@@ -93,8 +93,8 @@ def _check_h16() -> None:
     for g in (gamma, None):
         h16, h = torch.full((m, k), float("nan"), dtype=torch.float16), torch.full((m, k), float("nan"))
         t16, t = torch.zeros(m, 8), torch.zeros(m, 8)
-        launch.norm_shrink(x, g, 1e-6, h16, a_tab, 1, 8, t16, ss=ss if g is not None else None, h16=True)
-        launch.norm_shrink(x, g, 1e-6, h if g is not None else None, a_tab, 1, 8, t, ss=ss if g is not None else None)
+        norm.norm_shrink(x, g, 1e-6, h16, a_tab, 1, 8, t16, ss=ss if g is not None else None, h16=True)
+        norm.norm_shrink(x, g, 1e-6, h if g is not None else None, a_tab, 1, 8, t, ss=ss if g is not None else None)
         xp = h if g is not None else x
         assert torch.equal(h16, (xp / 16).half()), g
         assert torch.equal(t16, t)
@@ -128,7 +128,7 @@ def _check_glu_out16() -> None:
                 got[out16] = out, t_next
             (out, t_next), (out16, t_next16) = got[False], got[True]
             conv = torch.full((m, n), float("nan"), dtype=torch.float16)
-            launch.norm_shrink(out, None, 0.0, conv, None, 1, 0, None, h16=True)  # the launch out16 saves
+            norm.norm_shrink(out, None, 0.0, conv, None, 1, 0, None, h16=True)  # the launch out16 saves
             assert not out.isnan().any() and torch.equal(out16, conv) and torch.equal(out16, (out / 16).half()), (fmt, m)
             assert torch.equal(t_next16, t_next), (fmt, m)
     # one-line errors: out16 outside GLU; x16 where the launch does not take nvfp4_wgmma (on the CPU none does)
@@ -275,7 +275,7 @@ def test_gpu_wgmma_products_are_exact_and_repeat_at_every_tile_width():
     # were off by ~50 % and differed run to run (with 128 rows the timing hid it)
     torch.manual_seed(5)
     dev = torch.device("cuda")
-    sms = launch.sm_count(dev)
+    sms = triton_util.sm_count(dev)
     for n, k in ((18944, 3584), (3584, 18944)):
         pw = _to(_nvfp4_packed(torch.randn(n, k) * 0.1), dev)
         wsp = torch.zeros(linear.SPLIT_MAX, 256, n, device=dev)
@@ -339,7 +339,7 @@ def test_gpu_nvfp4_engine_on_wgmma_batches_matches_hf_generate(monkeypatch):
     # shapes take the nearest measured shape's choice, and where dispatch.json's candidates tie a
     # sweep may pick another kind; q/k/v's 64-row segments still take the small kernel), and the GLU
     # epilogue writes down's fp16 operand
-    table = dispatch.Table(launch.capability(torch.device("cuda")), {"3584x3584": [(256, dispatch.Choice("wgmma"))]})
+    table = dispatch.Table(triton_util.capability(torch.device("cuda")), {"3584x3584": [(256, dispatch.Choice("wgmma"))]})
     monkeypatch.setattr(dispatch, "load_table", lambda path=dispatch.TABLE_PATH: table)
     model = tiny_model(torch.bfloat16, "cuda", quant="nvfp4", layers=2, hidden=256, inter=512, heads=8, kv=2,
                        vocab=512)

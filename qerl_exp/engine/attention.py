@@ -8,14 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_exp.engine.launch import sm_count
-from qerl_exp.engine.triton_kernels import HAS_TRITON, dummy_tensor, pow2
+from qerl_exp.engine.triton_util import HAS_TRITON, dummy_tensor, pow2, sm_count
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qerl_exp.engine.triton_kernels import _dot
+    from qerl_exp.engine.triton_util import _dot
 
     @triton.jit
     def _decode_attention_kernel(
@@ -103,7 +102,7 @@ ATTENTION_MIN_BLOCKS = 4  # live 64-slot blocks a split of decode attention take
 def attention_splits(b: int, hkv: int, device: torch.device) -> int:
     """Programs a (sequence, kv head) of `decode_attention`: as many as make about two waves of the
     SMs (at most 16), so that a batch of a few sequences at long contexts is not a few programs'
-    serial loops; from 2 * SMs sequence-heads on (64 sequences of 4 kv heads on an H200), one."""
+    serial loops; from 2 * SMs sequence-heads on (64 sequences of 4 kv heads fill a 132-SM GPU), one."""
     return max(1, min(16, 2 * sm_count(device) // (b * hkv)))
 
 

@@ -27,11 +27,10 @@ from torch import Tensor, nn
 
 from qerl_exp import blocks
 from qerl_exp.engine.attention import attention_workspace, decode_attention
-from qerl_exp.engine.launch import norm_shrink, prefill_epilogue, rope_cache
-from qerl_exp.quant.layout import KernelWeight, weight_of
 from qerl_exp.engine.linear import LinearPlan, fused_linear
+from qerl_exp.engine.norm import norm_shrink
+from qerl_exp.engine.rope_cache import rope_cache
 from qerl_exp.engine.sampling import fused_sample, sample
-from qerl_exp.engine.triton_kernels import pow2
 
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
 
@@ -250,100 +249,8 @@ class _State:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rms_norm(x: Tensor, gamma: Tensor, eps: float) -> Tensor:
-    """HF Llama/Qwen2 RMSNorm, rounding exactly where HF rounds."""
-    xf = x.float()
-    return gamma * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
-                    norm: tuple | None = None) -> Tensor:
-    """A linear group over the prompts, HF's and peft's result: base (+ bias) + lora_B(lora_A(x')) *
-    scaling per projection (GLU: silu(gate) * up) (+ residual), x' = x or RMSNorm(x) * gamma with
-    `norm` = (gamma, eps), rounded where they round (the LoRA term in the adapters' dtype, fp32
-    under a bf16 base). One `norm_shrink` launch (the norm and the fp32 LoRA shrink of all
-    segments, where torch makes ~10 launches and an fp32 copy of x), each segment's cuBLAS product
-    (4-bit weights dequantized into `scratch` first, `layout.weight_of`), and one Triton pass over
-    each base output (`launch.prefill_epilogue`: LoRA term, GLU, residual) where torch makes five
-    (casts, a copy, addmm) and a concatenation. The fp32 sums (the norm's mean, the shrink, the
-    LoRA term) may differ from torch's in their last bits (another summation order)."""
-    lead = x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1])
-    res = residual.reshape(x.shape[0], -1) if residual is not None else None
-    ts = bs = [None] * len(lin.weights)
-    if norm is not None or lin.lora_a is not None:
-        h = torch.empty_like(x) if norm is not None else None
-        width = pow2(lin.r)  # norm_shrink's padded rank
-        t = torch.zeros(x.shape[0], len(lin.weights) * width, device=x.device) if lin.lora_a is not None else None
-        gamma, eps = norm or (None, 0.0)
-        norm_shrink(x, gamma, eps, h, lin.a_tab, len(lin.weights), lin.r, t,
-                    lin.lora_a[0].dtype if lin.lora_a is not None else None, exact=True)
-        if h is not None:
-            x = h
-        if t is not None:
-            ts, bs = [t[:, s * width:s * width + lin.r] for s in range(len(lin.weights))], lin.lora_b
-    ys = [F.linear(x, weight_of(w, x.dtype, scratch), b) for w, b in zip(lin.weights, lin.biases)]
-    if lin.glu:
-        out = torch.empty_like(ys[0])
-        prefill_epilogue(ys[0], out, t=ts[0], b=bs[0], scale=lin.scale[0], y2=ys[1], t2=ts[1], b2=bs[1],
-                         scale2=lin.scale[1], residual=res)
-        return out.view(*lead, -1)
-    out = torch.empty(x.shape[0], sum(y.shape[1] for y in ys), dtype=x.dtype, device=x.device)
-    col = 0
-    for y, t, b, sc in zip(ys, ts, bs, lin.scale):  # q, k, v: each into its columns, no concatenation
-        cols = slice(col, col + y.shape[1])
-        prefill_epilogue(y, out[:, cols], t=t, b=b, scale=sc, residual=res[:, cols] if res is not None else None)
-        col = cols.stop
-    return out.view(*lead, -1)
-
-
 def _qk_norm(m: _Model, ly: _Layer) -> tuple[Tensor, Tensor, float] | None:
     return (ly.q_norm, ly.k_norm, m.eps) if ly.q_norm is not None else None
-
-
-def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
-
-    Each linear is `_prefill_linear` (cuBLAS with Triton launches around it); rope and the cache
-    writes are one `rope_cache` launch; the grouped-query heads are folded into the query length,
-    so no K/V repeat. Rounded where HF rounds. `scratch`: a flat buffer as large as the largest
-    4-bit weight, which NVFP4 weights are dequantized into one linear at a time (`FastEngine.scratch`)."""
-    b, p = ids.shape
-    pos = (mask.long().cumsum(1) - 1).clamp_min(0)  # HF: position ids from the attention mask
-    ar = torch.arange(p, device=ids.device)
-    allowed = (ar[None, :] <= ar[:, None])[None] & mask.bool()[:, None, :]
-    allowed |= torch.eye(p, dtype=torch.bool, device=ids.device)[None]  # pad rows see themselves
-    bias = torch.zeros(b, 1, p, p, dtype=m.embed.dtype, device=ids.device)
-    bias.masked_fill_(~allowed[:, None], float("-inf"))
-    x = F.embedding(ids, m.embed)
-    g = m.hq // m.hkv
-    x = x.view(b * p, -1)
-    pos, first = pos.view(-1), torch.zeros(1, dtype=torch.long, device=ids.device)
-    bias = bias.repeat(1, 1, g, 1)  # query row j * P + i of a kv head: head j of its group, token i
-    for li, ly in enumerate(m.layers):
-        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps))
-        q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
-        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p, _qk_norm(m, ly))
-        k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
-        # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
-        att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
-                                             scale=m.scaling).unflatten(2, (g, p)).flatten(1, 2)
-        att = att.transpose(1, 2).reshape(*x.shape[:-1], m.hq * m.d)
-        x = _prefill_linear(ly.o, att, scratch, residual=x)
-        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, m.eps))
-        x = _prefill_linear(ly.down, inter, scratch, residual=x)
-    last = x.view(b, p, -1)[:, -1]
-    return F.linear(_rms_norm(last, m.norm, m.eps), m.lm_head).float()
-
-
-def share_prompts(cache: _Cache, prompts: int, group: int, p: int) -> None:
-    """Give each of `prompts` prefilled rows' cache slots 0..p-1 to the `group` adjacent rows that
-    share its prompt (rows g * group .. (g + 1) * group - 1 get row g's), in place: from the last
-    prompt down, so no row is overwritten before it is read."""
-    for g in reversed(range(prompts)):
-        first = g * group + (1 if g == 0 else 0)  # row 0 already holds its own
-        for kv in (cache.k, cache.v):
-            kv[:, first : (g + 1) * group, :, :p] = kv[:, g : g + 1, :, :p]
 
 
 def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:

@@ -15,17 +15,15 @@ from torch import Tensor, nn
 
 from qerl_exp import blocks
 from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, build_model, decode_n_tokens,
-                                    decode_one_token, frozen, prefill, refresh, same_layout, sample_next, setup_caches,
-                                    share_prompts)
-from qerl_exp.engine.launch import require_device
+                                    decode_one_token, frozen, refresh, same_layout, sample_next, setup_caches)
 from qerl_exp.quant.layout import KernelWeight
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
-from qerl_exp.engine.triton_kernels import pow2
+from qerl_exp.engine.prefill import prefill, share_prompts
+from qerl_exp.engine.triton_util import pow2, require_device
 
-# dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
-# (bench/rollout.py, H200, ms a step) took 4.88 with the Triton split-K kernel against 5.54 with
-# cuBLAS at 16 rows and 6.46 against 5.92 at 32, where cuBLAS multiplies q/k/v in one GEMM
-# (`blocks.stack_dense`); 13.2 against 10.2 at 128 rows, 23.3 against 15.3 at 256.
+# dense_gemm="auto": cuBLAS computes dense base products from this many rows, where its one GEMM
+# over a group's stacked weights (`blocks.stack_dense`) overtakes the Triton split-K kernel in a 7B
+# rollout (`python -m bench.rollout`; the measured crossover is in docs/engine.md).
 DENSE_CUBLAS_MIN_BATCH = 32
 
 

@@ -3,7 +3,7 @@ product, and `fused_linear`, which runs a plan's launch for M rows.
 
 A launch computes out = x' @ W^T (+ bias, LoRA, residual; GLU; the next LoRA shrink) over 1-3
 segments that share an input (q|k|v, gate|up as GLU, o, down), x' being x or RMSNorm(x) * gamma.
-Every format finishes in the same epilogue (`triton_kernels._linear_kernel`); before it, the base
+Every format finishes in the same epilogue (`linear_kernels._linear_kernel`); before it, the base
 product:
 
 - `DensePlan`: `_splitk_kernel` (fp32 K slices, norm and shrink on load where `norm_on_load` says
@@ -16,7 +16,7 @@ product:
 - `MXFP4Plan`: none: the epilogue kernel multiplies too (k-groups of 32, in the model dtype, since
   E8M0 scales may leave fp16's range).
 
-Where the base product does not normalise and shrink on load, one `launch.norm_shrink` launch does
+Where the base product does not normalise and shrink on load, one `norm.norm_shrink` launch does
 first. The tables hold the addresses of the model's own tensors (dense weights, LoRA B, biases) and
 of the packed 4-bit data, so in-place updates of those tensors are seen by every later launch and by
 captured graphs.
@@ -32,10 +32,11 @@ import torch
 from torch import Tensor
 
 from qerl_exp.engine import dispatch
-from qerl_exp.engine import triton_kernels as tk
-from qerl_exp.engine.launch import capability, norm_shrink, require_device, sm_count, triton
+from qerl_exp.engine import linear_kernels as lk
+from qerl_exp.engine.norm import norm_shrink, norm_shrink_args
 from qerl_exp.quant.layout import KernelWeight
-from qerl_exp.engine.triton_kernels import dummy_tensor, norm_shrink_args, pow2, tl_dtype
+from qerl_exp.engine.triton_util import (capability, dummy_tensor, interpreting, pow2, require_device, sm_count, tl_dtype,
+                                         triton)
 
 try:  # the NVFP4 Gluon kernels (mma.sync for decode rows, wgmma for 16-256), where Triton has Gluon
     from qerl_exp.engine import nvfp4_mma, nvfp4_wgmma
@@ -48,17 +49,17 @@ NORM_ON_LOAD_MAX_M = 16  # see `norm_on_load`
 
 def norm_on_load(fmt: str, k: int, m: int) -> bool:
     """Whether `_splitk_kernel` normalises and shrinks on load for m rows of a [.., k] input (else a
-    `norm_shrink` launch does first). Decode step on the H200 (docs/engine.md): on load is faster for
-    NVFP4 at every batch and for the 0.5B shape (hidden 896) by 4-26 % at 32-64 rows; only dense
-    7B-wide linears (hidden 3584) lose above 16 rows (2-5 %), where every program re-normalises a
-    32-64-row tile. The k threshold sits between the two measured widths."""
+    `norm_shrink` launch does first). In the decode step on load was faster for NVFP4 at every batch
+    and for narrow models at every batch; only dense 7B-wide linears lost above 16 rows, where every
+    program re-normalises a 32-64-row tile (docs/engine.md). The k threshold sits between the two
+    measured widths."""
     return fmt == "nvfp4" or k < 2048 or m <= NORM_ON_LOAD_MAX_M
 
 
 def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
                   sms: int = 132) -> dict:
-    """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps on the
-    H200, 132 SMs, docs/engine.md; `bench/engine_kernels.py --tiles` searches them again).
+    """Tile sizes for M rows on a GPU with `sms` multiprocessors (heuristics from sweeps,
+    docs/engine.md; `python -m bench.engine_kernels --tiles` searches them again).
 
     dense / nvfp4 / nf4 (`_splitk_kernel`): enough K slices (SPLIT) that about 4 programs per SM
     (NVFP4 up to 16 rows: 8) are in flight, since one decode-sized tile cannot keep HBM busy by
@@ -73,16 +74,15 @@ def linear_config(m: int, n: int, k: int, fmt: str, seg_gcd: int, glu: bool,
         while seg_gcd % bn:
             bn //= 2
         bk = 64 if fmt != "dense" or not wide else 128
-        # NVFP4 up to 16 rows: 8 programs per SM (H200, gate/up at 8 rows split 4: 25.3 us, split 2:
-        # 26.9; at 64 rows split 4 was 18 % slower). More pipeline stages were slower, not faster.
+        # NVFP4 up to 16 rows: 8 programs per SM (a deeper split won at 8 rows and lost at 64). More
+        # pipeline stages were slower, not faster.
         per_sm = 8 if fmt == "nvfp4" and m <= 16 else 4
         split, tiles, chunks = 1, (total // bn) * m_blocks, k // bk
         while split < SPLIT_MAX and tiles * split < per_sm * sms and chunks % (2 * split) == 0:
             split *= 2
         return dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, num_warps=4, num_stages=3)
     block_n = 16
-    # GLU tiles hold two accumulators and two LoRA terms: 128 columns spill (NVFP4 at 128 rows: 1092
-    # bytes; 64 columns made its decode step 1.8 % faster, bf16's the same, H200)
+    # GLU tiles hold two accumulators and two LoRA terms: 128 columns spill registers (docs/engine.md)
     for bn in (64, 32) if glu else (128, 64, 32):
         if seg_gcd % bn == 0 and (n // bn) * m_blocks >= 2 * sms:
             block_n = bn
@@ -139,7 +139,7 @@ class LinearPlan:
 
     @property
     def kernel_fmt(self) -> str:
-        """The epilogue kernel's FMT (`triton_kernels.FMT_ID`)."""
+        """The epilogue kernel's FMT (`linear_kernels.FMT_ID`)."""
         return self.fmt
 
     def route(self, m: int, device: torch.device, sms: int, choice: dispatch.Choice | None = None) -> Route:
@@ -209,10 +209,10 @@ class _SplitKPlan(LinearPlan):
         nsh = self.nseg * R // 16 if shrink is not None else 0
         ns_args, t_pad = norm_shrink_args(x, norm, shrink, t)
         lut = self.lut if self.lut is not None else dummy_tensor(x.device, torch.float32)
-        tk._splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
+        lk._splitk_kernel[((nsh + nt) * split * triton.cdiv(m, cfg["BLOCK_M"]),)](
             x, x.stride(0), self.tab, lut, ws, ws.stride(1), ws.stride(0), *ns_args,
             m, self.k, self.n1, self.n2, self.k // bk // split, nt, nsh, max(self.r, 1),
-            FMT=tk.FMT_ID[self.fmt], NSEG=self.nseg, ASM=not tk.interpreting(), NORM=norm is not None, R=R,
+            FMT=lk.FMT_ID[self.fmt], NSEG=self.nseg, ASM=not interpreting(), NORM=norm is not None, R=R,
             LDT=tl_dtype(self.lora_dtype or x.dtype), T_PAD=t_pad, **cfg,
         )
         return split
@@ -380,7 +380,7 @@ def _epilogue(plan, x, out, t, residual, a_next, t_next, r_next, cfg, ss_out, pa
     grid = (plan.n // cfg["BLOCK_N"], triton.cdiv(m, cfg["BLOCK_M"]))
     dummy = dummy_tensor(out.device, out.dtype)
     fsc = plan.fsc
-    tk._linear_kernel[grid](
+    lk._linear_kernel[grid](
         x, x.stride(0), plan.tab, fsc,
         out, out.stride(0),
         residual if residual is not None else dummy, residual.stride(0) if residual is not None else 0,
@@ -391,7 +391,7 @@ def _epilogue(plan, x, out, t, residual, a_next, t_next, r_next, cfg, ss_out, pa
         part if part is not None else fsc, part.stride(1) if part is not None else 0,
         part.stride(0) if part is not None else 0, sk_from,
         m, plan.n, plan.k, plan.n1, plan.n2, max(plan.r, 1), max(r_next, 1),
-        FMT=tk.FMT_ID[plan.kernel_fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
+        FMT=lk.FMT_ID[plan.kernel_fmt], NSEG=plan.nseg, GLU=plan.glu, HAS_BIAS=plan.has_bias,
         HAS_LORA=t is not None, HAS_RES=residual is not None, SHRINK_NEXT=t_next is not None,
         SS_OUT=ss_out is not None, R=R, R_NEXT=pow2(r_next), LDT=tl_dtype(plan.lora_dtype or x.dtype),
         OUT16=out16, **cfg,

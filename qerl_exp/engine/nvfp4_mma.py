@@ -1,9 +1,9 @@
 """The NVFP4 split-K kernel for decode shapes on the GPU: mma.sync with the weights loaded straight
 into its A fragments (Gluon, Triton with explicit layouts; sm_89 and later, for the e4m3 conversion).
 
-`triton_kernels._splitk_kernel` computes the same K slices for every format and under the
-interpreter; on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster (H200,
-docs/engine.md):
+`linear_kernels._splitk_kernel` computes the same K slices for every format and under the
+interpreter; on CUDA, NVFP4 tiles of up to `MAX_M` rows come here instead. Why it is faster
+(measured in docs/engine.md):
 - no shared memory for the weights: the codes are stored in the fragment order of
   `mma.sync.m16n8k16` (`layout.relayout_nvfp4`), so each thread reads the 16 bytes it multiplies
   with one 16-byte load, two chunks ahead, and decodes them in registers into its A fragment
@@ -29,7 +29,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
 from qerl_exp.quant.ptx import e2m1x2_asm, e2m1x4_asm
-from qerl_exp.engine.triton_kernels import norm_shrink_args, pow2, tl_dtype
+from qerl_exp.engine.norm import norm_shrink_args
+from qerl_exp.engine.triton_util import pow2, tl_dtype
 
 MAX_M = 8  # rows up to which `linear.fused_linear` takes this kernel for NVFP4 (docs/engine.md)
 BLOCK_N = 64  # weight rows a program: 4 warps x 16
@@ -278,20 +279,18 @@ def tiles(plan) -> int:
 
 
 def norm_on_load(plan, sms: int) -> bool:
-    """Whether the tiles normalise x and shrink it on load (else `launch.norm_shrink` first): every
-    tile normalises its K slice again, which a launch of many tiles pays many times. H200, 7B, 8
-    rows, kernel time a linear: gate/up (592 tiles) 38.2 us on load against 28.9 + 4.8 after a
-    norm_shrink launch; q/k/v (72 tiles) 11.2 against 6.3 + 6.0; o (56, shrink only) 7.2 against
-    5.3 + 3.0. The threshold sits between the measured tile counts."""
+    """Whether the tiles normalise x and shrink it on load (else `norm.norm_shrink` first): every
+    tile normalises its K slice again, which a launch of many tiles pays many times: at 7B's decode
+    shapes a separate launch won from the gate/up launch's tile count down to q/k/v's
+    (docs/engine.md). The threshold sits between the measured tile counts."""
     return tiles(plan) < 2 * sms
 
 
 def split_of(plan, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple[int, int]:
     """(K slices, chunks a slice; the last slice may be shorter): as many slices as keep every tile
     program resident at once (`RESIDENT` an SM) beside the launch's `shrink_programs`, each at least
-    `MIN_CPS` chunks, at most `max_slices` (what the workspace holds). H200, 7B, 8 rows, kernel only
-    (docs/engine.md): the gate/up launch 35.0 -> 29.2 us (2 slices, 1184 programs), down 22.2 ->
-    17.9 us (20 slices instead of 8)."""
+    `MIN_CPS` chunks, at most `max_slices` (what the workspace holds): more slices made the 7B
+    gate/up and down launches faster (docs/engine.md)."""
     chunks, nt = plan.k // 64, tiles(plan)
     room = max(RESIDENT * sms - shrink_programs, nt)
     slices = max(1, min(room // nt, chunks // MIN_CPS, max_slices))
@@ -302,7 +301,7 @@ def split_of(plan, sms: int, max_slices: int, shrink_programs: int = 0) -> tuple
 def launch(plan, x, t, norm, shrink, sms: int):
     """K slices of x' @ W^T into the workspace (and the LoRA shrink into t with `shrink`).
 
-    Returns (slices, ws): the slices as `triton_kernels._linear_kernel` sums them, a [slices, m, n]
+    Returns (slices, ws): the slices as `linear_kernels._linear_kernel` sums them, a [slices, m, n]
     view of plan.workspace (more slices than its SPLIT_MAX rows of B_max fit when m is small)."""
     m = x.shape[0]
     nt = tiles(plan)

@@ -14,7 +14,7 @@ bytes, so a 4-bit kernel must keep the tensor cores as busy as cuBLAS does while
   wgmma runs while the next half is decoded into other registers (a wgmma reads its register
   operand while it runs), and a ring slot goes back to the producer once both wgmmas that read it
   have retired;
-- the activations arrive as fp16 x' / 16 (`launch.norm_shrink(..., h16=True)` writes them with the
+- the activations arrive as fp16 x' / 16 (`norm.norm_shrink(..., h16=True)` writes them with the
   norm and the LoRA shrink; the down projection's, the GLU epilogue before it: `LinearPlan.takes_x16`),
   so TMA puts them where wgmma reads them with no pass over registers;
 - the schedule fills whole waves: as many tiles as make whole waves of programs take all of K, and
@@ -250,7 +250,7 @@ def launch(plan, x16: Tensor, sms: int, tiles: dict | None = None) -> tuple[int,
     Args:
         tiles: `config`'s keys to use instead of its choice (a `dispatch.json` entry).
 
-    Returns (slices, sk_from, ws): `triton_kernels._linear_kernel` sums slice 0 of every output
+    Returns (slices, sk_from, ws): `linear_kernels._linear_kernel` sums slice 0 of every output
     column and the other slices of the columns from sk_from on (GLU: of both gate and up), from
     the [slices, m, n] view of plan.workspace they are in."""
     m = x16.shape[0]

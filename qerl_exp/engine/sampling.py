@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_exp.engine.launch import sm_count
-from qerl_exp.engine.triton_kernels import HAS_TRITON, pow2, tl, triton
+from qerl_exp.engine.triton_util import HAS_TRITON, pow2, sm_count, tl, triton
 
 Q = 512  # logits a sub-block (4 warps: 4 a thread); one Philox call gives four sub-blocks' noise
 

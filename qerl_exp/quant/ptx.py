@@ -2,7 +2,7 @@
 
 The E2M1 bytes of the kernel layout (`layout`) are bit-permuted so that each nibble becomes an FP8
 E4M3 number with one mask; Hopper's `cvt.rn.f16x2.e4m3x2` then turns two of them into an fp16 pair
-in one instruction. `triton_kernels` (NVFP4 chunks of `_splitk_kernel` and the dequantize kernel),
+in one instruction. `fp4_decode` (NVFP4 chunks of the engine's `_splitk_kernel` and the dequantize kernel),
 `nvfp4_mma` (the mma.sync kernel) and `nvfp4_wgmma` (one half of a chunk at a time) embed the
 strings with `inline_asm_elementwise`.
 """
