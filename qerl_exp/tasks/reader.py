@@ -116,21 +116,23 @@ def read(source: str, split: str, key: str, *, name: str | None = None) -> Table
     import datasets
 
     path = Path(source).expanduser()
+    online = what == HUB and hub_reachable()  # asked once: with no hub, the local cache alone
     with _quiet():
         try:
             if what == HUB:
-                loaded = _load_hub(source, split, key, name)
+                with _offline(not online):
+                    loaded = datasets.load_dataset(source, name, split=split or None)
             elif what == FOLDER:
                 loaded = datasets.load_from_disk(str(path))
             else:
                 loaded = datasets.load_dataset(SUFFIXES[path.suffix.lower()], data_files=str(path))
-        except (FileNotFoundError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many types for a bad source
             if what == FILE and _json_lines(path):
                 return _line_by_line(path, key, e)
-            raise type(e)(f"{key}={source}: datasets cannot read it ({_cause(e)})") from None
-        except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many types for a bad file
-            if what == FILE and _json_lines(path):
-                return _line_by_line(path, key, e)
+            if what == HUB:
+                where = "from the hub" if online else "(the hub is unreachable and it is not in the local datasets cache)"
+                raise ValueError(f"{key}={source} could not be loaded {where}: {_cause(e)}; give {SOURCES} that is "
+                                 "here") from None
             raise ValueError(f"{key}={source}: datasets cannot read it ({_cause(e)})") from None
     dataset = _split(loaded, split, key, source)
     rows = dataset.to_list()
@@ -138,18 +140,6 @@ def read(source: str, split: str, key: str, *, name: str | None = None) -> Table
     where = [f"line {n}" for n in lines] if lines is not None and len(lines) == len(rows) else \
         [f"row {i}" for i in range(1, len(rows) + 1)]
     return Table(list(dataset.column_names), list(zip(where, rows)))
-
-
-def _load_hub(source: str, split: str, key: str, name: str | None):
-    import datasets
-
-    online = hub_reachable()
-    try:
-        with _offline(not online):
-            return datasets.load_dataset(source, name, split=split or None)
-    except Exception as e:  # noqa: BLE001 - offline, missing, gated, unknown split: one line each
-        where = "from the hub" if online else "(the hub is unreachable and it is not in the local datasets cache)"
-        raise ValueError(f"{key}={source} could not be loaded {where}: {_cause(e)}; give {SOURCES} that is here") from None
 
 
 def _split(loaded, split: str, key: str, source: str):
