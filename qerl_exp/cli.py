@@ -106,7 +106,8 @@ def parse_command_line(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
 def search_path_of(sources) -> list[str]:
     """The `hydra.searchpath` override that rebuilds, inside a Hydra job, the search path of its
     command line (`--config-dir` and `hydra.searchpath`), from `HydraConfig.runtime.config_sources`."""
-    extra = [f"{s.schema}://{s.path}" for s in sources if s.provider in ("command-line", f"{SEARCH_PATH} in command-line")]
+    providers = ("command-line", f"{SEARCH_PATH} in command-line")
+    extra = [f"{s.schema}://{s.path}" for s in sources if s.provider in providers]
     return with_search_path([], extra)
 
 
@@ -327,10 +328,11 @@ def _check_task(cfg: Config) -> None:
     if task.name == "dataset" and not task.path:
         raise ConfigError(f"task=dataset needs task.path=<{reader.SOURCES}>")
     if task.chat_template_file and not Path(task.chat_template_file).expanduser().is_file():
-        raise ConfigError(f"task.chat_template={task.chat_template} is neither a Jinja template (it holds no {{{{ or {{%) "
-                          "nor an existing file; give one of them")
+        raise ConfigError(f"task.chat_template={task.chat_template} is neither a Jinja template (it holds no "
+                          "{{ or {%) nor an existing file; give one of them")
     try:
-        kinds = [reader.kind(value, f"task.{key}") for key, value in (("path", task.path), ("eval_path", task.eval_path)) if value]
+        sources = (("path", task.path), ("eval_path", task.eval_path))
+        kinds = [reader.kind(value, f"task.{key}") for key, value in sources if value]
         if reader.HUB in kinds or task.name == "gsm8k" and not task.path:
             reward_funcs.load(task)  # the data is read when the run starts; its columns are checked then
             return
@@ -339,7 +341,8 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError(str(e).strip().splitlines()[0]) from None
     if getattr(built, "conversational", False) and cfg.model.source == "synthetic":
         raise ConfigError(f"task.path={task.path} holds conversational prompts (lists of messages), which need a chat "
-                          "template, and the embedded model has none: use model.name=<a checkpoint with one>, or text prompts")
+                          "template, and the embedded model has none: use model.name=<a checkpoint with one>, or text "
+                          "prompts")
 
 
 def _check_writable(path: Path, key: str) -> None:

@@ -1,10 +1,10 @@
 """Config schemas: the single source of truth for every field a run accepts.
 
 Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
-(`schema`; the task group's lives in `qerl_exp.task_config`) and a field of the root `Config`, which Hydra's ConfigStore holds as the schema of
-`conf/config.yaml`; the YAML files in `conf/` are presets that only set values. `__post_init__`
-validates, so a bad value fails when the config is turned into objects (`to_config`), with a
-one-line message that names the field.
+(`qerl_exp.schema`; the task group's lives in `qerl_exp.task_config`) and a field of the root
+`Config`, which Hydra's ConfigStore holds as the schema of `conf/config.yaml`; the YAML files in
+`conf/` are presets that only set values. `__post_init__` validates, so a bad value fails when the
+config is turned into objects (`to_config`), with a one-line message that names the field.
 """
 
 from __future__ import annotations

@@ -410,3 +410,24 @@ def test_malformed_rows_of_your_own_data_are_named(tmp_path):
     assert sorted((p.question, p.answer, dict(p.columns)) for p in task.train + task.held_out)[0] == \
         ("What is 1 + 1?", "2", {"solution": 2, "level": "a"})
     assert task.columns == ("answer", "solution", "level") and not task.conversational
+
+
+def test_held_out_problems_come_from_a_split_or_another_source(example):
+    import datasets
+
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import build_task
+
+    rows = datasets.load_dataset("json", data_files=str(example / "data.jsonl"))["train"]
+    splits = datasets.DatasetDict({"train": rows.select(range(12)), "test": rows.select(range(10, 16))})
+    splits.save_to_disk(str(example / "splits"))
+    test = build_task(TaskConfig(name="dataset", path=str(example / "splits"), eval_split="test"))
+    # the test split less the two prompts training also has
+    assert [p.question for p in test.held_out] == [r["prompt"][-1]["content"] for r in rows.select(range(12, 16))]
+    assert len(test.train) == 12
+    rows.select(range(12)).to_json(str(example / "train.jsonl"))
+    rows.select(range(10, 16)).to_json(str(example / "held.jsonl"))
+    other = build_task(TaskConfig(name="dataset", path=str(example / "train.jsonl"), eval_path=str(example / "held.jsonl")))
+    assert (other.train, other.held_out) == (test.train, test.held_out)
+    with pytest.raises(ValueError, match=r"has the splits train, test; name the one to evaluate on with task.eval_split$"):
+        build_task(TaskConfig(name="dataset", path=str(example / "data.jsonl"), eval_path=str(example / "splits")))

@@ -80,8 +80,8 @@ def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_pro
                     batch_size=batch_size, on_batch=on_batch, engine=engine)
 
 
-def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]], problems: list[Problem],
-                     **settings) -> tuple[list[str], list[bool], list[bool]]:
+def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]],
+                     problems: list[Problem], **settings) -> tuple[list[str], list[bool], list[bool]]:
     """Greedy completions of `problems` and `judge`'s verdicts on them (the embedded model's warm-up
     measures its progress so); `settings` are `greedy_completions`'.
 
@@ -115,7 +115,8 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     out = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
-        ids, mask = encode_prompts([tokenizer.render_prompt(p.prompt, system_prompt) for p in chunk], tokenizer, _device(policy))
+        prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in chunk]
+        ids, mask = encode_prompts(prompts, tokenizer, _device(policy))
         targets = [tokenizer.encode(reference_completion(p)) for p in chunk]
         width = max(map(len, targets))
         tgt = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long, device=ids.device)

@@ -97,7 +97,8 @@ def math_problem(row: dict) -> Problem:
         answer = last_boxed(solution)
         if not answer:
             raise RowError("no 'answer' field and no \\boxed{...} answer in 'solution'")
-    return Problem(question=question.strip(), answer=answer.strip(), solution=solution.strip(), columns=_others(row, "problem", "question"))
+    return Problem(question=question.strip(), answer=answer.strip(), solution=solution.strip(),
+                   columns=_others(row, "problem", "question"))
 
 
 def _text(row: dict, key: str) -> str:
@@ -127,7 +128,8 @@ def dataset_parser(columns: ColumnsConfig) -> Parser:
             value = row.get(answer)
             if value is None or isinstance(value, str) and not value.strip():
                 raise RowError(f"column {answer!r} (the answer) is empty")
-            text = value.strip() if isinstance(value, str) else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+            text = value.strip() if isinstance(value, str) else \
+                json.dumps(value) if isinstance(value, (list, dict)) else str(value)
             return Problem(question=question, answer=text, messages=messages, columns=_others(row, prompt))
 
         return parse
@@ -154,7 +156,8 @@ def _prompt(value, column: str) -> tuple[str, tuple[dict, ...]]:
         return value.strip(), ()
     if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  and isinstance(m.get("content"), str) for m in value):
-        messages = tuple({k: v for k, v in m.items() if v is not None} for m in value)  # `datasets` fills absent keys with None
+        # `datasets` gives every message every key of any message, None where it had none
+        messages = tuple({k: v for k, v in m.items() if v is not None} for m in value)
         users = [m["content"] for m in messages if m["role"] == "user"]
         return (users or [messages[-1]["content"]])[-1], messages
     raise RowError(f"column {column!r} (the prompt) must be non-empty text or a list of {{role, content}} messages "
@@ -333,7 +336,8 @@ def gsm8k_task(cfg: TaskConfig) -> FileTask:
         return _from_source("gsm8k", cfg, parser, source="openai/gsm8k", hub_name="main", default_eval_split="test")
     except (FileNotFoundError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not load openai/gsm8k from the hub ({first}); pass task.path=<local GSM8K file>") from None
+        raise ValueError(f"could not load openai/gsm8k from the hub ({first}); "
+                         "pass task.path=<local GSM8K file>") from None
 
 
 def math_task(cfg: TaskConfig) -> FileTask:

@@ -130,7 +130,8 @@ def read(source: str, split: str, key: str, *, name: str | None = None) -> Table
             if what == FILE and _json_lines(path):
                 return _line_by_line(path, key, e)
             if what == HUB:
-                where = "from the hub" if online else "(the hub is unreachable and it is not in the local datasets cache)"
+                where = "from the hub" if online else \
+                    "(the hub is unreachable and it is not in the local datasets cache)"
                 raise ValueError(f"{key}={source} could not be loaded {where}: {_cause(e)}; give {SOURCES} that is "
                                  "here") from None
             raise ValueError(f"{key}={source}: datasets cannot read it ({_cause(e)})") from None
@@ -153,10 +154,12 @@ def _split(loaded, split: str, key: str, source: str):
     names = list(loaded)
     if not split:
         if len(names) != 1:
-            raise ValueError(f"{key}={source} has the splits {', '.join(names)}; name the one to evaluate on with task.eval_split")
+            raise ValueError(f"{key}={source} has the splits {', '.join(names)}; "
+                             "name the one to evaluate on with task.eval_split")
         return loaded[names[0]]
     if split not in loaded:
-        raise ValueError(f"{key}={source} has no split {split!r}; it has: {', '.join(names)} (task.split, task.eval_split)")
+        raise ValueError(f"{key}={source} has no split {split!r}; it has: {', '.join(names)} "
+                         "(task.split, task.eval_split)")
     return loaded[split]
 
 

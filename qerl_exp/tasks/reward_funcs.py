@@ -103,12 +103,14 @@ def source_file(spec: str) -> str:
         return ""
     if where.endswith(".py"):
         if not Path(where).expanduser().is_file():
-            raise ConfigError(f"task.reward_funcs entry {spec}: no file {where} (paths are relative to the working directory)")
+            raise ConfigError(f"task.reward_funcs entry {spec}: no file {where} "
+                              "(paths are relative to the working directory)")
         return where
     try:
         found = importlib.util.find_spec(where)
     except (ImportError, ValueError) as e:
-        raise ConfigError(f"task.reward_funcs entry {spec}: module {where} does not import ({_first_line(e)})") from None
+        raise ConfigError(f"task.reward_funcs entry {spec}: module {where} does not import "
+                          f"({_first_line(e)})") from None
     if found is None or not found.origin or not Path(found.origin).is_file():
         raise ConfigError(f"task.reward_funcs entry {spec}: no module {where} on the Python path; "
                           "give path/to/file.py:function, or install the package")
@@ -159,7 +161,8 @@ def _import(spec: str) -> Callable:
     try:
         module = _import_file(Path(file)) if where.endswith(".py") else importlib.import_module(where)
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
-        raise ConfigError(f"task.reward_funcs entry {spec}: {file} does not import ({type(e).__name__}: {_first_line(e)})") from None
+        raise ConfigError(f"task.reward_funcs entry {spec}: {file} does not import "
+                          f"({type(e).__name__}: {_first_line(e)})") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"task.reward_funcs entry {spec}: {file} has no function {name!r}")
@@ -201,7 +204,8 @@ def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
     fix = "give it the signature fn(prompts, completions, **kwargs), as TRL's reward functions have"
     for p in params.values():
         if p.kind == kinds.POSITIONAL_ONLY and p.default is p.empty:
-            raise ConfigError(f"{where} takes {p.name!r} by position only, but every argument is passed by keyword; {fix}")
+            raise ConfigError(f"{where} takes {p.name!r} by position only, but every argument is passed by "
+                              f"keyword; {fix}")
     for own in _OWN:
         if own not in params and not takes_any:
             raise ConfigError(f"{where} does not take {own!r}; {fix}")
