@@ -41,17 +41,27 @@ class UsageError(ValueError):
 SEARCH_PATH = "hydra.searchpath"
 
 
+def _is_search_path(override: str) -> bool:
+    return override.partition("=")[0].lstrip("+~") == SEARCH_PATH
+
+
+def _search_path(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The entries of the `hydra.searchpath` override among `overrides`, and the other overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    entries, rest = [], []
+    for o in overrides:
+        if _is_search_path(o):
+            entries += [str(e) for e in OverridesParser.create().parse_overrides([o])[0].value()]
+        else:
+            rest.append(o)
+    return entries, rest
+
+
 def search_dirs(overrides: list[str] | tuple[str, ...] = ()) -> list[Path]:
     """The preset folders of a run: `conf/`, then the `file://` folders of a `hydra.searchpath`
     override (as `--config-dir` adds them: `parse_command_line`)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    dirs = [CONF_DIR]
-    for o in overrides:
-        if o.partition("=")[0].lstrip("+~") == SEARCH_PATH:
-            entries = OverridesParser.create().parse_overrides([o])[0].value()
-            dirs += [Path(str(e)[len("file://"):]) for e in entries if str(e).startswith("file://")]
-    return dirs
+    return [CONF_DIR, *(Path(e[len("file://"):]) for e in _search_path(overrides)[0] if e.startswith("file://"))]
 
 
 def group_options(group: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -62,17 +72,11 @@ def group_options(group: str, overrides: list[str] | tuple[str, ...] = ()) -> li
 def with_search_path(overrides: list[str], folders: list[str]) -> list[str]:
     """`overrides` whose `hydra.searchpath` override also holds `folders` (`file://` or `pkg://`
     entries), ahead of its own entries, as Hydra orders `--config-dir` and `hydra.searchpath`."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    entries, rest = list(folders), []
-    for o in overrides:
-        if o.partition("=")[0].lstrip("+~") == SEARCH_PATH:
-            entries += [str(e) for e in OverridesParser.create().parse_overrides([o])[0].value()]
-        else:
-            rest.append(o)
+    entries, rest = _search_path(overrides)
+    entries = list(dict.fromkeys([*folders, *entries]))
     if not entries:
         return rest
-    quoted = ",".join("'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in dict.fromkeys(entries))
+    quoted = ",".join("'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in entries)
     return [*rest, f"{SEARCH_PATH}=[{quoted}]"]
 
 
@@ -181,7 +185,7 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
         ConfigError: a value the schema rejects; Hydra's and OmegaConf's errors for overrides that
             do not compose (`validate` turns both into one line).
     """
-    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or o.partition("=")[0].lstrip("+~") == SEARCH_PATH])
+    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or _is_search_path(o)])
     picked = cfg.hydra.runtime.choices
     choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     with open_dict(cfg):

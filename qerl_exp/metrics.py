@@ -161,11 +161,15 @@ def total_reward(rewards: dict[str, torch.Tensor], weights: dict[str, float]) ->
 
 
 def _nanmean(x: torch.Tensor) -> float:
-    return x[~x.isnan()].mean().item()
+    """The mean of the values that are not NaN (NaN when there is none)."""
+    kept = x[~x.isnan()]
+    return kept.mean().item() if kept.numel() else math.nan
 
 
 def _nanstd(x: torch.Tensor) -> float:
-    return x[~x.isnan()].std().item()
+    """The sample std of the values that are not NaN (NaN when there are fewer than two)."""
+    kept = x[~x.isnan()]
+    return kept.std().item() if kept.numel() > 1 else math.nan
 
 
 def reward_metrics(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_size: int) -> dict[str, float]:

@@ -431,3 +431,19 @@ def test_held_out_problems_come_from_a_split_or_another_source(example):
     assert (other.train, other.held_out) == (test.train, test.held_out)
     with pytest.raises(ValueError, match=r"has the splits train, test; name the one to evaluate on with task.eval_split$"):
         build_task(TaskConfig(name="dataset", path=str(example / "data.jsonl"), eval_path=str(example / "splits")))
+
+
+def test_completions_no_function_applies_to_are_named_once(tmp_path, capsys):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import Problem
+    from qerl_exp.tasks.reward_funcs import load
+
+    (tmp_path / "some.py").write_text("def only_hard(prompts, completions, level, **kwargs):\n"
+                                      "    return [1.0 if l == 'hard' else None for l in level]\n")
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/some.py:only_hard"]), ("answer", "level"))
+    problems = [Problem("q", "1", columns={"level": level}) for level in ("hard", "easy", "easy")]
+    scores = rewards.score(problems, ["a", "b", "c"], "step 4")
+    assert scores["only_hard"][0] == 1.0 and all(math.isnan(v) for v in scores["only_hard"][1:])
+    rewards.score(problems, ["a", "b", "c"], "step 5")
+    assert capsys.readouterr().err == ("warning: no reward function applies to 2 completion(s) at step 4 (each returned "
+                                       "None): they get no reward and advantage 0, as in TRL (shown once)\n")

@@ -42,6 +42,7 @@ from qerl_exp.hub import hub_reachable
 from qerl_exp.models.shards import load_blockwise
 from qerl_exp.models.tokenizers import HFTokenizer
 
+
 def _first_line(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0] if text else ""
