@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 import hydra
@@ -340,7 +341,9 @@ def _check_task(cfg: Config) -> None:
         if reader.HUB in kinds or task.name == "gsm8k" and not task.path:
             reward_funcs.load(task)  # the data is read when the run starts; its columns are checked then
             return
-        built = build_task(task)
+        with warnings.catch_warnings():  # the run says it again (a small file's held-out share)
+            warnings.simplefilter("ignore")
+            built = build_task(task)
     except (OSError, ValueError) as e:  # ConfigError, a missing file, and the data's own one-line faults
         raise ConfigError(str(e).strip().splitlines()[0]) from None
     if getattr(built, "conversational", False) and cfg.model.source == "synthetic":
