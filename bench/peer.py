@@ -66,14 +66,17 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     tok.tok.pad_token_id = tok.pad_id
     rng = np.random.default_rng(cfg.seed)
     problems = [p for _ in range(steps) for p in task.sample(cfg.train.prompts_per_step, rng)]
-    by_prompt = {tok.render_prompt(p.question, cfg.task.system_prompt): p for p in problems}
-    data = Dataset.from_dict({"prompt": list(by_prompt)})
+    by_prompt = {tok.render_prompt(p.prompt, cfg.task.system_prompt): p for p in problems}
+    kept = list(by_prompt.values())
+    # the task's rows as TRL's dataset columns: the (rendered) prompt, `answer` and the others
+    columns = {k: [p.columns.get(k) for p in kept] for k in dict.fromkeys(k for p in kept for k in p.columns)}
+    data = Dataset.from_dict({"prompt": list(by_prompt), "answer": [p.answer for p in kept], **columns})
 
-    def reward_fn(fn):
-        def score(prompts, completions, **_):
-            return [fn(c, by_prompt[p]) for p, c in zip(prompts, completions)]
+    def reward_fn(func):  # the run's own function, in TRL's signature already; TRL logs it by __name__
+        def score(prompts, completions, **kwargs):
+            return func.fn(prompts=prompts, completions=completions, **kwargs)
 
-        score.__name__ = fn.__name__ if hasattr(fn, "__name__") else "reward"
+        score.__name__ = func.name
         return score
 
     times, rewards = [], []
@@ -100,10 +103,11 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
         learning_rate=cfg.train.lr, lr_scheduler_type="cosine", warmup_steps=cfg.train.warmup_ratio,
         max_grad_norm=cfg.train.grad_clip, weight_decay=cfg.train.weight_decay, bf16=True, logging_steps=1,
         save_strategy="no", report_to="none", seed=cfg.seed, shuffle_dataset=False,
+        reward_weights=[f.weight for f in task.rewards.funcs],
     )
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.targets), task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(f) for f in task.rewards.values()], args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn(f) for f in task.rewards.funcs], args=config,
                           train_dataset=data, processing_class=tok.tok, peft_config=lora, callbacks=[Record()])
     torch.cuda.reset_peak_memory_stats()
     trainer.train()

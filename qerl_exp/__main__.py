@@ -19,7 +19,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from qerl_exp import distributed, rundir
-from qerl_exp.cli import CONF_DIR, UsageError, compose, fail, hydra_overrides, set_keys, tolerate_closed_pipes, validate
+from qerl_exp.cli import (CONF_DIR, UsageError, compose, fail, hydra_overrides, parse_command_line, search_path_of, set_keys,
+                          tolerate_closed_pipes, validate)
 from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs
 
 
@@ -69,8 +70,9 @@ def main(cfg: DictConfig) -> float:
     try:
         # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
         run_dir = distributed.broadcast(run_dir)
-        # this job's overrides composed as validation composed them (Hydra's `cfg` is its record in .hydra/)
-        conf, choices = compose(list(hc.overrides.task))
+        # this job's overrides composed as validation composed them (Hydra's `cfg` is its record in .hydra/),
+        # with the preset folders of its command line (--config-dir, hydra.searchpath)
+        conf, choices = compose(list(hc.overrides.task) + search_path_of(hc.runtime.config_sources))
         if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.read_config(run_dir)
             keys = set_keys(list(hc.overrides.task), rundir.flatten(as_dict(conf)))
@@ -116,10 +118,12 @@ def main(cfg: DictConfig) -> float:
 def cli() -> None:
     tolerate_closed_pipes()
     register_configs()
-    args = sys.argv[1:]
-    multirun = "-m" in args or "--multirun" in args
-    overrides = [a for a in args if not a.startswith("-")]
-    if not any(a in args for a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help")):
+    try:
+        overrides, args = parse_command_line(sys.argv[1:])
+    except UsageError as e:
+        distributed.refuse(str(e))
+    multirun = args.multirun
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion):
         try:
             configs = validate(overrides, multirun)
             distributed.check(configs[0], distributed.launched_world_size(), multirun)

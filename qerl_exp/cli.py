@@ -4,14 +4,24 @@
 point, each sweep trial and the tests get `(Config, choices)` from it. Hydra reports a bad
 override as a multi-line message or a traceback; before Hydra starts, `validate` composes every
 job's config and turns any failure into one line that says what to change.
+
+Presets kept outside the repository come in Hydra's own ways: `--config-dir DIR` (or
+`--config-dir=DIR`, `-cd DIR`) and the override `hydra.searchpath=[file://DIR]`, both searched
+after `conf/`. `parse_command_line` reads the command line with Hydra's own parser and turns
+`--config-dir` into the search-path override it amounts to, so that validation, every job and
+every sweep trial compose with the same presets Hydra sees.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import itertools
 import os
 import re
 import sys
+import typing
+import warnings
 from pathlib import Path
 
 import hydra
@@ -29,19 +39,105 @@ class UsageError(ValueError):
     """Bad input from the command line or a spec file; the message is the whole report."""
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+SEARCH_PATH = "hydra.searchpath"
 
 
-def _explain(exc: BaseException) -> str:
+def _is_search_path(override: str) -> bool:
+    return override.partition("=")[0].lstrip("+~") == SEARCH_PATH
+
+
+def _search_path(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The entries of the `hydra.searchpath` override among `overrides`, and the other overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    entries, rest = [], []
+    for o in overrides:
+        if _is_search_path(o):
+            entries += [str(e) for e in OverridesParser.create().parse_overrides([o])[0].value()]
+        else:
+            rest.append(o)
+    return entries, rest
+
+
+def search_dirs(overrides: list[str] | tuple[str, ...] = ()) -> list[Path]:
+    """The preset folders of a run: `conf/`, then the `file://` folders of a `hydra.searchpath`
+    override (as `--config-dir` adds them: `parse_command_line`)."""
+    return [CONF_DIR, *(Path(e[len("file://"):]) for e in _search_path(overrides)[0] if e.startswith("file://"))]
+
+
+def group_options(group: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The presets of `group` in `conf/` and in the folders `overrides` add to the search path."""
+    return sorted({p.stem for d in search_dirs(overrides) for p in (d / group).glob("*.yaml")})
+
+
+def with_search_path(overrides: list[str], folders: list[str]) -> list[str]:
+    """`overrides` whose `hydra.searchpath` override also holds `folders` (`file://` or `pkg://`
+    entries), ahead of its own entries, as Hydra orders `--config-dir` and `hydra.searchpath`."""
+    entries, rest = _search_path(overrides)
+    entries = list(dict.fromkeys([*folders, *entries]))
+    if not entries:
+        return rest
+    quoted = ",".join("'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in entries)
+    return [*rest, f"{SEARCH_PATH}=[{quoted}]"]
+
+
+def parse_command_line(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
+    """The command line as Hydra reads it (its own parser): the overrides, `--config-dir DIR` among
+    them as the `hydra.searchpath` entry it adds, and the flags.
+
+    Raises:
+        UsageError: an argument Hydra would refuse, or a `--config-dir` that is not a folder.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> typing.NoReturn:
+        raise UsageError(f"cannot parse the command line: {message} (options such as --config-dir DIR go before "
+                         "or after all the overrides)")
+
+    parser.error = refuse
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.config_dir:
+        folder = Path(args.config_dir).expanduser().absolute()
+        if not folder.is_dir():
+            raise UsageError(f"--config-dir={args.config_dir} is not a folder; give the folder that holds your "
+                             "preset groups (e.g. DIR/task/mine.yaml)")
+        overrides = with_search_path(overrides, [f"file://{folder}"])
+    return overrides, args
+
+
+def search_path_of(sources) -> list[str]:
+    """The `hydra.searchpath` override that rebuilds, inside a Hydra job, the search path of its
+    command line (`--config-dir` and `hydra.searchpath`), from `HydraConfig.runtime.config_sources`."""
+    providers = ("command-line", f"{SEARCH_PATH} in command-line")
+    extra = [f"{s.schema}://{s.path}" for s in sources if s.provider in providers]
+    return with_search_path([], extra)
+
+
+def _dict_field(key: str) -> str | None:
+    """The dict field (e.g. `task.chat_template_kwargs`) that the dotted `key` is a key of, if any."""
+    node, parts = Config, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        hint = typing.get_type_hints(node).get(part)
+        if hint is None:
+            return None
+        if not dataclasses.is_dataclass(hint):
+            return ".".join(parts[: i + 1]) if typing.get_origin(hint) is dict else None
+        node = hint
+    return None
+
+
+def _explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """One line for a Hydra/OmegaConf composition error."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
     if missing:
         group, _, choice = missing.group(1).rpartition("/")  # e.g. quant/bogus
-        if group and (CONF_DIR / group).is_dir():
-            return f"{group}={choice} is not a preset; choose one of: {', '.join(group_options(group))}"
+        if group and any((d / group).is_dir() for d in search_dirs(overrides)):
+            return f"{group}={choice} is not a preset; choose one of: {', '.join(group_options(group, overrides))}"
         if group == "hydra/launcher":
             return (f"hydra/launcher={choice} is not installed; choose one of: {', '.join(getattr(exc, 'options', None) or [])} "
                     "(joblib and submitit_local/submitit_slurm come with pip install 'qerl-exp[cluster]')")
@@ -51,6 +147,10 @@ def _explain(exc: BaseException) -> str:
     key = getattr(cause, "full_key", None)
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else first
     if key and ("not in struct" in detail or re.search(r"Key '[^']+' not in '", detail)):
+        field = _dict_field(key)
+        if field:
+            return (f"{field} is a dict whose keys are yours: add one with Hydra's +, +{key}=VALUE, or give it whole "
+                    f"with ++{field}={{{key.rpartition('.')[2]}: VALUE}}")
         return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
     if key:
         return f"bad value for '{key}': {detail}"
@@ -76,7 +176,7 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
 
     Args:
         overrides: Hydra overrides (`quant=nvfp4`, `train.steps=9`); `hydra...` ones are left to
-            Hydra (`check_hydra_overrides`).
+            Hydra (`check_hydra_overrides`), but for `hydra.searchpath`, which finds the presets.
 
     Returns:
         `(config, choices)`: choices name the preset of each group of `config.GROUPS` and of
@@ -86,7 +186,7 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
         ConfigError: a value the schema rejects; Hydra's and OmegaConf's errors for overrides that
             do not compose (`validate` turns both into one line).
     """
-    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o)])
+    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or _is_search_path(o)])
     picked = cfg.hydra.runtime.choices
     choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     with open_dict(cfg):
@@ -130,7 +230,7 @@ def validate(overrides: list[str], multirun: bool) -> list[Config]:
         except (ConfigError, RunDirError) as e:
             raise UsageError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
-            raise UsageError(_explain(e)) from None
+            raise UsageError(_explain(e, job)) from None
     return configs
 
 
@@ -193,9 +293,7 @@ def preflight(cfg: Config) -> None:
             except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
                 raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
                                   "pip install bitsandbytes, or choose quant=nvfp4") from None
-    for key, path in (("task.path", cfg.task.path), ("task.eval_path", cfg.task.eval_path)):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
+    _check_task(cfg)
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
     if cfg.resume:
@@ -224,6 +322,34 @@ def preflight(cfg: Config) -> None:
         if cfg.rollout.engine == "fast" or auto_fast:
             raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
+
+
+def _check_task(cfg: Config) -> None:
+    """The task's sources, chat template file and reward functions; and, when its data is here, the
+    task itself as a run builds it (its rows, and its reward functions against their columns)."""
+    from qerl_exp.tasks import build_task, reader, reward_funcs
+
+    task = cfg.task
+    if task.name == "dataset" and not task.path:
+        raise ConfigError(f"task=dataset needs task.path=<{reader.SOURCES}>")
+    if task.chat_template_file and not Path(task.chat_template_file).expanduser().is_file():
+        raise ConfigError(f"task.chat_template={task.chat_template} is neither a Jinja template (it holds no "
+                          "{{ or {%) nor an existing file; give one of them")
+    try:
+        sources = (("path", task.path), ("eval_path", task.eval_path))
+        kinds = [reader.kind(value, f"task.{key}") for key, value in sources if value]
+        if reader.HUB in kinds or task.name == "gsm8k" and not task.path:
+            reward_funcs.load(task)  # the data is read when the run starts; its columns are checked then
+            return
+        with warnings.catch_warnings():  # the run says it again (a small file's held-out share)
+            warnings.simplefilter("ignore")
+            built = build_task(task)
+    except (OSError, ValueError) as e:  # ConfigError, a missing file, and the data's own one-line faults
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    if getattr(built, "conversational", False) and cfg.model.source == "synthetic":
+        raise ConfigError(f"task.path={task.path} holds conversational prompts (lists of messages), which need a chat "
+                          "template, and the embedded model has none: use model.name=<a checkpoint with one>, or text "
+                          "prompts")
 
 
 def _check_writable(path: Path, key: str) -> None:

@@ -1,10 +1,10 @@
 """Config schemas: the single source of truth for every field a run accepts.
 
 Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
-and a field of the root `Config`, which Hydra's ConfigStore holds as the schema of
-`conf/config.yaml`; the YAML files in `conf/` are presets that only set values. `__post_init__`
-validates, so a bad value fails when the config is turned into objects (`to_config`), with a
-one-line message that names the field.
+(`qerl_exp.schema`; the task group's lives in `qerl_exp.task_config`) and a field of the root
+`Config`, which Hydra's ConfigStore holds as the schema of `conf/config.yaml`; the YAML files in
+`conf/` are presets that only set values. `__post_init__` validates, so a bad value fails when the
+config is turned into objects (`to_config`), with a one-line message that names the field.
 """
 
 from __future__ import annotations
@@ -16,48 +16,12 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-# The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
-SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process and then provides the user with the answer. "
-    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
-    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
-)
+from qerl_exp.schema import ConfigError, schema
+from qerl_exp.schema import check as _check
+from qerl_exp.schema import choice as _choice
+from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
+
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message says which field and what to change."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
-    _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
-
-
-def schema(cls):
-    """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
-    verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
-    cls = dataclass(cls)
-    validate = cls.__dict__.get("__post_init__")
-
-    def __post_init__(self) -> None:
-        if validate is not None:
-            validate(self)
-        object.__setattr__(self, "_frozen", True)
-
-    def __setattr__(self, name, value) -> None:
-        if getattr(self, "_frozen", False):
-            raise dataclasses.FrozenInstanceError(
-                f"{type(self).__name__}.{name} is read-only; make a new config with dataclasses.replace")
-        object.__setattr__(self, name, value)
-
-    cls.__post_init__, cls.__setattr__ = __post_init__, __setattr__
-    return cls
 
 
 @schema
@@ -270,61 +234,6 @@ class NoiseConfig:
         _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
         _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
-
-
-@schema
-class TaskConfig:
-    """The problems the policy learns to solve and how they are scored.
-
-    Args:
-        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
-            or `math` (local files or the hub).
-        path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
-        eval_path: held-out file in the same format as `path` (e.g. GSM8K's test split); empty
-            holds out part of `path`.
-        difficulty: arith: digits of each operand (1-6); wordprob: operations per problem (1-3),
-            its numbers growing with it (a start below 20 x difficulty).
-        ops: arith and wordprob: operators to draw from (`/` for wordprob only; its quotients are
-            whole numbers).
-        templates: wordprob: what training draws are phrased from: `base` (three themes) or
-            `wide` (those and six more, with their own sentence and question forms, names and
-            objects); the evaluation splits are the same for both.
-        eval_size: held-out problems used by evaluation (a single file holds out at most a
-            quarter of its problems).
-        format_reward: reward for a completion in the <think>...</think><answer>...</answer>
-            format; 0 leaves the format reward out.
-        correct_reward: reward for an exactly correct answer.
-        answer_from: where the judged answer is taken from: `tags`, the last <answer>...</answer>
-            (the paper); `text`, also a reply's natural forms when it has no tags: the last
-            \\boxed{...}, else what follows the last `####` or "answer is", else its last number.
-        system_prompt: the system message of chat-template models (the embedded model ignores
-            it); empty sends none, so the template's default applies.
-    """
-
-    name: str = "arith"
-    path: str = ""
-    eval_path: str = ""
-    difficulty: int = 2
-    ops: list[str] = field(default_factory=lambda: ["+", "-"])
-    templates: str = "base"
-    eval_size: int = 200
-    format_reward: float = 0.2
-    correct_reward: float = 2.0
-    answer_from: str = "tags"
-    system_prompt: str = SYSTEM_PROMPT
-
-    def __post_init__(self) -> None:
-        _choice("task.name", self.name, ("arith", "wordprob", "gsm8k", "math"))
-        _choice("task.answer_from", self.answer_from, ("tags", "text"))
-        _choice("task.templates", self.templates, ("base", "wide"))
-        _check(self.templates == "base" or self.name == "wordprob",
-               f"task.templates={self.templates} is for task.name=wordprob; leave it at base for task.name={self.name}")
-        top = 3 if self.name == "wordprob" else 6
-        _check(1 <= self.difficulty <= top, f"task.difficulty must be in 1..{top} for task.name={self.name}, got {self.difficulty}")
-        _check(len(self.ops) > 0, "task.ops must name at least one operator")
-        for op in self.ops:
-            _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
-        _check(self.eval_size >= 1, "task.eval_size must be >= 1")
 
 
 @schema
@@ -568,7 +477,9 @@ class TrackerConfig:
         mode: W&B mode: `offline` (default, no account needed), `online` or `disabled`.
         project: W&B project.
         entity: W&B entity (team or user); empty uses the account default.
-        completions_every: steps between W&B tables of sample completions (0 disables).
+        completions_every: steps between samples of completions (0 disables): every completion of
+            the step, with each reward function's value, its weighted reward and its advantage,
+            goes to `completions.jsonl` beside `metrics.jsonl` (whatever the mode) and to a W&B table.
     """
 
     mode: str = "offline"
@@ -630,6 +541,9 @@ class Config:
         _check(not (self.train.padding_free and self.noise.apply_to == "both" and self.noise.resample == "forward"),
                "noise.resample=forward with apply_to=both needs train.padding_free=false (it redraws per HF forward)")
         batch = self.train.prompts_per_step * self.algo.group_size
+        _check(not (self.task.chat_template or self.task.chat_template_kwargs) or self.model.source == "pretrained",
+               "task.chat_template and task.chat_template_kwargs are for a checkpoint's tokenizer (model.name=<folder or "
+               "hub id>); the embedded model has no chat template: its prompts are plain text")
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
                "(train.prompts_per_step * algo.group_size)")

@@ -25,12 +25,21 @@ LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> torch.Tensor:
-    """`(r - mean_group) / (std_group + eps)` per completion; `[B]` with groups adjacent."""
+    """`(r - mean_group) / (std_group + eps)` per completion; `[B]` with groups adjacent. A NaN
+    reward (a completion no reward function applies to) is left out of its group's mean and std,
+    and its advantage is 0, as in TRL."""
     groups = rewards.view(-1, group_size)
-    adv = groups - groups.mean(dim=1, keepdim=True)
+    scored = ~groups.isnan()
+    if scored.all():
+        mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, keepdim=True)
+    else:
+        count = scored.sum(dim=1, keepdim=True)
+        mean = groups.nansum(dim=1, keepdim=True) / count
+        std = (((groups - mean) ** 2).nansum(dim=1, keepdim=True) / (count - 1)).sqrt()
+    adv = groups - mean
     if scale:
-        adv = adv / (groups.std(dim=1, keepdim=True) + 1e-4)
-    return adv.reshape(-1)
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
 def _model_inputs(batch: Sequences) -> dict[str, torch.Tensor]:

@@ -6,10 +6,10 @@ these functions; it never builds metric names itself. Token means are over compl
 
 | name | definition |
 | --- | --- |
-| reward | mean total reward per completion |
-| reward_std | std of total reward over the batch's completions (as TRL logs it) |
-| reward_group_std | mean over groups of the within-group std of total reward |
-| rewards/<fn>/mean | mean of reward function `fn` per completion |
+| reward | mean reward per completion: the weighted sum of the reward functions (`total_reward`), over the completions some function applies to |
+| reward_std | std of that reward over the batch's completions (as TRL logs it) |
+| reward_group_std | mean over groups of the within-group std of the reward |
+| rewards/<fn>/mean, rewards/<fn>/std | mean and std of reward function `fn`'s values, unweighted, over the completions it applies to (not None), as TRL logs them |
 | frac_reward_zero_std | fraction of groups whose rewards are all equal (no learning signal) |
 | completions/mean_length | mean completion length in tokens (EOS included) |
 | completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
@@ -38,6 +38,11 @@ these functions; it never builds metric names itself. Token means are over compl
 | eval/pass@1, eval/pass@k, eval/mean@n, eval/format, eval/reward, eval/clipped_ratio, eval/solution_logp, eval/problems, eval/seconds | held-out evaluation (`eval.every`, `python -m qerl_exp.eval`): greedy exact-answer accuracy, unbiased pass@k over n samples, their mean accuracy, greedy format rate, reward, truncation rate, mean log-prob of the reference solutions, problem count, wall time |
 | eval/ood/pass@1, eval/ood/pass@k, eval/ood/mean@n, eval/ood/format, eval/ood/reward, eval/ood/clipped_ratio, eval/ood/solution_logp, eval/ood/problems, eval/ood/seconds | the same on the task's out-of-template split (`wordprob`'s `ood`), logged beside the held-out ones by every evaluation of a task that has one |
 | eval/start/pass@1, eval/start/pass@k, eval/start/mean@n, eval/start/format, eval/start/reward, eval/start/clipped_ratio, eval/start/solution_logp, eval/start/problems, eval/start/seconds, eval/ood/start/pass@1, eval/ood/start/pass@k, eval/ood/start/mean@n, eval/ood/start/format, eval/ood/start/reward, eval/ood/start/clipped_ratio, eval/ood/start/solution_logp, eval/ood/start/problems, eval/ood/start/seconds | `eval.at_start`: the same, of the policy before its first update (the base: LoRA starts as the identity), logged at step 0 |
+
+Every `tracker.completions_every` steps, `completions.jsonl` (beside `metrics.jsonl`) gets one JSON
+object per completion of the step (`completion_records`): `step`, `prompt` (as the model saw it,
+chat template applied), `completion`, `rewards` (each reward function's value, unweighted; null
+where it returned None), `reward` (their weighted sum; null when none applies) and `advantage`.
 
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
@@ -144,18 +149,57 @@ def kl_metric(logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Ten
     return {} if ref_logp is None else {"kl": token_mean(kl_k3(logp.detach(), ref_logp), mask).item()}
 
 
-def reward_metrics(rewards: dict[str, torch.Tensor], group_size: int) -> dict[str, float]:
-    """Reward statistics of a batch; `rewards[fn]` is `[B]` with each group's rows adjacent."""
-    total = sum(rewards.values())
+def total_reward(rewards: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """Each completion's reward `[B]`: the weighted sum of the functions' values (`rewards[fn]`,
+    `[B]`, NaN where `fn` returned None) that apply to it; NaN where none applies (TRL's
+    "unscorable" completion, which the advantages and the reward metrics leave out)."""
+    total = 0
+    for name, r in rewards.items():
+        total = total + torch.nan_to_num(r, nan=0.0) * weights[name]
+    unscored = torch.stack([r.isnan() for r in rewards.values()]).all(dim=0)
+    return torch.where(unscored, torch.nan, total)
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    """The mean of the values that are not NaN (NaN when there is none)."""
+    kept = x[~x.isnan()]
+    return kept.mean().item() if kept.numel() else math.nan
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    """The sample std of the values that are not NaN (NaN when there are fewer than two)."""
+    kept = x[~x.isnan()]
+    return kept.std().item() if kept.numel() > 1 else math.nan
+
+
+def reward_metrics(rewards: dict[str, torch.Tensor], weights: dict[str, float], group_size: int) -> dict[str, float]:
+    """Reward statistics of a batch; `rewards[fn]` is `[B]` (NaN where `fn` returned None) with each
+    group's rows adjacent; `weights[fn]` its weight in the reward."""
+    total = total_reward(rewards, weights)
     groups = total.view(-1, group_size)
+    # rows no function applies to are left out; without any, the plain reductions (the same numbers)
+    stds = torch.tensor([_nanstd(g) for g in groups]) if total.isnan().any() else groups.std(dim=1)
     out = {
-        "reward": total.mean().item(),
-        "reward_std": total.std().item(),
-        "reward_group_std": groups.std(dim=1).mean().item(),
-        "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item(),
+        "reward": _nanmean(total),
+        "reward_std": _nanstd(total),
+        "reward_group_std": stds.mean().item(),
+        "frac_reward_zero_std": (stds == 0).float().mean().item(),
     }
-    out.update({f"rewards/{name}/mean": r.mean().item() for name, r in rewards.items()})
+    for name, r in rewards.items():
+        out.update({f"rewards/{name}/mean": _nanmean(r), f"rewards/{name}/std": _nanstd(r)})
     return out
+
+
+def completion_records(step: int, prompts: list[str], completions: list[str], rewards: dict[str, list[float]],
+                       total: list[float], advantages: list[float]) -> list[dict]:
+    """The rows of `completions.jsonl` (the module doc): one per completion, NaN written as null."""
+    def value(v: float) -> float | None:
+        return None if math.isnan(v) else v
+
+    return [{"step": step, "prompt": prompt, "completion": completion,
+             "rewards": {name: value(values[i]) for name, values in rewards.items()},
+             "reward": value(total[i]), "advantage": advantages[i]}
+            for i, (prompt, completion) in enumerate(zip(prompts, completions))]
 
 
 def completion_metrics(mask: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
@@ -246,6 +290,7 @@ def phase_peak_bytes(device: torch.device) -> int:
 def step_metrics(
     *,
     rewards: dict[str, torch.Tensor],
+    weights: dict[str, float],
     group_size: int,
     mask: torch.Tensor,
     terminated: torch.Tensor,
@@ -269,7 +314,8 @@ def step_metrics(
     """Every metric of one RL step but the monitor's and the evaluation's, from the step's tensors.
 
     Args:
-        rewards: `[B]` per reward function, each group's rows adjacent.
+        rewards: `[B]` per reward function (NaN where it returned None), each group's rows adjacent.
+        weights: each reward function's weight.
         group_size: completions per prompt.
         mask: `[B, T]` completion tokens.
         terminated: `[B]` completions that ended with EOS.
@@ -291,7 +337,7 @@ def step_metrics(
         The metrics, by name.
     """
     return {
-        **reward_metrics(rewards, group_size),
+        **reward_metrics(rewards, weights, group_size),
         **completion_metrics(mask, terminated),
         **clip,
         **kl_metric(learner_logp, ref_logp, mask),
@@ -324,20 +370,25 @@ def eval_metrics(is_correct: list[bool], in_format: list[bool], rewards: list[fl
                  solution_logp: torch.Tensor, counts: list[int], n: int, k: int, seconds: float,
                  prefix: str = "eval/") -> dict[str, float]:
     """Held-out evaluation: greedy pass@1 (`is_correct`, `in_format`, `rewards`, `terminated` per problem,
-    from the greedy completion), the reference solutions' mean log-prob, and, when `k`, the unbiased
-    pass@k and mean@n from `counts` (correct samples of `n` per problem); names start with `prefix`
-    (`eval_prefix`)."""
+    from the greedy completion; `is_correct` and `in_format` empty, and their metrics NaN, when the
+    run has no `correct` or `format` function; a NaN reward is one no function applies to), the
+    reference solutions' mean log-prob, and, when `k`, the unbiased pass@k and mean@n from `counts`
+    (correct samples of `n` per problem); names start with `prefix` (`eval_prefix`)."""
+    def mean(values: list) -> float:  # NaN when nothing was judged (the run has no such function)
+        values = [v for v in values if not math.isnan(v)]
+        return float(np.mean(values)) if values else math.nan
+
     out = {
-        "pass@1": float(np.mean(is_correct)),
-        "format": float(np.mean(in_format)) if in_format else float("nan"),
-        "reward": float(np.mean(rewards)),
+        "pass@1": mean(is_correct),
+        "format": mean(in_format),
+        "reward": mean(rewards),
         "clipped_ratio": float(1 - np.mean(terminated)),
         "solution_logp": float(solution_logp.mean()),
         "problems": float(len(is_correct)),
     }
     if k:
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in counts]))
-        out[f"mean@{n}"] = float(np.sum(counts) / (n * len(counts)))
+        out[f"pass@{k}"] = mean([pass_at_k(n, c, k) for c in counts])
+        out[f"mean@{n}"] = float(np.sum(counts) / (n * len(counts))) if counts else math.nan
     out["seconds"] = seconds
     return {prefix + name: value for name, value in out.items()}
 

@@ -37,9 +37,11 @@ os.umask(_UMASK)
 RESUMABLE_KEYS = ("tracker.mode", "tracker.completions_every", "checkpoint.every", "checkpoint.keep",
                   "run_dir", "resume", "model.cache_dir", "choices", "train.dist_timeout_s", "world_size", "commit")
 _MAY_CHANGE = "tracker.mode, tracker.completions_every, checkpoint.*, model.cache_dir, train.dist_timeout_s"
-# The `config.json` key of the digests of the task's data files (`tasks.file_digests`): a file
-# that changes under a run is a config change.
+# The `config.json` key of the digests of the files the task reads (`tasks.file_digests`: its data,
+# a chat template file) and that of its reward functions' source files (`tasks.source_files`): a
+# file that changes under a run is a config change.
 DATA_KEY = "task_sha256"
+REWARDS_KEY = "reward_files"
 # The commit a copy of the tree was made from, where git would name another (a GPU machine's copy).
 COMMIT_ENV = "QERL_COMMIT"
 
@@ -378,7 +380,11 @@ def _advice(changes: list[str], default: str) -> str:
         return ("a run keeps its length (train.steps sets the learning-rate and noise schedules of every step): "
                 "rerun with its train.steps, or start a new run in another run_dir")
     if any(c.startswith(f"{DATA_KEY}.") for c in changes):
-        return "the task's data file changed since the run started: restore that file, or start a new run in another run_dir"
+        return ("the task's data file changed since the run started (or its chat template file did): restore that file, "
+                "or start a new run in another run_dir")
+    if any(c.startswith(f"{REWARDS_KEY}.") for c in changes):
+        return ("a reward function's source file changed since the run started: restore that file, or start a new run "
+                "in another run_dir")
     return f"{default} (only {_MAY_CHANGE} may change)"
 
 

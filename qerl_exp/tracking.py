@@ -1,7 +1,8 @@
 """Where metrics go: `metrics.jsonl` (always) and Weights & Biases (offline by default).
 
-One JSON object per step in `metrics.jsonl` (`{"step": k, name: value, ...}`), a `summary.json`
-at the end, and a W&B run whose files live inside the run directory. W&B gets the resolved config,
+One JSON object per step in `metrics.jsonl` (`{"step": k, name: value, ...}`), one per sampled
+completion in `completions.jsonl` every `tracker.completions_every` steps (always; also a W&B
+table), a `summary.json` at the end, and a W&B run whose files live inside the run directory. W&B gets the resolved config,
 a group/job_type/tags built from the Hydra choices, and `step` as the x-axis of every chart.
 
 `tracker.mode=online` checks first that the W&B host resolves (a few seconds at most): without
@@ -55,6 +56,14 @@ def _jsonable(value):
     return value
 
 
+def _write(f, record: dict) -> None:
+    """One JSON line; a full disk names the file (a resume drops the half-written line)."""
+    try:
+        f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, f.name) from e
+
+
 class Tracker:
     """Logs per-step metrics to `metrics.jsonl` and, unless disabled, to W&B.
 
@@ -73,6 +82,7 @@ class Tracker:
                  tags: list[str], run_id: str | None = None):
         self.run_dir = Path(run_dir)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.samples = None  # completions.jsonl, opened at the first sample
         self.wandb = None
         self.run_id = run_id
         if cfg.mode == "disabled":
@@ -116,21 +126,25 @@ class Tracker:
             return self._init(wandb, "offline", kwargs)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        try:
-            self.jsonl.write(json.dumps(record) + "\n")
-        except OSError as e:  # a full disk: name the file (a resume drops the half-written line)
-            raise OSError(e.errno, e.strerror, self.jsonl.name) from e
+        _write(self.jsonl, {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
         if self.wandb is not None:
             self.wandb.log({"step": step, **metrics})
 
-    def log_completions(self, step: int, rows: list[tuple[str, str, float]]) -> None:
-        """A W&B table of (prompt, completion, reward) samples."""
-        if self.wandb is None:
+    def log_completions(self, step: int, records: list[dict]) -> None:
+        """The step's completions (`metrics.completion_records`): a line each in `completions.jsonl`,
+        and a W&B table of them (a column per reward function)."""
+        if self.samples is None:
+            self.samples = open(self.run_dir / "completions.jsonl", "a", buffering=1)
+        for record in records:
+            _write(self.samples, record)
+        if self.wandb is None or not records:
             return
         import wandb
 
-        table = wandb.Table(columns=["step", "prompt", "completion", "reward"], data=[[step, *r] for r in rows])
+        names = list(records[0]["rewards"])
+        table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage"],
+                            data=[[r["step"], r["prompt"], r["completion"], *(r["rewards"][n] for n in names),
+                                   r["reward"], r["advantage"]] for r in records])
         self.wandb.log({"step": step, "completions": table})
 
     def finish(self, summary: dict) -> None:
@@ -140,16 +154,20 @@ class Tracker:
             self.wandb.finish()
             self.wandb = None
         self.jsonl.close()
+        if self.samples is not None:
+            self.samples.close()
 
     def abort(self) -> None:
         """Close without a summary (the run failed); W&B marks the run failed."""
         if self.wandb is not None:
             self.wandb.finish(exit_code=1)
             self.wandb = None
-        try:
-            self.jsonl.close()
-        except OSError:  # the disk is full: the error being raised already says so
-            pass
+        for f in (self.jsonl, self.samples):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:  # the disk is full: the error being raised already says so
+                pass
 
 
 class NoTracker:
@@ -161,7 +179,7 @@ class NoTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         pass
 
-    def log_completions(self, step: int, rows: list[tuple[str, str, float]]) -> None:
+    def log_completions(self, step: int, records: list[dict]) -> None:
         pass
 
     def finish(self, summary: dict) -> None:

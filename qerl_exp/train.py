@@ -36,8 +36,7 @@ from qerl_exp.loss import completion_logits, group_advantages
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
-from qerl_exp.tasks import Task, build_task
-from qerl_exp.tasks.datasets import file_digests
+from qerl_exp.tasks import Task, build_task, file_digests, source_files
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -97,7 +96,7 @@ def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: tor
     lm = blocks.causal_lm(module)
     problems = task.sample(min(2, cfg.train.prompts_per_step), np.random.default_rng([cfg.seed, 2**31]))
     algo = dataclasses.replace(cfg.algo, max_new_tokens=min(16, cfg.algo.max_new_tokens))
-    prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     module.eval()
     try:
         rollout = sample(sampler, tok, prompts, algo, device, seeds=row_seeds(cfg.seed, 2**31, range(len(prompts)),
@@ -115,10 +114,10 @@ def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: tor
             f"({type(lm).__name__}); set {blocks.FALLBACK}")
 
 
-def _logged(run_dir: Path) -> list[dict]:
-    """The rows of `metrics.jsonl` that parse; a line half-written when the disk filled up (or cut
-    by hand) is left out with its step."""
-    path = run_dir / "metrics.jsonl"
+def _logged(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The rows of `metrics.jsonl` (or another step log: `completions.jsonl`) that parse; a line
+    half-written when the disk filled up (or cut by hand) is left out with its step."""
+    path = run_dir / name
     rows = []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
@@ -134,11 +133,12 @@ def _logged_steps(run_dir: Path) -> int:
     return next(i for i in range(len(steps) + 1) if i not in steps)
 
 
-def _truncate_metrics(run_dir: Path, next_step: int) -> list[dict]:
-    """Keep the logged steps before `next_step` (a resumed run logs the rest again); return them."""
-    rows = [r for r in _logged(run_dir) if r["step"] < next_step]
-    if (run_dir / "metrics.jsonl").exists():
-        rundir.write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+def _truncate_log(run_dir: Path, next_step: int, name: str = "metrics.jsonl") -> list[dict]:
+    """Keep the rows of a step log (`metrics.jsonl`, `completions.jsonl`) before `next_step` (a
+    resumed run logs the rest again); return them."""
+    rows = [r for r in _logged(run_dir, name) if r["step"] < next_step]
+    if (run_dir / name).exists():
+        rundir.write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -155,8 +155,8 @@ def run(
 
     A `run_dir` that holds an unfinished run is resumed from its newest readable checkpoint whose
     steps `metrics.jsonl` all holds: model, optimizer, schedules, every RNG and the W&B run
-    continue, and `metrics.jsonl` is truncated to that step, so the result equals an uninterrupted
-    run with the same seed.
+    continue, and `metrics.jsonl` and `completions.jsonl` are truncated to that step, so the result
+    equals an uninterrupted run with the same seed.
     Under torchrun every rank calls `run`; rank 0 alone writes `run_dir`.
 
     Args:
@@ -193,10 +193,10 @@ def run(
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
     """What `config.json` records: the config, the Hydra choices, the data-parallel world size, the
-    code's commit and the digests of the task's data files."""
-    digests = file_digests(cfg.task)
+    code's commit, the digests of the files the task reads and the source files of its reward functions."""
+    digests, sources = file_digests(cfg.task), source_files(cfg.task)
     return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit(),
-            **({rundir.DATA_KEY: digests} if digests else {})}
+            **({rundir.DATA_KEY: digests} if digests else {}), **({rundir.REWARDS_KEY: sources} if sources else {})}
 
 
 @dataclass
@@ -324,7 +324,8 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         if distributed.is_main():
             print(f"resuming {run_dir} at step {loop.start} from {path.name}", file=sys.stderr)
     if distributed.is_main():  # rank 0 logs and prints for every rank
-        loop.history = _truncate_metrics(run_dir, loop.start)
+        loop.history = _truncate_log(run_dir, loop.start)
+        _truncate_log(run_dir, loop.start, "completions.jsonl")
         loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                                group=group or cfg.task.name, job_type="train",
                                tags=[*run_tags(choices), f"seed:{cfg.seed}"], run_id=wandb_id)
@@ -351,7 +352,7 @@ def _rollout(loop: _Loop, step: int) -> _Batch:
     cfg, tok, sampling = loop.cfg, loop.models.tokenizer, loop.models.sampler.module
     share = distributed.shard(cfg.train.prompts_per_step)
     problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng)[share.start:share.stop]
-    prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     sigma, stage = loop.schedule(step)
     loop.aqn.draw(sigma)
     sampling.eval()
@@ -384,11 +385,11 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         loop.sampler.release()
     peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
 
-    # Rewards and group-normalized advantages.
+    # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
     repeated = [p for p in batch.problems for _ in range(G)]
-    rewards = {name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
-               for name, fn in loop.task.rewards.items()}
-    total = sum(rewards.values())
+    scores = loop.task.rewards.score(repeated, rollout.texts, f"step {step}")
+    rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
+    total = M.total_reward(rewards, loop.task.rewards.weights)
     advantages = group_advantages(total, G, algo.scale_rewards)
     mask = loss_mask = rollout.completion_mask
     if algo.filter_zero_std:
@@ -436,7 +437,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
                                   "step": time.perf_counter() - t_step})
     gather = distributed.gather
     metrics.update(M.step_metrics(
-        rewards={name: gather(r) for name, r in rewards.items()}, group_size=G, mask=gather(mask),
+        rewards={name: gather(r) for name, r in rewards.items()}, weights=loop.task.rewards.weights, group_size=G,
+        mask=gather(mask),
         terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
         sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
         learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp),
@@ -448,8 +450,9 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     metrics.update(loop.schedule.observe(metrics))
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
-        loop.tracker.log_completions(step, distributed.gather_objects(
-            [(batch.prompts[i // G], rollout.texts[i], total[i].item()) for i in range(0, len(rollout.texts), G)]))
+        loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
+            step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
+            advantages.tolist())))
     return metrics
 
 

@@ -54,7 +54,7 @@ def test_full_kl_matches_the_sum_over_the_vocabulary():
 
 def test_reward_metrics():
     rewards = {"format": torch.tensor([0.2, 0.2, 0.0, 0.2, 0.2, 0.2]), "correct": torch.tensor([2.0, 0.0, 0.0, 2.0, 2.0, 2.0])}
-    got = M.reward_metrics(rewards, group_size=3)
+    got = M.reward_metrics(rewards, {"format": 1.0, "correct": 1.0}, group_size=3)
     totals = [2.2, 0.2, 0.0, 2.2, 2.2, 2.2]
     assert got["reward"] == pytest.approx(sum(totals) / 6)
     import statistics
@@ -64,6 +64,43 @@ def test_reward_metrics():
     assert got["frac_reward_zero_std"] == 0.5
     assert got["rewards/format/mean"] == pytest.approx(1.0 / 6)
     assert got["rewards/correct/mean"] == pytest.approx(8.0 / 6)
+    assert got["rewards/format/std"] == pytest.approx(statistics.stdev([0.2, 0.2, 0.0, 0.2, 0.2, 0.2]))
+
+
+def test_weighted_rewards_leave_out_none_and_unscorable_completions_as_trl_does():
+    """TRL's sum: weights on the functions, a None (NaN) left out of its row's sum; a row every
+    function left out is unscorable: out of the reward metrics, its group's mean and std, advantage 0.
+    Per-function metrics are unweighted, over the rows the function applies to."""
+    import statistics
+
+    from qerl_exp.loss import group_advantages
+
+    nan = float("nan")
+    fmt = [1.0, 0.0, 1.0, 1.0, nan, 0.0]
+    correct = [2.0, nan, 0.0, 3.0, nan, 1.0]
+    weights = {"fmt": 0.5, "correct": 2.0}
+    rewards = {"fmt": torch.tensor(fmt), "correct": torch.tensor(correct)}
+    rows = [[(w, v) for w, v in ((0.5, f), (2.0, c)) if v == v] for f, c in zip(fmt, correct)]
+    totals = [sum(w * v for w, v in row) if row else None for row in rows]
+    assert totals == [4.5, 0.0, 0.5, 6.5, None, 2.0]
+    got = M.reward_metrics(rewards, weights, group_size=3)
+    scored = [t for t in totals if t is not None]
+    assert got["reward"] == pytest.approx(statistics.mean(scored))
+    assert got["reward_std"] == pytest.approx(statistics.stdev(scored))
+    assert got["reward_group_std"] == pytest.approx((statistics.stdev(totals[:3]) + statistics.stdev([6.5, 2.0])) / 2)
+    assert got["rewards/fmt/mean"] == pytest.approx(statistics.mean([1.0, 0.0, 1.0, 1.0, 0.0]))  # unweighted
+    assert got["rewards/fmt/std"] == pytest.approx(statistics.stdev([1.0, 0.0, 1.0, 1.0, 0.0]))
+    assert got["rewards/correct/mean"] == pytest.approx(statistics.mean([2.0, 0.0, 3.0, 1.0]))
+    assert got["rewards/correct/std"] == pytest.approx(statistics.stdev([2.0, 0.0, 3.0, 1.0]))
+    adv = group_advantages(M.total_reward(rewards, weights), 3, scale=True).tolist()
+    for group in (slice(0, 3), slice(3, 6)):
+        values = [t for t in totals[group] if t is not None]
+        mean, std = statistics.mean(values), statistics.stdev(values)
+        expected = [0.0 if t is None else (t - mean) / (std + 1e-4) for t in totals[group]]
+        assert adv[group] == pytest.approx(expected, rel=1e-5)
+    # the names are the table's, so sweeps and figures may read them
+    for name in ("rewards/fmt/mean", "rewards/fmt/std"):
+        M.check_logged(name)
 
 
 def test_completion_and_clip_metrics():

@@ -236,18 +236,17 @@ def test_build_task_gsm8k_from_a_file():
     assert len({p.question for p in task.sample(10, np.random.default_rng(2))}) == 10  # no repeats in a batch
     assert task.fingerprint == build_task(cfg).fingerprint != build_task(TaskConfig(name="gsm8k", path=str(GSM8K), eval_size=5)).fingerprint
     p = task.eval_problems()[0]
-    assert task.rewards["correct"](f"<think>{p.solution}</think><answer>{p.answer}</answer>", p) == 2.0
-    assert task.rewards["format"](f"<think>{p.solution}</think><answer>{p.answer}</answer>", p) == 0.2
+    scores = task.rewards.score([p], [f"<think>{p.solution}</think><answer>{p.answer}</answer>"], "a test")
+    assert scores == {"format": [0.2], "correct": [2.0]}
 
 
 def test_build_task_math_scores_symbolic_answers():
     task = build_task(TaskConfig(name="math", path=str(MATH), eval_size=5))
     problems = {p.answer: p for p in task.train + task.held_out}
-    half = problems["\\dfrac{1}{2}"]
-    assert task.rewards["correct"]("<think>.</think><answer>0.5</answer>", half) == 2.0
-    root = problems["\\frac{\\sqrt{2}}{2}"]
-    assert task.rewards["correct"]("<think>.</think><answer>\\frac{1}{\\sqrt{2}}</answer>", root) == 2.0
-    assert task.rewards["correct"]("<think>.</think><answer>\\sqrt{2}</answer>", root) == 0.0
+    half, root = problems["\\dfrac{1}{2}"], problems["\\frac{\\sqrt{2}}{2}"]
+    answers = ["0.5", "\\frac{1}{\\sqrt{2}}", "\\sqrt{2}"]
+    scores = task.rewards.score([half, root, root], [f"<think>.</think><answer>{a}</answer>" for a in answers], "a test")
+    assert scores["correct"] == [2.0, 2.0, 0.0]
 
 
 def test_file_tasks_say_what_is_missing():

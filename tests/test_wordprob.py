@@ -42,18 +42,13 @@ REPLIES = [
 
 @pytest.mark.parametrize("reply, reference, ok", REPLIES)
 def test_natural_answer_forms(reply, reference, ok):
-    from qerl_exp.tasks import Problem
-
     reward = correctness_reward(2.0, "text")
-    assert reward(reply, Problem("q", reference)) == (2.0 if ok else 0.0), natural_answer(reply)
+    assert reward(["q"], [reply], answer=[reference]) == [2.0 if ok else 0.0], natural_answer(reply)
 
 
 def test_tags_mode_keeps_the_papers_reward():
-    from qerl_exp.tasks import Problem
-
     reward = correctness_reward(2.0, "tags")
-    assert reward("The answer is 19.", Problem("q", "19")) == 0.0
-    assert reward("<think>x</think><answer>19</answer>", Problem("q", "19")) == 2.0
+    assert reward(["q", "q"], ["The answer is 19.", "<think>x</think><answer>19</answer>"], answer=["19", "19"]) == [0.0, 2.0]
 
 
 def _replay(solution: str) -> int:
@@ -177,11 +172,11 @@ def test_a_split_the_task_lacks_is_refused_in_one_line():
 def test_preset_turns_the_format_reward_off_and_judges_natural_answers():
     cfg = compose(["task=wordprob"])[0]
     t = build_task(cfg.task)
-    assert set(t.rewards) == {"correct"} and cfg.task.answer_from == "text"
+    assert t.rewards.names == ["correct"] and cfg.task.answer_from == "text"
     p = t.eval_problems()[0]
-    assert t.rewards["correct"](f"Step by step.\n#### {p.answer}", p) == cfg.task.correct_reward
+    assert t.rewards.score([p], [f"Step by step.\n#### {p.answer}"], "a test") == {"correct": [cfg.task.correct_reward]}
     # the other tasks keep both of the paper's rewards
-    assert set(build_task(compose([])[0].task).rewards) == {"format", "correct"}
+    assert build_task(compose([])[0].task).rewards.names == ["format", "correct"]
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -16,9 +16,11 @@ Three ways in:
   split writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
-the trained LoRA (docs/method.md, section 3). Here an answer is judged by the task's own correctness reward
-(`answers_equal`: whole answers, exactly), and `load_adapter` refuses an adapter file that does not
-cover every LoRA weight of the rebuilt policy.
+the trained LoRA (docs/method.md, section 3). Here completions are scored by the run's own reward
+functions (`task.reward_funcs`, as training scores them): a completion is correct when the function
+named `correct` gives it a positive value (the built-in one: `answers_equal`, whole answers,
+exactly), in format when `format` does; a run without such a function logs NaN for those. And
+`load_adapter` refuses an adapter file that does not cover every LoRA weight of the rebuilt policy.
 
 Metrics (over the held-out problems; the out-of-template split's are named `eval/ood/...`, and
 those of the evaluation before the first update `eval/start/...` and `eval/ood/start/...`,
@@ -26,11 +28,11 @@ those of the evaluation before the first update `eval/start/...` and `eval/ood/s
 
 | name                  | meaning                                                                   |
 |-----------------------|---------------------------------------------------------------------------|
-| `eval/pass@1`         | fraction answered correctly by the greedy completion                      |
+| `eval/pass@1`         | fraction answered correctly by the greedy completion (`correct` > 0)      |
 | `eval/pass@{k}`       | unbiased pass@k (Chen et al. 2021) from `n >= k` samples per problem      |
 | `eval/mean@{n}`       | fraction of all sampled completions that are correct (sampled pass@1)    |
-| `eval/format`         | fraction of greedy completions in the `<think>..</think><answer>..</answer>` format |
-| `eval/reward`         | mean total reward (all of the task's reward functions) of greedy completions |
+| `eval/format`         | fraction of greedy completions in format (`format` > 0; the built-in one: `<think>..</think><answer>..</answer>`) |
+| `eval/reward`         | mean weighted reward (the run's reward functions) of greedy completions   |
 | `eval/clipped_ratio`  | fraction of greedy completions cut at `max_new_tokens` without EOS        |
 | `eval/solution_logp`  | mean per-token log-prob of each problem's reference completion (teacher-forced) |
 | `eval/problems`       | number of problems scored                                                  |
@@ -39,7 +41,9 @@ those of the evaluation before the first update `eval/start/...` and `eval/ood/s
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Callable
 
 import torch
 
@@ -50,6 +54,7 @@ from qerl_exp.loss import score_completions
 from qerl_exp.rollout import complete, encode_prompts, engine_for
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
 from qerl_exp.tasks.base import HELD_OUT
+from qerl_exp.tasks.reward_funcs import FORMAT, JUDGE
 
 
 def _device(policy) -> torch.device:
@@ -57,29 +62,35 @@ def _device(policy) -> torch.device:
 
 
 @torch.no_grad()
-def greedy_pass_at_1(policy, tokenizer, task, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
-                     batch_size: int, on_batch=None, engine: str = "hf") -> tuple[list[str], list[bool], list[bool]]:
-    """Greedy completions of `problems` and their verdicts: what `eval/pass@1` counts.
+def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
+                       batch_size: int, on_batch=None, engine: str = "hf") -> tuple[list[str], list[bool]]:
+    """Greedy completions of `problems`: `(texts, terminated)`, one entry per problem.
 
     Args:
         policy: the model (eval mode is the caller's business).
         tokenizer: the policy's tokenizer.
-        task: its `correct` reward judges the answers.
         problems: the problems to answer.
         system_prompt: passed to `tokenizer.render_prompt`.
         max_new_tokens: completion length cap.
         batch_size: sequences per `generate` call.
         on_batch: called with the number of rows after each generated batch.
         engine: `hf` or `fast`, as `rollout.complete` takes it.
+    """
+    prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
+    return complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, on_batch=on_batch, engine=engine)
+
+
+def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]],
+                     problems: list[Problem], **settings) -> tuple[list[str], list[bool], list[bool]]:
+    """Greedy completions of `problems` and `judge`'s verdicts on them (the embedded model's warm-up
+    measures its progress so); `settings` are `greedy_completions`'.
 
     Returns:
         `(texts, terminated, correct)`, one entry per problem.
     """
-    prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
-    texts, terminated = complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch, engine=engine)
-    correct = task.rewards["correct"]
-    return texts, terminated, [correct(t, p) > 0 for t, p in zip(texts, problems)]
+    texts, terminated = greedy_completions(policy, tokenizer, problems, **settings)
+    return texts, terminated, judge(problems, texts)
 
 
 @torch.no_grad()
@@ -105,7 +116,8 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     out = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
-        ids, mask = encode_prompts([tokenizer.render_prompt(p.question, system_prompt) for p in chunk], tokenizer, _device(policy))
+        prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in chunk]
+        ids, mask = encode_prompts(prompts, tokenizer, _device(policy))
         targets = [tokenizer.encode(reference_completion(p)) for p in chunk]
         width = max(map(len, targets))
         tgt = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long, device=ids.device)
@@ -137,7 +149,7 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     if k and n < k:
         raise ValueError(f"n={n} samples per problem cannot estimate pass@{k}; use n >= k")
     problems = list(task.eval_problems(split) if problems is None else problems)
-    prompts = [tokenizer.render_prompt(p.question, system_prompt) for p in problems]
+    prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
     t0, was_training = time.perf_counter(), policy.training
     device = _device(policy)
     policy.eval()
@@ -146,8 +158,8 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
         # and the same seed gives the same samples.
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            greedy, terminated, is_correct = greedy_pass_at_1(
-                policy, tokenizer, task, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+            greedy, terminated = greedy_completions(
+                policy, tokenizer, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
                 batch_size=batch_size, on_batch=on_batch, engine=engine)
             sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch,
@@ -156,12 +168,17 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     finally:
         policy.train(was_training)
 
-    correct = task.rewards["correct"]
-    in_format = [task.rewards["format"](t, p) > 0 for t, p in zip(greedy, problems)] if "format" in task.rewards else []
-    rewards = [sum(fn(t, p) for fn in task.rewards.values()) for t, p in zip(greedy, problems)]
-    rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": ok, "solution_logp": float(lp)}
-            for p, t, ok, lp in zip(problems, greedy, is_correct, logp)]
-    counts = [sum(correct(t, p) > 0 for t in sampled[i * n:(i + 1) * n]) for i, p in enumerate(problems)] if k else []
+    where = f"evaluation ({split})"
+    scores = task.rewards.score(problems, greedy, where)
+    # float64, as the values came: the weighted sum of the built-in 0.2 and 2.0 stays 2.2
+    rewards = M.total_reward({name: torch.tensor(v, dtype=torch.float64) for name, v in scores.items()},
+                             task.rewards.weights).tolist()
+    is_correct, in_format = ([v > 0 for v in scores[name]] if name in scores else [] for name in (JUDGE, FORMAT))
+    rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": is_correct[i] if is_correct else None,
+             "rewards": {name: None if math.isnan(v[i]) else v[i] for name, v in scores.items()},
+             "solution_logp": float(lp)} for i, (p, t, lp) in enumerate(zip(problems, greedy, logp))]
+    verdicts = task.rewards.verdicts([p for p in problems for _ in range(n)], sampled, where) if k else None
+    counts = [sum(verdicts[i * n:(i + 1) * n]) for i in range(len(problems))] if verdicts else []
     for row, c in zip(rows, counts):
         row["samples_correct"] = f"{c}/{n}"
     metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - t0,

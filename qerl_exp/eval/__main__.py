@@ -25,9 +25,8 @@ from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.rundir import DATA_KEY, check_writable, os_error_line, read_config, write_atomic
-from qerl_exp.tasks import build_task
-from qerl_exp.tasks.datasets import file_digests
+from qerl_exp.rundir import DATA_KEY, REWARDS_KEY, check_writable, os_error_line, read_config, write_atomic
+from qerl_exp.tasks import build_task, file_digests, source_files
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
@@ -37,8 +36,9 @@ def run_config(run_dir: str | Path):
 
     Raises:
         FileNotFoundError: there is no `config.json`.
-        ValueError: it is unreadable, or a task data file it records changed since (the held-out
-            split would no longer be the run's).
+        ValueError: it is unreadable, or a file it records changed since: the task's data (the
+            held-out split would no longer be the run's) or chat template, or a reward function's
+            source (the scores would not be by the run's functions).
     """
     path = Path(run_dir) / "config.json"
     saved = read_config(run_dir)
@@ -54,6 +54,12 @@ def run_config(run_dir: str | Path):
         raise ValueError(f"task.{changed[0]}={getattr(cfg.task, changed[0])} changed since the run was trained "
                          "(its sha256 differs from the one in config.json): its held-out split would not be the run's; "
                          "restore that file")
+    recorded, now = saved.get(REWARDS_KEY) or {}, source_files(cfg.task)
+    changed = [name for name in recorded if recorded[name] != now.get(name)]
+    if changed:
+        raise ValueError(f"reward function {changed[0]}'s source {recorded[changed[0]]['file']} changed since the run "
+                         "was trained (its sha256 differs from the one in config.json): the scores would not be the "
+                         "run's; restore that file")
     return cfg
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -95,7 +96,10 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
             return model, tokenizer, {"warmup": "none (random weights)", "blockwise": on_block is not None}
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
-    return load_pretrained(cfg.model, dtype, device, on_block)
+    model, tokenizer, info = load_pretrained(cfg.model, dtype, device, on_block)
+    template = cfg.task.chat_template_file and Path(cfg.task.chat_template_file).expanduser().read_text()
+    tokenizer.use_chat(template or cfg.task.chat_template, cfg.task.chat_template_kwargs)
+    return model, tokenizer, info
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

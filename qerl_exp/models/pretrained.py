@@ -30,8 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -40,10 +38,9 @@ import torch
 from torch import nn
 
 from qerl_exp.config import ModelConfig
+from qerl_exp.hub import hub_reachable
 from qerl_exp.models.shards import load_blockwise
 from qerl_exp.models.tokenizers import HFTokenizer
-
-HUB_TIMEOUT_S = 3.0
 
 
 def _first_line(text: str) -> str:
@@ -161,27 +158,6 @@ def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
-    """Whether the Hugging Face hub answers: False under `HF_HUB_OFFLINE`, else one HEAD request.
-
-    Args:
-        timeout: seconds to wait for the answer.
-
-    Returns:
-        True when the hub's endpoint (`HF_ENDPOINT`, default https://huggingface.co) answers at all.
-    """
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
-    except urllib.error.HTTPError:
-        return True  # an answer, even an error status, means the hub is there
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool, device: torch.device | str = "cpu",

@@ -41,9 +41,12 @@ class CharTokenizer:
         specials = (self.pad_id, self.bos_id, self.eos_id)
         return "".join(self.vocab[i] if i < len(self.vocab) else "\ufffd" for i in ids if i not in specials)
 
-    def render_prompt(self, question: str, system_prompt: str) -> str:
+    def render_prompt(self, prompt: str | list[dict], system_prompt: str) -> str:
         # The embedded model has no chat template; it learned the format during warm-up.
-        return question
+        if not isinstance(prompt, str):
+            raise ValueError("the embedded model has no chat template, so it cannot take conversational prompts "
+                             "(lists of messages); use model.name=<a checkpoint with a chat template>, or text prompts")
+        return prompt
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"vocab": self.vocab}))
@@ -68,6 +71,14 @@ class HFTokenizer:
         self.bos_id = None  # the chat template adds what the model expects
         # Some transformers versions leave SmolLM2's tokenizer without a pad token.
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+        self.name, self.template_kwargs = str(name_or_path), {}
+
+    def use_chat(self, template: str, kwargs: dict) -> None:
+        """Render prompts with `template` (a Jinja chat template; empty keeps the checkpoint's own)
+        and the extra template variables `kwargs` (e.g. `{"enable_thinking": False}`)."""
+        if template:
+            self.tok.chat_template = template
+        self.template_kwargs = dict(kwargs)
 
     def __len__(self) -> int:
         return len(self.tok)
@@ -78,13 +89,21 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_prompt(self, question: str, system_prompt: str) -> str:
+    def render_prompt(self, prompt: str | list[dict], system_prompt: str) -> str:
+        """The text the model continues: `prompt` (a question, or a conversation's messages, which
+        keep their own system message) through the chat template, with the generation prompt."""
         if self.tok.chat_template is None:  # a base model: the plain text
-            return f"{system_prompt}\n\n{question}" if system_prompt else question
-        # No system message when it is empty: the template's own default (if any) applies.
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": question})
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if not isinstance(prompt, str):
+                raise ValueError(f"the tokenizer of {self.name} has no chat template to render conversational prompts "
+                                 "(lists of messages); set task.chat_template=<a Jinja template or its file>")
+            return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
+        if isinstance(prompt, str):
+            # No system message when it is empty: the template's own default (if any) applies.
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages = prompt
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
 
     def save(self, path: Path) -> None:
         self.tok.save_pretrained(path.parent / "tokenizer")

@@ -31,6 +31,7 @@ from qerl_exp.eval import greedy_pass_at_1
 from qerl_exp.models.synthetic import SEED, build
 from qerl_exp.models.tokenizers import CharTokenizer
 from qerl_exp.tasks import Problem, reference_completion
+from qerl_exp.tasks.rewards import is_correct
 
 # Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
 # cached warm-ups made by older code are not reused. 2: the warm-up runs on one thread (version 1's
@@ -91,7 +92,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
                 torch.set_num_threads(1)
                 with torch.random.fork_rng(devices=[]):
                     model = build(cfg, len(tokenizer))
-                    info = _warm_up(model, cfg, task, tokenizer)
+                    info = _warm_up(model, cfg, task, tokenizer, task_cfg.answer_from)
             finally:
                 torch.set_num_threads(threads)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
@@ -148,8 +149,13 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
     return ids, lab
 
 
-def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
+def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer, answer_from: str) -> dict:
     w = cfg.warmup
+
+    # The built-in judgement, whatever reward functions the run has: they are not part of the cache key.
+    def judge(problems: list[Problem], texts: list[str]) -> list[bool]:
+        return [is_correct(t, p.answer, answer_from) for p, t in zip(problems, texts)]
+
     rng = np.random.default_rng(SEED)
     probe = task.sample(128, np.random.default_rng(SEED + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.01)
@@ -168,7 +174,7 @@ def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
             model.eval()
             # One batch of all problems, as always: other batches pad differently, which could move
             # the greedy tokens and so the stopping step (the model is cached by config hash alone).
-            correct = greedy_pass_at_1(model, tokenizer, task, probe, system_prompt="", max_new_tokens=32,
+            correct = greedy_pass_at_1(model, tokenizer, judge, probe, system_prompt="", max_new_tokens=32,
                                        batch_size=len(probe))[2]
             accuracy = float(np.mean(correct))
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.cli import UsageError, fail, parse_command_line, tolerate_closed_pipes
 from qerl_exp.rundir import check_writable, os_error_line
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
@@ -28,7 +28,7 @@ USAGE = f"""usage: python -m qerl_exp.sweep SPEC.yaml [key=value ...]
 
 Runs (or resumes) the Optuna study that SPEC.yaml defines. Each key=value is a sweep setting if the
 key is one of {', '.join(SETTINGS)}; anything else is a Hydra override given to every trial
-(e.g. train.steps=30). Examples:
+(e.g. train.steps=30). --config-dir DIR adds a folder of your own presets, as for a run. Examples:
 
   python -m qerl_exp.sweep sweeps/noise_schedule.yaml n_trials=6 train.steps=6
   python -m qerl_exp.sweep sweeps/noise_schedule.yaml n_jobs=2 storage=postgresql://user@db:5432/optuna
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard.main(argv[1:])
     spec_path, rest = argv[0], argv[1:]
     try:
+        rest = own_presets(rest)  # the workers get the search-path override it becomes
         plan = load_plan(Path(spec_path), rest)
         try:
             check_writable(plan.sweep_dir)
@@ -77,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary_lines(plan, study):
         print(line)
     return 0
+
+
+def own_presets(argv: list[str]) -> list[str]:
+    """`argv` with `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`) as the `hydra.searchpath`
+    override it amounts to (`cli.parse_command_line`); any other option is refused."""
+    overrides, args = parse_command_line(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("overrides", "config_dir") and v not in (None, False)}
+    if flags:
+        raise UsageError(f"the sweep command takes key=value items and --config-dir DIR, not --{next(iter(flags)).replace('_', '-')}")
+    return overrides
 
 
 def _raise_interrupt(signum, frame):

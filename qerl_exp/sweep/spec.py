@@ -25,7 +25,7 @@ import optuna
 import yaml
 from omegaconf import OmegaConf
 
-from qerl_exp.cli import CONF_DIR, UsageError, expand_sweep, group_options, validate
+from qerl_exp.cli import UsageError, expand_sweep, group_options, search_dirs, validate
 from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
@@ -573,7 +573,7 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
         raise UsageError(f"overrides: {e}") from None
     for p in plan.params:
         if not (p.name == CONFIG and plan.configs):
-            _check_key(p.name, p.distribution, cfg, plan.spec_path)
+            _check_key(p.name, p.distribution, cfg, plan)
     # Every declared value at its range's ends (or every choice), with its conditions met.
     for p in plan.params:
         d = p.distribution
@@ -600,7 +600,7 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
             raise UsageError(f"{plan.space}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         for key in values:
             if key not in {p.name for p in plan.params}:
-                _check_key(key, None, cfg, plan.spec_path)
+                _check_key(key, None, cfg, plan)
         try:
             validate(trial_overrides(plan, values), multirun=False)
         except UsageError as e:
@@ -609,14 +609,15 @@ def _check_config(plan: Plan, dry_runs: int = 4) -> None:
         study.tell(trial, [0.0] * len(plan.directions))
 
 
-def _check_key(key: str, dist, cfg, spec_path: Path) -> None:
-    if "." not in key and (CONF_DIR / key).is_dir():
+def _check_key(key: str, dist, cfg, plan: Plan) -> None:
+    spec_path, options = plan.spec_path, group_options(key, plan.overrides)  # presets of conf/ and --config-dir
+    if "." not in key and any((d / key).is_dir() for d in search_dirs(plan.overrides)):
         if dist is not None:
             if not isinstance(dist, optuna.distributions.CategoricalDistribution):
                 raise UsageError(f"{spec_path}: params.{key} is a config group; give it type: categorical with preset names")
             for c in dist.choices:
-                if str(c) not in group_options(key):
-                    raise UsageError(f"{spec_path}: params.{key}: '{c}' is not a preset; choose from: {', '.join(group_options(key))}")
+                if str(c) not in options:
+                    raise UsageError(f"{spec_path}: params.{key}: '{c}' is not a preset; choose from: {', '.join(options)}")
         return
     if OmegaConf.select(OmegaConf.structured(cfg), key, default=_MISSING) is _MISSING:
         raise UsageError(f"{spec_path}: unknown parameter '{key}': not a config key or group (see python -m qerl_exp --cfg job)")

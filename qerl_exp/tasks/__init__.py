@@ -1,26 +1,31 @@
 """Tasks: where problems come from and how completions are scored.
 
-A task yields `Problem`s (question, reference answer, and for synthetic tasks a worked solution
-used by the embedded model's warm-up) and names its reward functions. `build_task(cfg)` is the
-one entry point; adding a task is a new module plus one entry in `build_task`'s table.
+A task yields `Problem`s (the prompt, the reference answer, the row's other columns, and for
+synthetic tasks a worked solution used by the embedded model's warm-up) and holds the run's reward
+functions (`reward_funcs`: the built-in ones or `task.reward_funcs`). `build_task(cfg)` is the one
+entry point; adding a task is a new module plus one entry in `build_task`'s table.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
-from qerl_exp.tasks.base import Problem, RewardFn, Task, reference_completion
+from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
+from qerl_exp.tasks import arith, datasets, wordprob
+from qerl_exp.tasks.base import Problem, Task, reference_completion
+from qerl_exp.tasks.datasets import file_digests
+from qerl_exp.tasks.reward_funcs import source_files
 
-__all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "reference_completion"]
+__all__ = ["SYSTEM_PROMPT", "Problem", "Task", "build_task", "file_digests", "reference_completion", "source_files"]
 
 
 def build_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg.name`."""
-    # The task modules are loaded here, not with the package: `qerl_exp.tasks.base` (the problem
-    # type and the split names, which metrics and the learner side read) must stay light to import.
-    from qerl_exp.tasks import arith, datasets, wordprob
+    """The task named by `cfg.name`, with its reward functions loaded and checked against its rows.
 
+    Raises:
+        ValueError: one line: data that cannot be read, malformed rows, a reward function that
+            does not import or cannot take the rows' columns (`reward_funcs.load`).
+    """
     tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "wordprob": wordprob.WordProblemTask,
                                                       **datasets.TASKS}
     if cfg.name not in tasks:

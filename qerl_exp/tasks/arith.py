@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qerl_exp.config import TaskConfig
+from qerl_exp.task_config import TaskConfig
 from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
-from qerl_exp.tasks.rewards import default_rewards
+from qerl_exp.tasks import reward_funcs
 
 _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream
 
@@ -18,10 +18,11 @@ _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream
 class ArithTask:
     name = "arith"
     splits = (HELD_OUT,)
+    columns = ("answer",)
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
-        self.rewards = default_rewards(cfg)
+        self.rewards = reward_funcs.load(cfg, self.columns)
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         hi = 10 ** self.cfg.difficulty

@@ -1,27 +1,49 @@
-"""What every task is made of: `Problem`, the reward function type, the `Task` protocol, its
-evaluation splits (named in `qerl_exp.splits`), and a problem's reference completion. The task
-modules import these from here."""
+"""What every task is made of: `Problem`, the `Task` protocol, its evaluation splits (named in
+`qerl_exp.splits`), and a problem's reference completion. The task modules import these from here,
+so that the package (`qerl_exp.tasks`) can import the task modules at its top."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
 from qerl_exp.splits import HELD_OUT, OOD, SPLITS  # noqa: F401 - the splits a task declares
+from qerl_exp.tasks.reward_funcs import Rewards
+
+# A prompt as reward functions get it: text (TRL's standard format), or a list of
+# `{"role": ..., "content": ...}` messages (TRL's conversational format).
+Prompt = str | list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: the question shown to the model and the reference answer."""
+    """One problem: what the model is asked, the reference answer, and its row's other columns.
+
+    Args:
+        question: the prompt as text; for a conversational prompt, its last user message (what
+            evaluation files show, and what tells problems apart with `messages`).
+        answer: the reference answer, as text.
+        solution: a worked solution (the embedded model's warm-up imitates it); may be empty.
+        messages: a conversational prompt's messages, rendered by the chat template as they are;
+            empty for a text prompt.
+        columns: the row's other columns (neither the prompt nor the answer), which reward
+            functions get as keyword lists beside `answer`.
+    """
 
     question: str
     answer: str
     solution: str = ""
+    messages: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    columns: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
+    @property
+    def prompt(self) -> Prompt:
+        """What the tokenizer renders and reward functions get as the prompt: the messages of a
+        conversational prompt (a new list each time), else the question."""
+        return [dict(m) for m in self.messages] if self.messages else self.question
 
-RewardFn = Callable[[str, Problem], float]
 
 
 def reference_completion(problem: Problem) -> str:
@@ -32,8 +54,9 @@ def reference_completion(problem: Problem) -> str:
 
 class Task(Protocol):
     name: str
-    rewards: dict[str, RewardFn]
+    rewards: Rewards  # the run's reward functions (`task.reward_funcs`)
     splits: tuple[str, ...]  # its evaluation splits, HELD_OUT first
+    columns: tuple[str, ...]  # the keyword lists its reward functions get: `answer` and the rows' other columns
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         """`n` training problems drawn with `rng` (the run's data stream)."""

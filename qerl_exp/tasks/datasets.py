@@ -1,19 +1,24 @@
-r"""`task=gsm8k` and `task=math`: problems read from a file (or, for GSM8K, the hub).
+r"""`task=gsm8k`, `task=math` and `task=dataset`: problems read from data (`task.path`) through
+Hugging Face `datasets` (`tasks.reader`: files, `save_to_disk` folders, hub ids).
 
-File formats, one problem per JSONL line or Parquet row:
+Row formats:
 - GSM8K: `question`, and `answer` = worked reasoning, then a last line `#### <number>`. The
   reasoning, stripped of the `<<48/2=24>>` calculator annotations, is the problem's `solution`
   (the embedded model's warm-up imitates it); the number is the reference answer.
 - MATH-style: `problem` (or `question`), and `solution` whose last `\boxed{...}` is the answer, or
   an explicit `answer` field (BigMath style), which wins when both are present.
+- `dataset`, your own rows (docs/own_task.md): the prompt column (`task.columns.prompt`; `prompt`,
+  else `question`) holds text (TRL's standard format) or a list of `{role, content}` messages (its
+  conversational format, rendered by the chat template as it is); the answer column
+  (`task.columns.answer`; `answer`, else `solution`) holds the reference answer.
+Every other column of a row reaches the reward functions (`Problem.columns`), beside `answer`.
 
-A bad line is never skipped silently: loading fails with one line that names every malformed line
-(the first few, and how many more). Duplicate questions are dropped before splitting, so that no
-held-out question is also a training question. The held-out split is fixed by the file's content
-and `task.eval_size` alone, never by the run's seed.
-
-This module imports only the standard library and numpy at import time: the optional readers
-(`datasets`, `pyarrow`) are imported where they are used, so every task is available without them.
+A bad row is never skipped silently: loading fails with one line that names every malformed line
+or row (the first few, and how many more). Duplicate prompts are dropped before splitting, so that
+no held-out problem is also a training problem. The held-out problems come from `task.eval_path`
+(its `task.eval_split`, else its only split), else from `task.eval_split` of `task.path`, else
+from a fixed slice of the training split (`task.split`); the slice and the subset taken from a
+larger held-out split are fixed by the data and `task.eval_size` alone, never by the run's seed.
 """
 
 from __future__ import annotations
@@ -23,23 +28,22 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from qerl_exp.config import TaskConfig
-from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
+from qerl_exp.task_config import ColumnsConfig, TaskConfig
+from qerl_exp.tasks import reader, reward_funcs
 from qerl_exp.tasks.answer import last_boxed, parse_number
-from qerl_exp.tasks.rewards import default_rewards
+from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
+from qerl_exp.tasks.reader import RowError
 
 _SPLIT_SEED = 20_251_013  # fixed: the held-out split must not move with the run's seed
 _MAX_EVAL_FRACTION = 0.25  # a split file keeps at least three quarters of it for training
 _SHOWN_ERRORS = 5
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
-
-
-class _RowError(ValueError):
-    """What is wrong with one row; the loader adds where it is."""
+# Turns the rows of one table into problems: built from the table's columns and `key=source`.
+Parser = Callable[[reader.Table, str], Callable[[dict], Problem]]
 
 
 def gsm8k_problem(row: dict) -> Problem:
@@ -51,7 +55,7 @@ def gsm8k_problem(row: dict) -> Problem:
 
     Returns:
         The problem; `answer` is the text after `####` and `solution` the reasoning before it,
-        without calculator annotations.
+        without calculator annotations; any other field is one of its `columns`.
 
     Raises:
         ValueError: a field is missing or empty, or the final answer is missing or not a number.
@@ -60,11 +64,11 @@ def gsm8k_problem(row: dict) -> Problem:
     reasoning, sep, final = answer.rpartition("####")
     final = final.strip()
     if not sep:
-        raise _RowError("field 'answer' has no final line '#### <number>'")
+        raise RowError("field 'answer' has no final line '#### <number>'")
     if parse_number(final) is None:
-        raise _RowError(f"final answer {final!r} after '####' is not a number")
+        raise RowError(f"final answer {final!r} after '####' is not a number")
     solution = _CALCULATOR.sub("", reasoning).strip()
-    return Problem(question=question.strip(), answer=final, solution=solution)
+    return Problem(question=question.strip(), answer=final, solution=solution, columns=_others(row, "question"))
 
 
 def math_problem(row: dict) -> Problem:
@@ -75,74 +79,121 @@ def math_problem(row: dict) -> Problem:
             `\boxed{...}` answer.
 
     Returns:
-        The problem; `solution` is the worked solution when the row has one.
+        The problem; `solution` is the worked solution when the row has one; any other field
+        (e.g. `level`) is one of its `columns`.
 
     Raises:
         ValueError: no question, or no answer field and no `\boxed{}` in the solution.
     """
-    question = _text(row, "problem" if "problem" in row else "question")
+    key = "problem" if row.get("problem") is not None else "question"
+    question = _text(row, key)
     solution = row.get("solution") or ""
     if not isinstance(solution, str):
-        raise _RowError(f"field 'solution' must be a string, got {type(solution).__name__}")
+        raise RowError(f"field 'solution' must be a string, got {type(solution).__name__}")
     answer = row.get("answer")
     if answer is not None and not isinstance(answer, str):
         answer = str(answer)  # BigMath-style files sometimes store numbers
     if not answer or not answer.strip():
         answer = last_boxed(solution)
         if not answer:
-            raise _RowError("no 'answer' field and no \\boxed{...} answer in 'solution'")
-    return Problem(question=question.strip(), answer=answer.strip(), solution=solution.strip())
+            raise RowError("no 'answer' field and no \\boxed{...} answer in 'solution'")
+    return Problem(question=question.strip(), answer=answer.strip(), solution=solution.strip(),
+                   columns=_others(row, "problem", "question"))
 
 
 def _text(row: dict, key: str) -> str:
-    if key not in row:
-        raise _RowError(f"missing field {key!r} (fields: {', '.join(map(str, row)) or 'none'})")
+    if row.get(key) is None:  # `datasets` gives every row every column, None where a record lacks it
+        present = [str(k) for k, v in row.items() if v is not None]
+        raise RowError(f"missing field {key!r} (fields: {', '.join(present) or 'none'})")
     value = row[key]
     if not isinstance(value, str) or not value.strip():
-        raise _RowError(f"field {key!r} must be a non-empty string")
+        raise RowError(f"field {key!r} must be a non-empty string")
     return value
 
 
-def _rows(path: Path) -> Iterator[tuple[str, dict | _RowError]]:
-    """`(where, row)` for each record; `row` is a `_RowError` for a line that is not a JSON object."""
-    if path.suffix == ".parquet":
-        for i, row in enumerate(_read_parquet(path), start=1):
-            yield f"row {i}", row
-        return
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield f"line {i}", _RowError(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                             "is it a JSONL file?")
-                continue
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"line {i}", _RowError(f"not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            yield f"line {i}", row if isinstance(row, dict) else _RowError(f"not a JSON object but {type(row).__name__}")
+def _others(row: dict, *prompt: str) -> dict[str, Any]:
+    """A row's columns besides its prompt and `answer` (reward functions get the answer as text)."""
+    return {k: v for k, v in row.items() if k not in (*prompt, "answer")}
 
 
-def _read_parquet(path: Path) -> list[dict]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to JSONL") from None
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a file that is not Parquet
-        raise ValueError(f"{path} is not a readable Parquet file ({str(e).strip().splitlines()[0]})") from None
+def dataset_parser(columns: ColumnsConfig) -> Parser:
+    """The row parser of `task=dataset` for `columns`: which columns hold the prompt and the
+    answer, resolved once a table's columns are known (one `ValueError` line when they are not there)."""
+    def make(table: reader.Table, where: str) -> Callable[[dict], Problem]:
+        prompt = _column(columns.prompt, ("prompt", "question"), table.columns, "prompt", where)
+        answer = _column(columns.answer, ("answer", "solution"), table.columns, "answer", where)
+
+        def parse(row: dict) -> Problem:
+            question, messages = _prompt(row.get(prompt), prompt)
+            value = row.get(answer)
+            if value is None or isinstance(value, str) and not value.strip():
+                raise RowError(f"column {answer!r} (the answer) is empty")
+            text = value.strip() if isinstance(value, str) else \
+                json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+            return Problem(question=question, answer=text, messages=messages, columns=_others(row, prompt))
+
+        return parse
+
+    return make
+
+
+def _column(chosen: str, defaults: tuple[str, ...], columns: list[str], what: str, where: str) -> str:
+    if chosen:
+        if chosen not in columns:
+            raise ValueError(f"task.columns.{what}={chosen} is not a column of {where} (it has: {', '.join(columns)})")
+        return chosen
+    for name in defaults:
+        if name in columns:
+            return name
+    raise ValueError(f"{where} has no {what} column ({' or '.join(defaults)}; it has: {', '.join(columns)}); "
+                     f"name it with task.columns.{what}=<column>")
+
+
+def _prompt(value, column: str) -> tuple[str, tuple[dict, ...]]:
+    """`(question, messages)` of a prompt cell: text, or a list of `{role, content}` messages
+    (their question is the last user message's content)."""
+    if isinstance(value, str) and value.strip():
+        return value.strip(), ()
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in value):
+        # `datasets` gives every message every key of any message, None where it had none
+        messages = tuple({k: v for k, v in m.items() if v is not None} for m in value)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        return (users or [messages[-1]["content"]])[-1], messages
+    raise RowError(f"column {column!r} (the prompt) must be non-empty text or a list of {{role, content}} messages "
+                   f"with text content, got {type(value).__name__}")
+
+
+def _problems(table: reader.Table, parse_row: Callable[[dict], Problem], source: str) -> list[Problem]:
+    """Every problem of `table`, or one error that names the bad lines or rows."""
+    problems, errors = [], []
+    for where, row in table.rows:
+        try:
+            if isinstance(row, RowError):
+                raise row
+            problems.append(parse_row(row))
+        except RowError as e:
+            errors.append(f"{where}: {e}")
+    if errors:
+        shown = "; ".join(errors[:_SHOWN_ERRORS])
+        more = f"; and {len(errors) - _SHOWN_ERRORS} more" if len(errors) > _SHOWN_ERRORS else ""
+        noun = errors[0].split(" ", 1)[0]  # line or row
+        raise ValueError(f"{source}: {len(errors)} malformed {noun}{'s' * (len(errors) > 1)}: {shown}{more}")
+    if not problems:
+        raise ValueError(f"{source}: no problems in it")
+    return problems
+
+
+def _load(source: str, split: str, key: str, parser: Parser, hub_name: str | None = None) -> list[Problem]:
+    table = reader.read(source, split, key, name=hub_name)
+    return _problems(table, parser(table, f"{key}={source}"), source)
 
 
 def load_problems(path: str | Path, parse_row: Callable[[dict], Problem]) -> list[Problem]:
-    """Every problem of a JSONL or Parquet file, or one error that names the bad lines.
+    """Every problem of a data file or folder (the `train` split), or one error that names the bad lines.
 
     Args:
-        path: a `.jsonl` (or `.json` lines) or `.parquet` file.
+        path: a JSONL, JSON, CSV or Parquet file, or a `save_to_disk` folder.
         parse_row: turns one record into a `Problem` (`gsm8k_problem`, `math_problem`).
 
     Returns:
@@ -158,32 +209,20 @@ def load_problems(path: str | Path, parse_row: Callable[[dict], Problem]) -> lis
         >>> problems[0].answer
         '60'
     """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"task.path={str(path)!r} is not a file")
-    problems, errors = [], []
-    for where, row in _rows(path):
-        try:
-            if isinstance(row, _RowError):
-                raise row
-            problems.append(parse_row(row))
-        except _RowError as e:
-            errors.append(f"{where}: {e}")
-    if errors:
-        shown = "; ".join(errors[:_SHOWN_ERRORS])
-        more = f"; and {len(errors) - _SHOWN_ERRORS} more" if len(errors) > _SHOWN_ERRORS else ""
-        raise ValueError(f"{path}: {len(errors)} malformed line{'s' * (len(errors) > 1)}: {shown}{more}")
-    if not problems:
-        raise ValueError(f"{path}: no problems in the file")
-    return problems
+    return _load(str(path), "train", "task.path", lambda table, where: parse_row)
+
+
+def _key(p: Problem) -> str:
+    """What tells two prompts apart: the question, and a conversational prompt's messages."""
+    return json.dumps([p.question, list(p.messages)], sort_keys=True, default=str)
 
 
 def _unique(problems: list[Problem]) -> list[Problem]:
     seen: set[str] = set()
     out = []
     for p in problems:
-        if p.question not in seen:
-            seen.add(p.question)
+        if _key(p) not in seen:
+            seen.add(_key(p))
             out.append(p)
     return out
 
@@ -223,21 +262,20 @@ def _fingerprint(*parts: object) -> str:
     return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
 
 
-def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).expanduser().read_bytes()).hexdigest()
-
-
 def file_digests(cfg: TaskConfig) -> dict[str, str]:
-    """The sha256 (16 hex digits) of each data file the task reads, by field (`path`, `eval_path`);
-    empty for a generated task."""
-    return {key: _file_digest(p)[:16] for key, p in (("path", cfg.path), ("eval_path", cfg.eval_path)) if p}
+    """The sha256 (16 hex digits) of each local file the task reads, by field: its data (`path`,
+    `eval_path`; a folder's files together) and a `chat_template` file. Empty for a generated task
+    with the checkpoint's own template; a hub data set has none (the hub names its revisions)."""
+    sources = (("path", cfg.path), ("eval_path", cfg.eval_path), ("chat_template", cfg.chat_template_file))
+    digests = {key: reader.digest(value) for key, value in sources if value}
+    return {key: d for key, d in digests.items() if d is not None}
 
 
 class FileTask:
     """A task over a fixed list of problems: training draws from `train`, evaluation uses `held_out`.
 
     Args:
-        name: the task name (`gsm8k`, `math`).
+        name: the task name (`gsm8k`, `math`, `dataset`).
         cfg: the task config (rewards).
         train: training problems.
         held_out: evaluation problems, never drawn for training.
@@ -249,7 +287,9 @@ class FileTask:
     def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str):
         self.name, self.cfg = name, cfg
         self.train, self.held_out, self.fingerprint = train, held_out, fingerprint
-        self.rewards = default_rewards(cfg)
+        self.columns = ("answer", *dict.fromkeys(k for p in train + held_out for k in p.columns))
+        self.conversational = any(p.messages for p in train + held_out)
+        self.rewards = reward_funcs.load(cfg, self.columns)
 
     def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
         # Without replacement when the batch fits, so one step never repeats a question.
@@ -261,53 +301,60 @@ class FileTask:
         return self.held_out
 
 
-def _from_files(name: str, cfg: TaskConfig, parse_row: Callable[[dict], Problem]) -> FileTask:
-    problems = _unique(load_problems(cfg.path, parse_row))
-    # `task.eval_path` (a separate held-out file, e.g. GSM8K's test split) once the schema has it.
-    eval_path = getattr(cfg, "eval_path", "")
-    if eval_path:
+def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", hub_name: str | None = None,
+                 default_eval_split: str = "") -> FileTask:
+    """The task whose training problems are `task.split` of `source` (default `task.path`), and
+    whose held-out ones come as the module doc says."""
+    source = source or cfg.path
+    problems = _unique(_load(source, cfg.split, "task.path", parser, hub_name))
+    eval_split = cfg.eval_split or ("" if cfg.eval_path else default_eval_split)
+    if cfg.eval_path or eval_split:
+        key, eval_source = ("task.eval_path", cfg.eval_path) if cfg.eval_path else ("task.path", source)
+        seen = {_key(p) for p in problems}
         train = problems
-        questions = {p.question for p in train}
-        held_out = _subset([p for p in _unique(load_problems(eval_path, parse_row)) if p.question not in questions], cfg.eval_size)
-        digest = (_file_digest(cfg.path), _file_digest(eval_path))
+        held_out = _subset([p for p in _unique(_load(eval_source, eval_split, key, parser, hub_name))
+                            if _key(p) not in seen], cfg.eval_size)
+        if not held_out:
+            raise ValueError(f"{key}={eval_source} holds no problem that is not also a training problem; "
+                             "hold out other problems, or leave task.eval_split and task.eval_path empty")
     else:
         train, held_out = split(problems, cfg.eval_size)
-        digest = (_file_digest(cfg.path),)
-    return FileTask(name, cfg, train, held_out, _fingerprint(name, *digest, len(held_out)))
+        eval_source = source
+    data = [reader.digest(s) or s for s in dict.fromkeys((source, eval_source))]
+    return FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out)))
 
 
 def gsm8k_task(cfg: TaskConfig) -> FileTask:
-    """`task=gsm8k`: `task.path` (JSONL or Parquet in GSM8K's format), else `openai/gsm8k` from the hub.
+    """`task=gsm8k`: `task.path` (GSM8K's format), else `openai/gsm8k` from the hub.
 
     From the hub, training uses the `train` split and evaluation a fixed subset of `test`.
     """
+    parser: Parser = lambda table, where: gsm8k_problem  # noqa: E731 - one row format for every table
     if cfg.path:
-        return _from_files("gsm8k", cfg, gsm8k_problem)
+        return _from_source("gsm8k", cfg, parser)
     try:
-        import datasets
-    except ImportError:
-        raise ValueError(
-            "task=gsm8k without task.path needs the `datasets` package and the hub (pip install datasets); "
-            "or pass task.path=<a GSM8K-format JSONL or Parquet file>"
-        ) from None
-    try:
-        data = datasets.load_dataset("openai/gsm8k", "main")
-    except Exception as e:  # noqa: BLE001 - offline, missing auth, ...: all mean "use task.path"
+        return _from_source("gsm8k", cfg, parser, source="openai/gsm8k", hub_name="main", default_eval_split="test")
+    except (FileNotFoundError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"could not load openai/gsm8k from the hub ({first}); pass task.path=<local GSM8K file>") from None
-    rows = {s: [gsm8k_problem(r) for r in data[s]] for s in ("train", "test")}
-    held_out = _subset(rows["test"], cfg.eval_size)
-    return FileTask("gsm8k", cfg, _unique(rows["train"]), held_out, _fingerprint("gsm8k", "hub", len(held_out)))
+        raise ValueError(f"could not load openai/gsm8k from the hub ({first}); "
+                         "pass task.path=<local GSM8K file>") from None
 
 
 def math_task(cfg: TaskConfig) -> FileTask:
-    r"""`task=math`: `task.path`, a JSONL or Parquet file of problems with `\boxed{}` answers."""
+    r"""`task=math`: `task.path`, problems with `\boxed{}` answers or an `answer` field."""
     if not cfg.path:
         raise ValueError(
-            "task=math needs task.path=<JSONL or Parquet with 'problem' and a 'solution' holding \\boxed{answer}, "
-            "or an 'answer' field>"
+            "task=math needs task.path=<JSONL, JSON, CSV, Parquet or a save_to_disk folder with 'problem' and a "
+            "'solution' holding \\boxed{answer}, or an 'answer' field>"
         )
-    return _from_files("math", cfg, math_problem)
+    return _from_source("math", cfg, lambda table, where: math_problem)
 
 
-TASKS: dict[str, Callable[[TaskConfig], FileTask]] = {"gsm8k": gsm8k_task, "math": math_task}
+def dataset_task(cfg: TaskConfig) -> FileTask:
+    """`task=dataset`: your own rows, read from `task.path` (docs/own_task.md)."""
+    if not cfg.path:
+        raise ValueError(f"task=dataset needs task.path=<{reader.SOURCES}>")
+    return _from_source("dataset", cfg, dataset_parser(cfg.columns))
+
+
+TASKS: dict[str, Callable[[TaskConfig], FileTask]] = {"gsm8k": gsm8k_task, "math": math_task, "dataset": dataset_task}

@@ -1,7 +1,10 @@
-r"""Reward functions, each named and logged as `rewards/<name>/mean`.
+r"""The built-in reward functions, `format` and `correct`, in TRL's batched signature
+`fn(prompts, completions, **columns) -> list[float]` (`qerl_exp.tasks.reward_funcs` calls them as it
+calls a user's).
 
 The paper's rewards: 0.2 for the `<think>...</think><answer>...</answer>` format, 2.0 for an
-exactly correct answer. Both amounts come from the task config; a format reward of 0 is left out.
+exactly correct answer. Both amounts come from the task config; a format reward of 0 leaves
+`format` out of the default functions.
 
 Where the judged answer comes from is `task.answer_from`: `tags` reads only the last
 `<answer>...</answer>` (the paper); `text` also reads an instruct model's natural forms when a
@@ -13,9 +16,9 @@ extractions do).
 from __future__ import annotations
 
 import re
+from typing import Callable
 
-from qerl_exp.config import TaskConfig
-from qerl_exp.tasks.base import Problem, RewardFn
+from qerl_exp.task_config import TaskConfig
 from qerl_exp.tasks.answer import answers_equal, last_boxed
 
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -60,26 +63,39 @@ def natural_answer(completion: str) -> str | None:
     return numbers[-1].strip() if numbers else None
 
 
-def format_reward(amount: float) -> RewardFn:
-    def fmt(completion: str, problem: Problem) -> float:
-        return amount if _FORMAT.match(completion) else 0.0
+def completion_text(completion) -> str:
+    """A completion's text: itself, or the content of its last message when it is conversational
+    (`[{"role": "assistant", "content": ...}]`, as TRL passes completions of conversational prompts)."""
+    return completion if isinstance(completion, str) else str(completion[-1]["content"])
 
-    return fmt
+
+def is_correct(completion: str, reference: str, answer_from: str = "tags") -> bool:
+    """Whether the answer of `completion` (taken per `answer_from`, see the module doc) equals `reference`."""
+    answer = natural_answer(completion) if answer_from == "text" else extract_answer(completion)
+    return answer is not None and answers_equal(answer, reference)
 
 
-def correctness_reward(amount: float, answer_from: str = "tags") -> RewardFn:
-    extract = natural_answer if answer_from == "text" else extract_answer
+def format_reward(amount: float) -> Callable[..., list[float]]:
+    """The built-in `format`: `amount` for each completion in the paper's format, else 0."""
+    def format_(prompts, completions, **columns) -> list[float]:
+        return [amount if _FORMAT.match(completion_text(c)) else 0.0 for c in completions]
 
-    def correct(completion: str, problem: Problem) -> float:
-        answer = extract(completion)
-        return amount if answer is not None and answers_equal(answer, problem.answer) else 0.0
+    return format_
+
+
+def correctness_reward(amount: float, answer_from: str = "tags") -> Callable[..., list[float]]:
+    """The built-in `correct`: `amount` for each completion whose answer equals its row's `answer`, else 0."""
+    def correct(prompts, completions, answer, **columns) -> list[float]:
+        return [amount if is_correct(completion_text(c), a, answer_from) else 0.0 for c, a in zip(completions, answer)]
 
     return correct
 
 
-def default_rewards(cfg: TaskConfig) -> dict[str, RewardFn]:
-    """The task's rewards: `correct` (judged per `cfg.answer_from`) and `format` unless its amount is 0."""
-    rewards = {"correct": correctness_reward(cfg.correct_reward, cfg.answer_from)}
-    if cfg.format_reward:
-        rewards = {"format": format_reward(cfg.format_reward), **rewards}
-    return rewards
+def builtin(name: str, cfg: TaskConfig) -> Callable[..., list[float]]:
+    """The built-in reward function `name` (`format` or `correct`) with the task's amounts."""
+    return format_reward(cfg.format_reward) if name == "format" else correctness_reward(cfg.correct_reward, cfg.answer_from)
+
+
+def default_names(cfg: TaskConfig) -> list[str]:
+    """The functions of a run that names none: `format` (unless its amount is 0) and `correct`."""
+    return ["format", "correct"] if cfg.format_reward else ["correct"]

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qerl_exp.config import TaskConfig
+from qerl_exp.task_config import TaskConfig
 from qerl_exp.tasks.base import HELD_OUT, OOD, Problem, check_split
-from qerl_exp.tasks.rewards import default_rewards
+from qerl_exp.tasks import reward_funcs
 
 _EVAL_SEED = 2_718_281  # fixed: the held-out problems never move with the run's seed
 _OOD_SEED = 1_414_213  # likewise for the out-of-template problems
@@ -271,10 +271,11 @@ class WordProblemTask:
 
     name = "wordprob"
     splits = (HELD_OUT, OOD)
+    columns = ("answer",)
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
-        self.rewards = default_rewards(cfg)
+        self.rewards = reward_funcs.load(cfg, self.columns)
 
     def _draw(self, rng: np.random.Generator, want_held_out: bool = False) -> Problem:
         # held-out problems always come from TRAIN, so runs of either task.templates share them

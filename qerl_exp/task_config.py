@@ -1,0 +1,154 @@
+"""The task group's schema: where a run's problems come from, how its prompts are rendered and
+how its completions are scored (`TaskConfig`, a field of `qerl_exp.config.Config`)."""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import field
+
+from qerl_exp.schema import check as _check
+from qerl_exp.schema import choice as _choice
+from qerl_exp.schema import schema
+
+# The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
+)
+
+@schema
+class ColumnsConfig:
+    """Which columns of a `task=dataset` source hold the prompt and the answer.
+
+    Args:
+        prompt: the prompt's column: text, or a list of `{role, content}` messages (TRL's
+            conversational format, rendered by the chat template as it is); empty: `prompt`, else
+            `question`.
+        answer: the reference answer's column (reward functions get it as `answer`, as text, and
+            the built-in `correct` judges against it); empty: `answer`, else `solution`.
+    """
+
+    prompt: str = ""
+    answer: str = ""
+
+
+# The tasks that read their problems from data (`task.path`); the others generate theirs.
+FILE_TASKS = ("gsm8k", "math", "dataset")
+# The reward functions the harness has built in; `task.reward_funcs` names them bare.
+BUILTIN_REWARDS = ("format", "correct")
+
+
+@schema
+class TaskConfig:
+    """The problems the policy learns to solve and how they are scored.
+
+    Args:
+        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
+            or `math` (local data or, for GSM8K, the hub), `dataset` (your own data: any source
+            of `path` in TRL's standard or conversational format, docs/own_task.md).
+        path: the data of a file-backed task (gsm8k, math, dataset), read through Hugging Face
+            `datasets`: a JSONL, JSON, CSV or Parquet file, a folder written by `save_to_disk`, or
+            a hub dataset id; empty: gsm8k's hub copy. The generated tasks refuse it.
+        eval_path: a second source to evaluate on, of the same kinds (e.g. GSM8K's test file): its
+            `eval_split`, else its only split. Empty: the held-out problems come from `path`.
+        split: the split of `path` to train on (a data file's one split is `train`).
+        eval_split: the split to evaluate on (of `eval_path` when set, else of `path`, e.g.
+            `test`); empty: a fixed held-out slice of the training split (or eval_path's only
+            split).
+        columns: task=dataset: the prompt and answer columns (`ColumnsConfig`).
+        difficulty: arith: digits of each operand (1-6); wordprob: operations per problem (1-3),
+            its numbers growing with it (a start below 20 x difficulty).
+        ops: arith and wordprob: operators to draw from (`/` for wordprob only; its quotients are
+            whole numbers).
+        templates: wordprob: what training draws are phrased from: `base` (three themes) or
+            `wide` (those and six more, with their own sentence and question forms, names and
+            objects); the evaluation splits are the same for both.
+        eval_size: held-out problems used by evaluation (a single file holds out at most a
+            quarter of its problems).
+        reward_funcs: the reward functions, in TRL's batched signature
+            `fn(prompts, completions, **columns) -> list[float | None]` (`qerl_exp.tasks.reward_funcs`):
+            `path/to/file.py:function`, `package.module:function`, or the built-in `format` and
+            `correct`. Each is logged as `rewards/<function>/mean` and `/std`; a completion's reward
+            is their weighted sum. Empty: `format` (unless format_reward is 0) and `correct`.
+        reward_weights: one weight per entry of reward_funcs; empty: 1 each.
+        format_reward: the built-in `format`'s reward for a completion in the
+            <think>...</think><answer>...</answer> format; 0 leaves it out of the default functions.
+        correct_reward: the built-in `correct`'s reward for an exactly correct answer.
+        answer_from: where the built-in `correct` takes the judged answer from: `tags`, the last
+            <answer>...</answer> (the paper); `text`, also a reply's natural forms when it has no
+            tags: the last \\boxed{...}, else what follows the last `####` or "answer is", else its
+            last number.
+        system_prompt: the system message that chat-template models get with a text prompt (the
+            embedded model ignores it; a conversational prompt carries its own messages); empty
+            sends none, so the template's default applies.
+        chat_template: the chat template of a checkpoint's tokenizer, for rollouts, the learner and
+            evaluation alike: a Jinja template, or the path of a file holding one; empty: the
+            checkpoint's own. The embedded model has none (its prompts are plain text).
+        chat_template_kwargs: extra variables the chat template is rendered with, e.g.
+            `{enable_thinking: false}` for Qwen3.
+    """
+
+    name: str = "arith"
+    path: str = ""
+    eval_path: str = ""
+    split: str = "train"
+    eval_split: str = ""
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    difficulty: int = 2
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    templates: str = "base"
+    eval_size: int = 200
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)
+    format_reward: float = 0.2
+    correct_reward: float = 2.0
+    answer_from: str = "tags"
+    system_prompt: str = SYSTEM_PROMPT
+    chat_template: str = ""
+    chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _choice("task.name", self.name, ("arith", "wordprob", *FILE_TASKS))
+        _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        _choice("task.templates", self.templates, ("base", "wide"))
+        _check(self.templates == "base" or self.name == "wordprob",
+               f"task.templates={self.templates} is for task.name=wordprob; leave it at base for task.name={self.name}")
+        if self.name not in FILE_TASKS:
+            for key, value, default in (("path", self.path, ""), ("eval_path", self.eval_path, ""),
+                                        ("split", self.split, "train"), ("eval_split", self.eval_split, "")):
+                _check(value == default, f"task.{key} is for the tasks that read data ({', '.join(FILE_TASKS)}); "
+                                         f"task={self.name} generates its problems: drop task.{key}, or choose task=dataset")
+        _check(self.name == "dataset" or self.columns == ColumnsConfig(),
+               f"task.columns is for task=dataset; task={self.name} knows its columns: drop task.columns")
+        _check(bool(self.split), "task.split must name a split (a data file's one split is train)")
+        top = 3 if self.name == "wordprob" else 6
+        _check(1 <= self.difficulty <= top, f"task.difficulty must be in 1..{top} for task.name={self.name}, got {self.difficulty}")
+        _check(len(self.ops) > 0, "task.ops must name at least one operator")
+        for op in self.ops:
+            _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
+        _check(self.eval_size >= 1, "task.eval_size must be >= 1")
+        self._check_rewards()
+
+    def _check_rewards(self) -> None:
+        names = []
+        for spec in self.reward_funcs:
+            where, _, name = spec.rpartition(":")
+            _check(spec in BUILTIN_REWARDS or (bool(where) and name.isidentifier()),
+                   f"task.reward_funcs entry {spec!r} is not path/to/file.py:function, package.module:function, "
+                   f"or a built-in ({', '.join(BUILTIN_REWARDS)})")
+            _check(name not in names, f"task.reward_funcs names two functions {name!r}; each is logged by its name "
+                                      "(rewards/<name>/mean): give one another name in its file")
+            names.append(name)
+        _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_funcs),
+               f"task.reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} task.reward_funcs; "
+               "give one weight per function, or none (1 each)")
+        _check(all(math.isfinite(w) for w in self.reward_weights), "task.reward_weights must be finite numbers")
+
+    @property
+    def chat_template_file(self) -> str:
+        """The file `chat_template` names, or empty when it is a Jinja template itself (it holds
+        `{{` or `{%`) or empty."""
+        return "" if not self.chat_template or "{{" in self.chat_template or "{%" in self.chat_template else self.chat_template

@@ -1,0 +1,319 @@
+"""The run's reward functions (`task.reward_funcs`): loaded, checked, called and weighed.
+
+A reward function has TRL's batched signature, `fn(prompts, completions, **columns) -> list[float | None]`,
+and is called once for a batch of completions, with keyword arguments, as TRL's GRPOTrainer calls it:
+- `prompts`: each completion's prompt: its text, or its list of `{role, content}` messages;
+- `completions`: each completion: its text, or `[{"role": "assistant", "content": text}]` where its
+  prompt is conversational;
+- one keyword list per column of the problems' rows: `answer` (the reference answer, as text) and
+  every column of the data beside the prompt (e.g. `difficulty`); a function names the ones it
+  reads and takes the others with `**kwargs`. TRL's `completion_ids` and `trainer_state` are not
+  passed.
+It returns one value per completion: a number, or None where it does not apply (a code reward on a
+math row).
+
+Where a function comes from (the name it is logged by is what follows the colon):
+- `format`, `correct`: the built-in ones (`qerl_exp.tasks.rewards`), with task.format_reward and
+  task.correct_reward as their amounts;
+- `path/to/file.py:function`: a function of a Python file, relative to the working directory; the
+  file is imported as a module of its own, and its folder goes on the end of `sys.path` (so that
+  it may import its neighbours);
+- `package.module:function`: a function of an importable module.
+
+A completion's reward is the weighted sum of the values that apply (`task.reward_weights`, 1 each).
+One that no function applies to (every value None) has no reward: as in TRL, it is left out of its
+group's mean and std and of the logged `reward`, and its advantage is 0; the run warns once. The
+values are logged unweighted, per function: `rewards/<name>/mean` and `/std` (`qerl_exp.metrics`).
+
+Each function's source file is recorded in `config.json` (`reward_files`: its path and sha256), so
+that a run is neither resumed nor evaluated with reward code other than its own.
+
+Faults, each in one line that names the function: one that does not import, whose signature cannot
+take `prompts` and `completions` by keyword, that needs a column the data lacks, or that lacks
+`**kwargs` for the columns it does not name, is refused when the task is built (`load`; before any
+run directory, in `cli.preflight`). One that raises, returns another number of values than
+completions, or a value that is neither a finite number nor None stops the run (`RewardError`,
+naming the step); its checkpoints stay as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Sequence
+
+from qerl_exp.schema import ConfigError
+from qerl_exp.task_config import BUILTIN_REWARDS, TaskConfig
+from qerl_exp.tasks.rewards import builtin, default_names
+
+# The function whose positive value counts a completion correct (evaluation's pass@k), and the one
+# whose positive value counts it in format (`eval/format`).
+JUDGE, FORMAT = "correct", "format"
+# What every function gets besides the columns; a data column of one of these names is refused.
+_OWN = ("prompts", "completions")
+_MODULES: dict[tuple[str, int, int], ModuleType] = {}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a batch; the message names it, the step and what to change."""
+
+
+@dataclass(frozen=True)
+class RewardFunc:
+    """One reward function of a run.
+
+    Args:
+        name: its name in logs (`rewards/<name>/mean`): what follows the colon of its spec.
+        spec: the `task.reward_funcs` entry it was loaded from.
+        fn: the function.
+        weight: its weight in the sum.
+        file: its source file ('' for a built-in one).
+    """
+
+    name: str
+    spec: str
+    fn: Callable
+    weight: float
+    file: str
+
+
+def specs(cfg: TaskConfig) -> list[str]:
+    """The run's `task.reward_funcs`, or the built-in defaults when it names none."""
+    return list(cfg.reward_funcs) or default_names(cfg)
+
+
+def source_file(spec: str) -> str:
+    """The file `spec`'s function is defined in: the path as given for `file.py:function`, the
+    module's file for `package.module:function`, '' for a built-in.
+
+    Raises:
+        ConfigError: the file does not exist, or the module cannot be found.
+    """
+    where = spec.rpartition(":")[0]
+    if not where:
+        return ""
+    if where.endswith(".py"):
+        if not Path(where).expanduser().is_file():
+            raise ConfigError(f"task.reward_funcs entry {spec}: no file {where} "
+                              "(paths are relative to the working directory)")
+        return where
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"task.reward_funcs entry {spec}: module {where} does not import "
+                          f"({_first_line(e)})") from None
+    if found is None or not found.origin or not Path(found.origin).is_file():
+        raise ConfigError(f"task.reward_funcs entry {spec}: no module {where} on the Python path; "
+                          "give path/to/file.py:function, or install the package")
+    return found.origin
+
+
+def source_files(cfg: TaskConfig) -> dict[str, dict[str, str]]:
+    """What `config.json` records of each user function: `{name: {"file": ..., "sha256": 16 hex}}`;
+    empty for a run of built-in functions only."""
+    out = {}
+    for spec in specs(cfg):
+        file = source_file(spec)
+        if file:
+            digest = hashlib.sha256(Path(file).expanduser().read_bytes()).hexdigest()[:16]
+            out[spec.rpartition(":")[2]] = {"file": file, "sha256": digest}
+    return out
+
+
+def load(cfg: TaskConfig, columns: Sequence[str] | None = None) -> Rewards:
+    """The run's reward functions, imported and checked.
+
+    Args:
+        cfg: the task config (`reward_funcs`, `reward_weights`, the built-ins' amounts).
+        columns: the keyword lists the task's rows give (`Task.columns`); None skips the checks
+            that need them (a hub data set not read yet).
+
+    Returns:
+        The `Rewards`, in the order of `task.reward_funcs`.
+
+    Raises:
+        ConfigError: one line naming the function: not importable, not a function, a signature
+            that cannot take `prompts`, `completions` and the columns.
+    """
+    weights = list(cfg.reward_weights) or [1.0] * len(specs(cfg))
+    funcs = []
+    for spec, weight in zip(specs(cfg), weights):
+        name = spec.rpartition(":")[2]
+        fn = builtin(name, cfg) if spec in BUILTIN_REWARDS else _import(spec)
+        func = RewardFunc(name, spec, fn, float(weight), source_file(spec))
+        _check_signature(func, columns)
+        funcs.append(func)
+    return Rewards(funcs)
+
+
+def _import(spec: str) -> Callable:
+    where, _, name = spec.rpartition(":")
+    file = source_file(spec)
+    try:
+        module = _import_file(Path(file)) if where.endswith(".py") else importlib.import_module(where)
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
+        raise ConfigError(f"task.reward_funcs entry {spec}: {file} does not import "
+                          f"({type(e).__name__}: {_first_line(e)})") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ConfigError(f"task.reward_funcs entry {spec}: {file} has no function {name!r}")
+    if not callable(fn):
+        raise ConfigError(f"task.reward_funcs entry {spec}: {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_file(path: Path) -> ModuleType:
+    """`path` imported as a module of its own (once per version of the file in a process)."""
+    path = path.expanduser().resolve()
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _MODULES:
+        name = f"qerl_reward_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))
+        sys.modules[name] = module  # dataclasses and pickle look a module up by its name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
+def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
+    """Refuse a function that cannot be called as `fn(prompts=..., completions=..., **columns)`."""
+    try:
+        params = inspect.signature(func.fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: its call will tell
+        return
+    kinds = inspect.Parameter
+    takes_any = any(p.kind == kinds.VAR_KEYWORD for p in params.values())
+    where = f"reward function {func.name} ({func.spec})"
+    fix = "give it the signature fn(prompts, completions, **kwargs), as TRL's reward functions have"
+    for p in params.values():
+        if p.kind == kinds.POSITIONAL_ONLY and p.default is p.empty:
+            raise ConfigError(f"{where} takes {p.name!r} by position only, but every argument is passed by "
+                              f"keyword; {fix}")
+    for own in _OWN:
+        if own not in params and not takes_any:
+            raise ConfigError(f"{where} does not take {own!r}; {fix}")
+    if columns is None:
+        return
+    clash = [c for c in columns if c in _OWN]
+    if clash:
+        raise ConfigError(f"the data has a column named {clash[0]!r}, which reward functions get as their own "
+                          "argument; rename that column")
+    required = [n for n, p in params.items() if p.default is p.empty and n not in _OWN
+                and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    missing = [n for n in required if n not in columns]
+    if missing:
+        raise ConfigError(f"{where} needs {missing[0]!r}, which is not a column of the task's rows "
+                          f"(they give: {', '.join(columns)}; TRL's completion_ids and trainer_state are not passed); "
+                          "give it a default or read another column")
+    unnamed = [c for c in columns if c not in params]
+    if unnamed and not takes_any:
+        raise ConfigError(f"{where} does not take the column {unnamed[0]!r}, and every column is passed to it; "
+                          "add **kwargs to its parameters")
+
+
+class Rewards:
+    """A run's reward functions, called on batches of completions.
+
+    Args:
+        funcs: the functions, in the order of `task.reward_funcs`.
+    """
+
+    def __init__(self, funcs: list[RewardFunc]):
+        self.funcs = funcs
+        self.names = [f.name for f in funcs]
+        self.weights = {f.name: f.weight for f in funcs}
+        self._warned = False
+
+    def score(self, problems: Sequence, completions: list[str], where: str,
+              names: Sequence[str] | None = None) -> dict[str, list[float]]:
+        """Every function's value for each completion, unweighted; NaN where a function returned None.
+
+        Args:
+            problems: each completion's `tasks.Problem` (a group's problem repeated).
+            completions: the completions' texts.
+            where: what the batch is, for messages (e.g. `step 3`, `evaluation`).
+            names: score only these functions; None: all of them.
+
+        Returns:
+            `{name: [value per completion]}`, in the order of the functions.
+
+        Raises:
+            RewardError: a function raised, or returned another number of values or a value that
+                is neither a finite number nor None (one line naming it and `where`).
+        """
+        kwargs = {"prompts": [p.prompt for p in problems],
+                  "completions": [[{"role": "assistant", "content": c}] if p.messages else c
+                                  for p, c in zip(problems, completions)],
+                  "answer": [p.answer for p in problems]}
+        keys = dict.fromkeys(k for p in problems for k in p.columns)
+        kwargs.update({k: [p.columns.get(k) for p in problems] for k in keys})
+        out = {}
+        for f in self.funcs:
+            if names is not None and f.name not in names:
+                continue
+            try:
+                values = f.fn(**copy.deepcopy(kwargs))  # a function that edits its arguments edits a copy
+            except Exception as e:  # noqa: BLE001 - the user's code may raise anything
+                raise RewardError(f"reward function {f.name} ({f.spec}) raised {type(e).__name__} at {where}: "
+                                  f"{_first_line(e)}") from e
+            out[f.name] = _values(f, values, len(completions), where)
+        if names is None:
+            self._warn_unscored(out, where)
+        return out
+
+    def verdicts(self, problems: Sequence, completions: list[str], where: str, name: str = JUDGE) -> list[bool] | None:
+        """Whether function `name` gives each completion a positive value; None when the run has no
+        function of that name."""
+        if name not in self.names:
+            return None
+        return [v > 0 for v in self.score(problems, completions, where, names=[name])[name]]
+
+    def _warn_unscored(self, scores: dict[str, list[float]], where: str) -> None:
+        unscored = sum(all(math.isnan(v[i]) for v in scores.values()) for i in range(len(next(iter(scores.values())))))
+        if unscored and not self._warned:
+            self._warned = True
+            print(f"warning: no reward function applies to {unscored} completion(s) at {where} (each returned None): "
+                  "they get no reward and advantage 0, as in TRL (shown once)", file=sys.stderr)
+
+
+def _values(f: RewardFunc, values, n: int, where: str) -> list[float]:
+    """A function's return value as floats (NaN for None), or a `RewardError` saying what is wrong."""
+    what = f"reward function {f.name} ({f.spec})"
+    fix = "return one value per completion: a finite number, or None where the function does not apply"
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"{what} returned a {type(values).__name__} at {where}, not a list; {fix}") from None
+    if len(values) != n:
+        raise RewardError(f"{what} returned {len(values)} values for {n} completions at {where}; {fix}")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise RewardError(f"{what} returned {v!r} for completion {i} at {where}; {fix}")
+        else:
+            out.append(float(v))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
