@@ -8,6 +8,7 @@ job's config and turns any failure into one line that says what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config, unknown_key_line
 from qerl_exp.logs import quiet
 from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
 
@@ -51,7 +52,7 @@ def _explain(exc: BaseException) -> str:
     key = getattr(cause, "full_key", None)
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else first
     if key and ("not in struct" in detail or re.search(r"Key '[^']+' not in '", detail)):
-        return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
+        return unknown_key_line(key)
     if key:
         return f"bad value for '{key}': {detail}"
     if "Could not override" in first or "Error merging" in first:
@@ -91,7 +92,29 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
     choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     with open_dict(cfg):
         del cfg["hydra"]
-    return to_config(cfg), choices
+    config = to_config(cfg)
+    if choices.get("model") == EMBEDDED and config.model.source == "pretrained":
+        config = _checkpoint_defaults(config, overrides)
+    return config, choices
+
+
+EMBEDDED = "tiny"  # the preset of the embedded model, the default of the `model` group
+
+
+def _checkpoint_defaults(cfg: Config, overrides: list[str]) -> Config:
+    """`model.name=<a checkpoint>` on the embedded model's preset: the settings that preset tunes for
+    the embedded model (lr, completion length, the monitor) take the schema's defaults instead, as
+    for a checkpoint preset, unless the command line or another preset set them."""
+    tuned = flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{EMBEDDED}.yaml")).items()
+                            if k != "model"})
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    composed, default = flatten(as_dict(cfg)), flatten(as_dict(Config()))
+    groups: dict[str, dict] = {}
+    for key, value in tuned.items():
+        if composed[key] == value and not any(key == n or key.startswith(n + ".") for n in named):
+            group, leaf = key.split(".", 1)
+            groups.setdefault(group, {})[leaf] = default[key]
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **v) for g, v in groups.items()})
 
 
 def check_hydra_overrides(overrides: list[str]) -> None:

@@ -30,7 +30,7 @@ from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
 from qerl_exp import learner
-from qerl_exp.loss import completion_logits, group_advantages
+from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, Rollout, make_sampler, row_seeds, sample
@@ -342,11 +342,9 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     rewards = {name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
                for name, fn in loop.task.rewards.items()}
     total = sum(rewards.values())
-    advantages = group_advantages(total, G, algo.scale_rewards)
-    mask = loss_mask = rollout.completion_mask
-    if algo.filter_zero_std:
-        informative = total.view(-1, G).std(dim=1) > 0
-        loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
+    advantages = group_advantages(total, G, algo.scale_rewards, distributed.gather(total))
+    mask = rollout.completion_mask
+    loss_mask = tokens_in_loss(mask, rollout.terminated, total, algo)
 
     # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else only
     # every monitor.kl_every steps, for the `kl` metric.

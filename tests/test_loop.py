@@ -140,7 +140,7 @@ def test_the_learner_weights_each_token_by_its_tis_weight(tiny_policy):
     cfg, task, models = tiny_policy
     policy, tok = models.policy, models.tokenizer
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in task.eval_problems()[:2]]
-    algo = AlgoConfig(group_size=3, max_new_tokens=8, loss_agg="token", tis_cap=2.0)
+    algo = AlgoConfig(group_size=3, max_new_tokens=8, loss_type="dapo", tis_cap=2.0)
     torch.manual_seed(0)
     rollout = sample(HFSampler(policy, tok), tok, prompts, algo, torch.device("cpu"))
     mask = rollout.completion_mask
@@ -209,14 +209,14 @@ def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient():
         logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # as the learner scores it, in float64
         per_token, _ = policy_loss(logp, logp.detach(), adv, algo, entropy=entropy)
-        loss = aggregate(per_token, mask, "token", loss_normalizer(mask, "token"))
+        loss = aggregate(per_token, mask, algo.loss_type, loss_normalizer(mask, algo))
         return torch.autograd.grad(loss, logits)[0]
 
     p = torch.softmax(logits.detach(), dim=-1)
     h = -(p * p.log()).sum(-1, keepdim=True)
     d_entropy = -p * (p.log() + h)  # dH/dz of a softmax, by hand
     want = -coef * d_entropy * mask[..., None] / mask.sum()
-    got = grad(AlgoConfig(loss_agg="token", entropy_coef=coef)) - grad(AlgoConfig(loss_agg="token"))
+    got = grad(AlgoConfig(loss_type="dapo", entropy_coef=coef)) - grad(AlgoConfig(loss_type="dapo"))
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
