@@ -13,6 +13,7 @@ import itertools
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -157,6 +158,42 @@ def validate(overrides: list[str], multirun: bool) -> list[Config]:
     return configs
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise `UsageError(message)` unless `ok`: a command's argument checks."""
+    if not ok:
+        raise UsageError(message)
+
+
+def key_values(argv: list[str], types: dict[str, str]) -> dict[str, object]:
+    """`key=value` arguments of a command (`python -m qerl_exp.eval`, `.export`) as typed values.
+
+    Args:
+        argv: the arguments.
+        types: each key's type, as a dataclass field names it: `str`, `int`, `float` or `bool`.
+
+    Raises:
+        UsageError: one line naming the argument that is not key=value, not a key, or not of its type.
+    """
+    values = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        if not sep:
+            raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
+        if key not in types:
+            raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                values[key] = raw.lower() in ("true", "1", "yes")
+            else:
+                values[key] = {"int": int, "float": float, "str": str}[kind](raw)
+        except ValueError:
+            raise UsageError(f"bad value for {key!r}: {raw!r} is not a {kind}") from None
+    return values
+
+
 def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
     """The dotted config keys `overrides` set: each `key=value`, and every key a group choice changes.
 
@@ -297,3 +334,24 @@ def tolerate_closed_pipes() -> None:
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message's first line (its type's name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextmanager
+def one_line_errors(path_key: str, interrupted: str):
+    """A command's expected faults as one `error:` line and a non-zero exit: Ctrl-C (130, saying
+    `interrupted`), a storage fault naming `path_key`, the setting that chose the path, or any
+    ValueError or RuntimeError (1)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        fail(interrupted, code=130)
+    except OSError as e:
+        fail(os_error_line(e, path_key) or f"{type(e).__name__}: {first_line(e)}", code=1)
+    except (ValueError, RuntimeError) as e:
+        fail(f"{type(e).__name__}: {first_line(e)}", code=1)

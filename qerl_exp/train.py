@@ -397,6 +397,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         step_s=phases.pop("step"), phases=phases,
     ))
     metrics.update(loop.schedule.observe(metrics))
+    if distributed.is_main() and (warning := loop.schedule.pinned_warning()):
+        print(warning, file=sys.stderr)
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(
