@@ -20,7 +20,8 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config, unknown_key_line
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.retired import unknown_key_line
 from qerl_exp.logs import quiet
 from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
 

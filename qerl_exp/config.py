@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from qerl_exp.retired import RETIRED, unknown_key_line, upgrade
+from qerl_exp.schema import ConfigError, schema, check as _check, choice as _choice
 
 # The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
 SYSTEM_PROMPT = (
@@ -25,40 +28,6 @@ SYSTEM_PROMPT = (
     "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
 )
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message says which field and what to change."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
-    _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
-
-
-def schema(cls):
-    """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
-    verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
-    cls = dataclass(cls)
-    validate = cls.__dict__.get("__post_init__")
-
-    def __post_init__(self) -> None:
-        if validate is not None:
-            validate(self)
-        object.__setattr__(self, "_frozen", True)
-
-    def __setattr__(self, name, value) -> None:
-        if getattr(self, "_frozen", False):
-            raise dataclasses.FrozenInstanceError(
-                f"{type(self).__name__}.{name} is read-only; make a new config with dataclasses.replace")
-        object.__setattr__(self, name, value)
-
-    cls.__post_init__, cls.__setattr__ = __post_init__, __setattr__
-    return cls
 
 
 @schema
@@ -236,9 +205,8 @@ class NoiseConfig:
             `entropy_gain`.
         target_value: adaptive only: the set point for `target`: with `target_relative`, a multiple
             of the model's own entropy at step 0; else in nats.
-        target_relative: adaptive only: the set point is `target_value` times the learner's token
-            entropy (the policy without noise) on the first step's rollout, so that one setting
-            suits models whose entropies differ (the embedded model's is ~0.2 nats).
+        target_relative: adaptive only: the set point is `target_value` times the learner's entropy
+            (no noise) on the first step's rollout: one setting suits models whose entropies differ.
         gain: adaptive only: multiplicative step of sigma per step, log(sigma) moves by
             gain * (set point - measured) / max(set point, 1e-3).
         sigma_min: adaptive only: lower bound on sigma.
@@ -276,8 +244,7 @@ class NoiseConfig:
         _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
         _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
-        _check(not self.target_relative or self.target_value > 0,
-               f"noise.target_value must be > 0 with noise.target_relative=true (a multiple of the step-0 entropy), got {self.target_value}")
+        _check(not self.target_relative or self.target_value > 0, f"noise.target_value must be > 0 with noise.target_relative=true, got {self.target_value}")
 
 
 @schema
@@ -348,14 +315,12 @@ class AlgoConfig:
         group_size: completions drawn per prompt (G); advantages are normalized within a group.
         eps_low: lower clip of the importance ratio, 1 - eps_low.
         eps_high: upper clip of the importance ratio, 1 + eps_high (DAPO's clip-higher).
-        loss_type: how the token losses L_it of completion i (T_i tokens in the loss) become the
-            batch loss: `grpo` mean_i (1/T_i) sum_t L_it over the completions with a token in the
-            loss; `bnpo` sum L_it / sum T_i over each rank's batch, averaged over ranks; `dapo` sum
-            L_it / sum T_i over the whole batch (every rank); `dr_grpo` sum L_it / (N *
-            max_new_tokens), N every completion of the batch. One process: bnpo equals dapo.
-        importance_sampling_level: `token` (a ratio pi / pi_old per token) or `sequence` (GSPO: one
-            ratio per completion, exp of the mean of its tokens' log-ratios, clipped and applied to
-            every token).
+        loss_type: how token losses make the batch loss: `grpo` the mean over completions (with a
+            token in the loss) of each one's token mean; `bnpo` each rank's token mean, averaged over
+            ranks; `dapo` the whole batch's token mean; `dr_grpo` the token sum over (completions x
+            max_new_tokens). One process: bnpo equals dapo.
+        importance_sampling_level: `token` (a ratio pi / pi_old per token) or `sequence` (GSPO: a
+            completion's exp(mean of its tokens' log-ratios), clipped and applied to all its tokens).
         scale_rewards: divide the group-centred rewards by their std within the `group`, over the
             whole `batch` (every rank), or not at all (`none`, Dr. GRPO's choice).
         mask_truncated_completions: completions that reached `max_new_tokens` without EOS or a stop
@@ -586,9 +551,8 @@ class MonitorConfig:
     full-precision reference) and the reference passes behind `kl`.
 
     Args:
-        every: steps between monitor evaluations on the rollout batch; 0 (the default for
-            checkpoints: the reference is a second, full-precision copy of the base) disables it.
-            The embedded model's preset sets 1.
+        every: steps between monitor evaluations on the rollout batch; 0 disables the reference (a
+            second, full-precision copy of the base: off for checkpoints; the embedded model's preset sets 1).
         kl_every: at `algo.beta == 0`, steps between reference passes (the base without LoRA on
             the rollout) that log `kl`; 0: never. At beta > 0 the loss needs one every step.
     """
@@ -727,59 +691,10 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# Keys of earlier versions that set something now spelled otherwise: a command line or preset that
-# sets one is refused with its line; a saved config that holds one is read through `upgrade`.
-RETIRED = {
-    "algo.loss_agg": "algo.loss_agg is retired; set algo.loss_type: grpo (was sequence), dapo (was token), dr_grpo or bnpo",
-    "algo.scale_rewards": "algo.scale_rewards takes group, batch or none now (the boolean's true was group, false none)",
-}
-_DROPPED = {("train", "compile")}  # saved by earlier versions, set nothing now: dropped on reading
-
-
-def unknown_key_line(key: str) -> str:
-    """The one line for a config key the schema does not have: its retirement notice, if it had one."""
-    return RETIRED.get(key, f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job")
-
-
-def _fill(data: dict, schema: type) -> dict:
-    """`data` with each field of `schema` it lacks at the schema's default."""
-    out = dict(data)
-    for f in dataclasses.fields(schema):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if dataclasses.is_dataclass(default):
-            if isinstance(out.get(f.name), dict):
-                out[f.name] = _fill(out[f.name], type(default))
-        elif f.name not in out:
-            out[f.name] = default
-    return out
-
-
-def upgrade(saved: dict) -> dict:
-    """A saved run config (`config.json`, a checkpoint's) in today's keys, meaning what it meant
-    when it was written: retired keys mapped to their successors (`algo.loss_agg` sequence -> grpo,
-    token -> dapo; a boolean `algo.scale_rewards` true -> group, false -> none), dropped ones
-    removed, fields added since filled in with their defaults, but an adaptive noise controller's
-    set point stays in nats (`noise.target_relative` false). Keys outside the schema (`choices`,
-    `commit`, ...) are kept as they are."""
-    data = {k: ({kk: vv for kk, vv in v.items() if (k, kk) not in _DROPPED} if isinstance(v, dict) else v)
-            for k, v in saved.items()}
-    algo = data.get("algo")
-    if isinstance(algo, dict):
-        algo = data["algo"] = dict(algo)
-        if "loss_agg" in algo:
-            algo.setdefault("loss_type", {"sequence": "grpo", "token": "dapo"}.get(algo.pop("loss_agg")))
-        if isinstance(algo.get("scale_rewards"), bool):
-            algo["scale_rewards"] = "group" if algo["scale_rewards"] else "none"
-    noise = data.get("noise")
-    if isinstance(noise, dict) and noise.get("schedule") == "adaptive" and "target_relative" not in noise:
-        data["noise"] = {**noise, "target_relative": False}
-    return _fill(data, Config)
-
-
 def from_dict(data: dict) -> Config:
     """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`), read through
     `upgrade`."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    data = {k: v for k, v in upgrade(data).items() if k in fields}
+    data = {k: v for k, v in upgrade(data, Config).items() if k in fields}
     merged = OmegaConf.merge(OmegaConf.structured(Config), data)
     return to_config(merged)

@@ -168,7 +168,7 @@ def _merge(args: ExportCommand, tmp: Path, tok, trained: Sequences, trained_logi
             zip(trained.completion_ids.cpu(), trained.completion_mask.cpu(), ours.completion_ids.cpu(), ours.completion_mask.cpu())]
     return {"prompts": len(same), "greedy_identical": sum(same), "tokens": int(on.sum()),
             "argmax_agreement": float((logits.argmax(-1) == trained.completion_ids.cpu())[on].float().mean()),
-            "mean_kl": float(kl_full(trained_logits, logits)[on].mean())}
+            "mean_kl": float(kl_full(trained_logits, logits).clamp(min=0)[on].mean())}  # KL >= 0: below is rounding
 
 
 def _greedy(model, ids: torch.Tensor, mask: torch.Tensor, tok, tokens: int) -> Sequences:

@@ -193,6 +193,27 @@ def test_requantizing_the_sampler_draws_no_random_numbers(fmt):
     assert torch.equal(torch.get_rng_state(), before)
 
 
+# --------------------------------------------------------------------------- sampling controls
+
+
+@pytest.mark.parametrize("stop", ["</answer>", "</think>"])
+def test_no_logged_completion_continues_past_its_stop_string(tmp_path, monkeypatch, stop):
+    """The run of `algo.top_k=5 algo.min_p=0.05 'algo.stop=["</answer>"]'`: every completion the
+    tracker logs ends at the first stop string, which it keeps; `</think>` stops the embedded
+    model mid-answer, so the stop is seen to act."""
+    logged = []
+    monkeypatch.setattr(train.Tracker, "log_completions", lambda self, step, rows: logged.extend(rows))
+    rows = _run(tmp_path / "run", "algo.top_k=5", "algo.min_p=0.05", f"algo.stop=['{stop}']", "train.steps=3",
+                "tracker.completions_every=1")
+    texts = [completion for _, completion, _ in logged]
+    assert len(rows) == 3 and len(texts) == 3 * 2
+    assert all(stop not in t or t.index(stop) == len(t) - len(stop) for t in texts), texts
+    assert sum(t.endswith(stop) for t in texts) >= len(texts) // 2, texts
+    if stop == "</think>":
+        assert not any("<answer>" in t for t in texts)
+        assert all(r["completions/clipped_ratio"] == 0 for r in rows)  # a stop string ends, not truncates
+
+
 # --------------------------------------------------------------------------- the entropy bonus
 
 
