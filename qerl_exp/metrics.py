@@ -12,7 +12,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | rewards/<fn>/mean | mean of reward function `fn` per completion |
 | frac_reward_zero_std | fraction of groups whose rewards are all equal (no learning signal) |
 | completions/mean_length | mean completion length in tokens (EOS included) |
-| completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
+| completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS or a stop string |
 | clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low, over every token of every update of the step (0 with one update: the ratio is 1) |
 | clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high, likewise |
 | kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA); logged every step when `algo.beta > 0`, else every `monitor.kl_every` steps |
@@ -273,7 +273,7 @@ def step_metrics(
         rewards: `[B]` per reward function, each group's rows adjacent.
         group_size: completions per prompt.
         mask: `[B, T]` completion tokens.
-        terminated: `[B]` completions that ended with EOS.
+        terminated: `[B]` completions that ended with EOS or a stop string.
         sampler_logp: `[B, T]` log-probs under the policy that sampled (quantized, noisy).
         sampler_entropy: `[B, T]` its entropies.
         learner_logp: `[B, T]` the learner's log-probs before the update.

@@ -342,7 +342,7 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     rewards = {name: torch.tensor([fn(text, p) for text, p in zip(rollout.texts, repeated)], device=device)
                for name, fn in loop.task.rewards.items()}
     total = sum(rewards.values())
-    advantages = group_advantages(total, G, algo.scale_rewards, distributed.gather(total))
+    advantages = group_advantages(total, G, algo.scale_rewards, distributed.gather(total) if algo.scale_rewards == "batch" else None)
     mask = rollout.completion_mask
     loss_mask = tokens_in_loss(mask, rollout.terminated, total, algo)
 

@@ -18,9 +18,9 @@ from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, _Ca
                                     build_model, decode_n_tokens, decode_one_token, prefill, sample_next,
                                     setup_caches, share_prompts, stack_dense)
 from qerl_exp.engine.launch import require_device
-from qerl_exp.engine.sampling import Filters
 from qerl_exp.engine.layout import PackedWeight
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
+from qerl_exp.engine.sampling import Filters
 from qerl_exp.engine.triton_kernels import pow2
 
 # dense_gemm="auto": cuBLAS computes dense base products from this many rows. A 7B rollout
