@@ -9,7 +9,8 @@ Both take their settings from one harness config (`model=smollm2-135m task=wordp
 overrides given): the model and tokenizer as the harness loads them (bf16), LoRA with the config's
 rank, alpha and targets, `train.prompts_per_step` prompts x `algo.group_size` completions a step
 drawn from the task with the run's seed, rendered through the chat template with the task's system
-prompt, `algo.max_new_tokens`, temperature, the clip range, beta 0, the task's reward functions,
+prompt, `algo.max_new_tokens`, temperature, top-p, top-k, min-p, the clip range, the loss (TRL's names:
+`loss_type`, `importance_sampling_level`, `scale_rewards`, `mask_truncated_completions`), beta 0, the task's reward functions,
 AdamW at `train.lr` with the same warm-up and cosine decay, grad clip. TRL samples with HF
 `generate` and scores with its own learner; the harness runs as `python -m qerl_exp` (its CUDA
 engine and padding-free learner), with the full-precision monitor and the `kl` passes off, as TRL
@@ -99,7 +100,9 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     config = GRPOConfig(
         output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=batch, generation_batch_size=batch,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-        beta=0.0, epsilon=a.eps_low, epsilon_high=a.eps_high, loss_type="dapo" if a.loss_agg == "token" else "grpo",
+        top_k=a.top_k or None, min_p=a.min_p or None, beta=0.0, epsilon=a.eps_low, epsilon_high=a.eps_high,
+        loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level, scale_rewards=a.scale_rewards,
+        mask_truncated_completions=a.mask_truncated_completions,
         learning_rate=cfg.train.lr, lr_scheduler_type="cosine", warmup_steps=cfg.train.warmup_ratio,
         max_grad_norm=cfg.train.grad_clip, weight_decay=cfg.train.weight_decay, bf16=True, logging_steps=1,
         save_strategy="no", report_to="none", seed=cfg.seed, shuffle_dataset=False,

@@ -14,7 +14,7 @@ import torch
 @dataclass
 class Sequences:
     """Prompts with completions: what the teacher-forced scorers (`loss.score_completions`,
-    `packed.score`) read."""
+    `padding_free.score`) read."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
@@ -25,9 +25,9 @@ class Sequences:
 @dataclass
 class Rollout(Sequences):
     """A batch of sampled completions. B = prompts * group_size, rows of a group adjacent; the
-    completion mask is 1 up to and including EOS."""
+    completion mask is 1 up to and including EOS, or the last token of a stop string."""
 
-    sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the sampler (logits / temperature)
-    sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's distribution at each position
-    terminated: torch.Tensor  # [B] bool: ended with EOS (else clipped at max_new_tokens)
+    sampler_logp: torch.Tensor  # [B, T] log-prob of each sampled token under the distribution it was drawn from
+    sampler_entropy: torch.Tensor  # [B, T] entropy of the sampler's softmax(logits / temperature) at each position
+    terminated: torch.Tensor  # [B] bool: ended with EOS or a stop string (else clipped at max_new_tokens)
     texts: list[str]  # decoded completions

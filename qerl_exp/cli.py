@@ -22,13 +22,15 @@ import re
 import sys
 import typing
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.retired import unknown_key_line
 from qerl_exp.logs import quiet
 from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
 
@@ -151,7 +153,7 @@ def _explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) ->
         if field:
             return (f"{field} is a dict whose keys are yours: add one with Hydra's +, +{key}=VALUE, or give it whole "
                     f"with ++{field}={{{key.rpartition('.')[2]}: VALUE}}")
-        return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
+        return unknown_key_line(key)
     if key:
         return f"bad value for '{key}': {detail}"
     if "Could not override" in first or "Error merging" in first:
@@ -191,7 +193,29 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
     choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     with open_dict(cfg):
         del cfg["hydra"]
-    return to_config(cfg), choices
+    config = to_config(cfg)
+    if choices.get("model") == EMBEDDED and config.model.source == "pretrained":
+        config = _checkpoint_defaults(config, overrides)
+    return config, choices
+
+
+EMBEDDED = "tiny"  # the preset of the embedded model, the default of the `model` group
+
+
+def _checkpoint_defaults(cfg: Config, overrides: list[str]) -> Config:
+    """`model.name=<a checkpoint>` on the embedded model's preset: the settings that preset tunes for
+    the embedded model (lr, completion length, the monitor) take the schema's defaults instead, as
+    for a checkpoint preset, unless the command line or another preset set them."""
+    tuned = flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{EMBEDDED}.yaml")).items()
+                            if k != "model"})
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    composed, default = flatten(as_dict(cfg)), flatten(as_dict(Config()))
+    groups: dict[str, dict] = {}
+    for key, value in tuned.items():
+        if composed[key] == value and not any(key == n or key.startswith(n + ".") for n in named):
+            group, leaf = key.split(".", 1)
+            groups.setdefault(group, {})[leaf] = default[key]
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **v) for g, v in groups.items()})
 
 
 def check_hydra_overrides(overrides: list[str]) -> None:
@@ -232,6 +256,42 @@ def validate(overrides: list[str], multirun: bool) -> list[Config]:
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
             raise UsageError(_explain(e, job)) from None
     return configs
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise `UsageError(message)` unless `ok`: a command's argument checks."""
+    if not ok:
+        raise UsageError(message)
+
+
+def key_values(argv: list[str], types: dict[str, str]) -> dict[str, object]:
+    """`key=value` arguments of a command (`python -m qerl_exp.eval`, `.export`) as typed values.
+
+    Args:
+        argv: the arguments.
+        types: each key's type, as a dataclass field names it: `str`, `int`, `float` or `bool`.
+
+    Raises:
+        UsageError: one line naming the argument that is not key=value, not a key, or not of its type.
+    """
+    values = {}
+    for arg in argv:
+        key, sep, raw = arg.partition("=")
+        if not sep:
+            raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
+        if key not in types:
+            raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                values[key] = raw.lower() in ("true", "1", "yes")
+            else:
+                values[key] = {"int": int, "float": float, "str": str}[kind](raw)
+        except ValueError:
+            raise UsageError(f"bad value for {key!r}: {raw!r} is not a {kind}") from None
+    return values
 
 
 def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
@@ -400,3 +460,24 @@ def tolerate_closed_pipes() -> None:
 def fail(message: str, code: int = 2) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message's first line (its type's name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextmanager
+def one_line_errors(path_key: str, interrupted: str):
+    """A command's expected faults as one `error:` line and a non-zero exit: Ctrl-C (130, saying
+    `interrupted`), a storage fault naming `path_key`, the setting that chose the path, or any
+    ValueError or RuntimeError (1)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        fail(interrupted, code=130)
+    except OSError as e:
+        fail(os_error_line(e, path_key) or f"{type(e).__name__}: {first_line(e)}", code=1)
+    except (ValueError, RuntimeError) as e:
+        fail(f"{type(e).__name__}: {first_line(e)}", code=1)

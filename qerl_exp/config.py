@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from omegaconf import DictConfig, OmegaConf
 
+from qerl_exp.retired import RETIRED, unknown_key_line, upgrade
 from qerl_exp.schema import ConfigError, schema
 from qerl_exp.schema import check as _check
 from qerl_exp.schema import choice as _choice
@@ -197,9 +198,12 @@ class NoiseConfig:
         apply_to: `sampler` (paper) or `both` (the learner's forward is noisy too, same draw).
         target: adaptive only: the measured quantity to steer, `entropy` (sampler entropy) or
             `entropy_gain`.
-        target_value: adaptive only: the set point for `target`, in nats.
+        target_value: adaptive only: the set point for `target`: with `target_relative`, a multiple
+            of the model's own entropy at step 0; else in nats.
+        target_relative: adaptive only: the set point is `target_value` times the learner's entropy
+            (no noise) on the first step's rollout: one setting suits models whose entropies differ.
         gain: adaptive only: multiplicative step of sigma per step, log(sigma) moves by
-            gain * (target_value - measured) / max(target_value, 1e-3).
+            gain * (set point - measured) / max(set point, 1e-3).
         sigma_min: adaptive only: lower bound on sigma.
         sigma_max: adaptive only: upper bound on sigma.
     """
@@ -215,7 +219,8 @@ class NoiseConfig:
     resample: str = "step"
     apply_to: str = "sampler"
     target: str = "entropy"
-    target_value: float = 0.5
+    target_value: float = 1.2
+    target_relative: bool = True
     gain: float = 0.5
     sigma_min: float = 1e-5
     sigma_max: float = 1e-1
@@ -234,32 +239,50 @@ class NoiseConfig:
         _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
         _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
+        _check(not self.target_relative or self.target_value > 0, f"noise.target_value must be > 0 with noise.target_relative=true, got {self.target_value}")
+
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
 @schema
 class AlgoConfig:
-    """The policy-gradient objective (GRPO or DAPO).
+    """The policy-gradient objective (GRPO or DAPO) and how completions are sampled. Names and
+    meanings follow TRL's `GRPOConfig`; `docs/losses.md` writes each loss out.
 
     Args:
         name: `grpo` or `dapo`; a label recorded with the run, the fields below define the math.
         group_size: completions drawn per prompt (G); advantages are normalized within a group.
         eps_low: lower clip of the importance ratio, 1 - eps_low.
         eps_high: upper clip of the importance ratio, 1 + eps_high (DAPO's clip-higher).
-        loss_agg: `token` averages the loss over all completion tokens of the batch (DAPO);
-            `sequence` averages within each completion, then over completions (GRPO).
-        scale_rewards: divide advantages by the group's reward std (both GRPO and DAPO do).
+        loss_type: how token losses make the batch loss: `grpo` the mean over completions (with a
+            token in the loss) of each one's token mean; `bnpo` each rank's token mean, averaged over
+            ranks; `dapo` the whole batch's token mean; `dr_grpo` the token sum over (completions x
+            max_new_tokens). One process: bnpo equals dapo.
+        importance_sampling_level: `token` (a ratio pi / pi_old per token) or `sequence` (GSPO: a
+            completion's exp(mean of its tokens' log-ratios), clipped and applied to all its tokens).
+        scale_rewards: divide the group-centred rewards by their std within the `group`, over the
+            whole `batch` (every rank), or not at all (`none`, Dr. GRPO's choice).
+        mask_truncated_completions: completions that reached `max_new_tokens` without EOS or a stop
+            string leave the loss (DAPO's overlong filtering).
         beta: coefficient of the KL penalty to the reference policy; 0 in QeRL. The KL is
             logged either way.
         kl_estimator: the per-token penalty when beta > 0. `k3`: exp(r) - r - 1, r = logp_ref -
             logp; its value estimates KL(policy || ref) but its gradient is that of KL(ref ||
-            policy). `k3_ratio`: k3 times the ratio pi / pi_old (gradient through the ratio), as
+            policy). `k3_ratio`: k3 times the importance ratio (gradient through the ratio), as
             TRL's `use_bias_correction_kl`; its gradient is that of KL(policy || ref).
         entropy_coef: entropy bonus coefficient; 0 in QeRL, offered as an extension.
         filter_zero_std: drop groups whose rewards are all equal from the loss (DAPO's dynamic
             sampling, without refilling).
         temperature: sampling temperature; log-probs and entropies use logits / temperature.
         top_p: nucleus sampling threshold (1 disables it).
-        max_new_tokens: completion length cap.
+        top_k: sample among the k most likely tokens (0 disables it).
+        min_p: drop tokens less likely than min_p times the most likely one (0 disables it).
+        stop: strings that end a completion: it ends at the first one, which is kept; the tokens
+            sampled after it count nowhere (loss, metrics, text). The checkpoint's EOS ids (its
+            tokenizer's and every one its `generation_config.json` names) always end one.
+        max_new_tokens: completion length cap (room for a worked answer in the <think> format; the
+            embedded model's preset sets 32).
         tis_cap: truncated importance sampling: weight each token's loss by
             min(pi_old / pi_sampler, tis_cap), pi_old the learner before this step's first update,
             pi_sampler the (quantized, noisy) policy that sampled; 0 disables it.
@@ -274,15 +297,20 @@ class AlgoConfig:
     group_size: int = 8
     eps_low: float = 0.2
     eps_high: float = 0.2
-    loss_agg: str = "sequence"
-    scale_rewards: bool = True
+    loss_type: str = "grpo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    mask_truncated_completions: bool = False
     beta: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     filter_zero_std: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 32
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    max_new_tokens: int = 1024
     tis_cap: float = 0.0
     num_iterations: int = 1
     mini_batches: int = 1
@@ -292,13 +320,20 @@ class AlgoConfig:
         _check(self.mini_batches >= 1, f"algo.mini_batches must be >= 1, got {self.mini_batches}")
         _check(self.tis_cap >= 0, f"algo.tis_cap must be >= 0, got {self.tis_cap}")
         _choice("algo.name", self.name, ("grpo", "dapo"))
-        _choice("algo.loss_agg", self.loss_agg, ("token", "sequence"))
+        _choice("algo.loss_type", self.loss_type, LOSS_TYPES)
+        _choice("algo.importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        # YAML's and the command line's true/false reach a string field as "True"/"False"
+        _check(str(self.scale_rewards).lower() not in ("true", "false"), RETIRED["algo.scale_rewards"])
+        _choice("algo.scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         _choice("algo.kl_estimator", self.kl_estimator, ("k3", "k3_ratio"))
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
         _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
         _check(self.temperature > 0, f"algo.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"algo.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"algo.top_k must be >= 0 (0: off), got {self.top_k}")
+        _check(0 <= self.min_p < 1, f"algo.min_p must be in [0, 1) (0: off), got {self.min_p}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "algo.stop entries must be non-empty strings, e.g. 'algo.stop=[\"</answer>\"]'")
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
@@ -310,7 +345,8 @@ class TrainConfig:
         steps: RL steps (one rollout batch and one policy update each).
         prompts_per_step: distinct prompts per step; the batch holds prompts_per_step * group_size
             completions.
-        lr: AdamW peak learning rate.
+        lr: AdamW peak learning rate; the default is the paper's for 4-bit bases (5e-6 for bf16 LoRA,
+            which collapses above it); the embedded model's preset sets 2e-3.
         weight_decay: AdamW weight decay.
         warmup_ratio: fraction of steps of linear LR warm-up, then cosine decay to 0.
         grad_clip: max global grad norm (0 disables clipping).
@@ -455,13 +491,13 @@ class MonitorConfig:
     full-precision reference) and the reference passes behind `kl`.
 
     Args:
-        every: steps between monitor evaluations on the rollout batch; 0 disables the
-            reference model (for models too large to hold twice).
+        every: steps between monitor evaluations on the rollout batch; 0 disables the reference (a
+            second, full-precision copy of the base: off for checkpoints; the embedded model's preset sets 1).
         kl_every: at `algo.beta == 0`, steps between reference passes (the base without LoRA on
             the rollout) that log `kl`; 0: never. At beta > 0 the loss needs one every step.
     """
 
-    every: int = 1
+    every: int = 0
     kl_every: int = 10
 
     def __post_init__(self) -> None:
@@ -591,7 +627,7 @@ def to_config(cfg: DictConfig) -> Config:
             valid choices.
     """
     unknown = _unknown_keys(cfg, Config)
-    _check(not unknown, f"unknown config key '{unknown[0] if unknown else ''}'; check the spelling, or list the fields with --cfg job")
+    _check(not unknown, unknown_key_line(unknown[0]) if unknown else "")
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config), type(obj)
     return obj
@@ -602,13 +638,10 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-RETIRED_KEYS = {("train", "compile")}  # saved by earlier versions, set nothing now: dropped on reading
-
-
 def from_dict(data: dict) -> Config:
-    """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`)."""
+    """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`), read through
+    `upgrade`."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    data = {k: ({kk: vv for kk, vv in v.items() if (k, kk) not in RETIRED_KEYS} if isinstance(v, dict) else v)
-            for k, v in data.items() if k in fields}
+    data = {k: v for k, v in upgrade(data, Config).items() if k in fields}
     merged = OmegaConf.merge(OmegaConf.structured(Config), data)
     return to_config(merged)

@@ -14,8 +14,10 @@ The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler 
 Each update accumulates gradients over micro-batches: with `train.padding_free` (the default),
 rows packed up to `train.micro_batch_tokens` tokens and scored by `qerl_exp.padding_free`; otherwise
 `train.micro_batch_size` left-padded rows through the HF forward (`loss.score_completions`). The
-loss is normalised by the whole mini-batch's tokens or completions, so the gradient equals that of
-one pass over the mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
+loss is normalised by a count over the whole mini-batch (`loss.loss_normalizer`: its tokens, its
+completions, or its completions times `max_new_tokens`, by `algo.loss_type`), and a row is never
+split (GSPO's ratio is a whole completion's), so the gradient equals that of one pass over the
+mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
 holds its share of every mini-batch: the normaliser counts all ranks' tokens, the gradients are
 summed over the ranks before clipping, and the loss and clip counters cover every rank's tokens.
 """
@@ -193,7 +195,7 @@ def update_policy(
     host = on_host(rollout)  # micro-batches are planned, cut and packed from it: no wait for the GPU in between
     for _ in range(algo.num_iterations):
         for mini in torch.arange(b).chunk(algo.mini_batches):
-            normalizer = loss_normalizer(loss_mask[mini], algo.loss_agg, distributed.total)
+            normalizer = loss_normalizer(loss_mask[mini], algo, distributed.total, distributed.world_size())
             optimizer.zero_grad(set_to_none=True)
             loss, dev = torch.zeros((), device=device), torch.zeros((), device=device)
             with padding_free.same_adapters():  # until optimizer.step
@@ -205,13 +207,13 @@ def update_policy(
                                           host=rows(host, idx, cut))
                     if not reuse:  # one update: the learner before it is the old policy
                         old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
+                    mask = loss_mask[idx, :w]
                     per_token, ratio = policy_loss(
-                        logp, old_logp[idx, :w], advantages[idx], algo,
+                        logp, old_logp[idx, :w], advantages[idx], algo, mask=mask,
                         ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
                         sampler_logp=sub.sampler_logp,
                     )
-                    mask = loss_mask[idx, :w]
-                    part = aggregate(per_token, mask, algo.loss_agg, normalizer)
+                    part = aggregate(per_token, mask, algo.loss_type, normalizer)
                     part.backward()
                     ratio, on = ratio.detach(), mask.bool()
                     loss = loss + part.detach()

@@ -12,7 +12,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | rewards/<fn>/mean, rewards/<fn>/std | mean and std of reward function `fn`'s values, unweighted, over the completions it applies to (not None), as TRL logs them |
 | frac_reward_zero_std | fraction of groups whose rewards are all equal (no learning signal) |
 | completions/mean_length | mean completion length in tokens (EOS included) |
-| completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS |
+| completions/clipped_ratio | fraction of completions cut at max_new_tokens without EOS or a stop string |
 | clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low, over every token of every update of the step (0 with one update: the ratio is 1) |
 | clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high, likewise |
 | kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA); logged every step when `algo.beta > 0`, else every `monitor.kl_every` steps |
@@ -35,6 +35,7 @@ these functions; it never builds metric names itself. Token means are over compl
 | loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 | noise/target_error | `noise=adaptive` only: the controller's set point minus the measured entropy (or entropy gain) |
+| noise/target | `noise=adaptive` only: the controller's set point in nats (`noise.target_value`, or with `noise.target_relative` that multiple of the learner's entropy on the first step's rollout) |
 | eval/pass@1, eval/pass@k, eval/mean@n, eval/format, eval/reward, eval/clipped_ratio, eval/solution_logp, eval/problems, eval/seconds | held-out evaluation (`eval.every`, `python -m qerl_exp.eval`): greedy exact-answer accuracy, unbiased pass@k over n samples, their mean accuracy, greedy format rate, reward, truncation rate, mean log-prob of the reference solutions, problem count, wall time |
 | eval/ood/pass@1, eval/ood/pass@k, eval/ood/mean@n, eval/ood/format, eval/ood/reward, eval/ood/clipped_ratio, eval/ood/solution_logp, eval/ood/problems, eval/ood/seconds | the same on the task's out-of-template split (`wordprob`'s `ood`), logged beside the held-out ones by every evaluation of a task that has one |
 | eval/start/pass@1, eval/start/pass@k, eval/start/mean@n, eval/start/format, eval/start/reward, eval/start/clipped_ratio, eval/start/solution_logp, eval/start/problems, eval/start/seconds, eval/ood/start/pass@1, eval/ood/start/pass@k, eval/ood/start/mean@n, eval/ood/start/format, eval/ood/start/reward, eval/ood/start/clipped_ratio, eval/ood/start/solution_logp, eval/ood/start/problems, eval/ood/start/seconds | `eval.at_start`: the same, of the policy before its first update (the base: LoRA starts as the identity), logged at step 0 |
@@ -318,7 +319,7 @@ def step_metrics(
         weights: each reward function's weight.
         group_size: completions per prompt.
         mask: `[B, T]` completion tokens.
-        terminated: `[B]` completions that ended with EOS.
+        terminated: `[B]` completions that ended with EOS or a stop string.
         sampler_logp: `[B, T]` log-probs under the policy that sampled (quantized, noisy).
         sampler_entropy: `[B, T]` its entropies.
         learner_logp: `[B, T]` the learner's log-probs before the update.
@@ -355,9 +356,10 @@ def final_window(steps: int, fraction: float = FINAL_FRACTION) -> int:
     return max(1, min(steps, math.ceil(fraction * steps - 1e-9)))
 
 
-def noise_controller_metrics(target_error: float) -> dict[str, float]:
-    """The adaptive noise controller's set point minus its measurement (nan when not measured)."""
-    return {"noise/target_error": target_error}
+def noise_controller_metrics(target_error: float, target: float) -> dict[str, float]:
+    """The adaptive noise controller's set point, and the set point minus its measurement (nan when
+    not measured)."""
+    return {"noise/target_error": target_error, "noise/target": target}
 
 
 def eval_prefix(split: str, start: bool = False) -> str:

@@ -23,7 +23,12 @@ Schedules (`sigma_at`), with K = num_stages stages of equal length, stage k = fl
 - `adaptive` (our extension, not the paper's method): a bounded controller. It starts at
   `noise.sigma` and after each step moves log(sigma) by gain * (target - measured) / target,
   where measured is the step's `sampler/entropy` (or `entropy_gain`), clamped to
-  [sigma_min, sigma_max]. Too little entropy raises sigma, too much lowers it.
+  [sigma_min, sigma_max]. Too little entropy raises sigma, too much lowers it. With
+  `noise.target_relative` (the default) the target is set from the model's own entropy H0 (the
+  learner's, without noise) on the first step's rollout: `target_value * H0` for `entropy`,
+  `(target_value - 1) * H0` for `entropy_gain`, so that target_value is the wanted sampler entropy
+  as a multiple of the model's own either way. A sigma that sits at a bound for a tenth of the run
+  means the target is out of reach: `Schedule.pinned_warning` says so, once.
 """
 
 from __future__ import annotations
@@ -93,28 +98,60 @@ class Schedule:
     def __init__(self, cfg: NoiseConfig, total_steps: int):
         self.cfg, self.total_steps = cfg, total_steps
         self.sigma = cfg.sigma  # adaptive controller state
+        self.own_entropy: float | None = None  # H0, the relative target's unit
+        self.pinned = 0  # consecutive steps the controller's sigma ended at a bound
+        self.warned = False
 
     def __call__(self, step: int) -> tuple[float, int]:
         sigma, stage = sigma_at(self.cfg, step, self.total_steps)
         return (self.sigma, stage) if self.cfg.schedule == "adaptive" else (sigma, stage)
 
+    def set_point(self) -> float | None:
+        """The controller's target for the measured quantity (None until H0 is known)."""
+        if not self.cfg.target_relative:
+            return self.cfg.target_value
+        if self.own_entropy is None:
+            return None
+        return (self.cfg.target_value - (self.cfg.target == "entropy_gain")) * self.own_entropy
+
     def observe(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed the step's metrics to the controller; returns its state to log."""
         if self.cfg.schedule != "adaptive":
             return {}
+        own = metrics.get("entropy")
+        if self.own_entropy is None and own is not None and math.isfinite(own):
+            self.own_entropy = own
+        target = self.set_point()
         measured = metrics.get("sampler/entropy" if self.cfg.target == "entropy" else "entropy_gain")
-        if measured is None or not math.isfinite(measured):
-            return noise_controller_metrics(float("nan"))
-        error = self.cfg.target_value - measured
-        step = self.cfg.gain * error / max(abs(self.cfg.target_value), 1e-3)
+        if target is None or measured is None or not math.isfinite(measured):
+            return noise_controller_metrics(float("nan"), float("nan") if target is None else target)
+        error = target - measured
+        step = self.cfg.gain * error / max(abs(target), 1e-3)
         self.sigma = min(max(self.sigma * math.exp(step), self.cfg.sigma_min), self.cfg.sigma_max)
-        return noise_controller_metrics(error)
+        self.pinned = self.pinned + 1 if self.sigma in (self.cfg.sigma_min, self.cfg.sigma_max) else 0
+        return noise_controller_metrics(error, target)
+
+    def pinned_warning(self) -> str | None:
+        """One line, the first time the controller's sigma has sat at a bound for a tenth of the
+        run's steps: the target is out of the reach of [sigma_min, sigma_max]."""
+        if self.warned or self.pinned < max(1, math.ceil(self.total_steps / 10)):
+            return None
+        self.warned = True
+        at_max = self.sigma == self.cfg.sigma_max
+        bound = "noise.sigma_max" if at_max else "noise.sigma_min"
+        fix = ("lower noise.target_value or raise noise.sigma_max" if at_max else
+               "raise noise.target_value or lower noise.sigma_min")
+        what = "sampler entropy" if self.cfg.target == "entropy" else "entropy gain"
+        return (f"warning: noise=adaptive has held sigma at {bound} ({self.sigma:g}) for {self.pinned} steps: the "
+                f"{what} target ({self.set_point():.3g} nats) is out of its reach; {fix}")
 
     def state_dict(self) -> dict:
-        return {"sigma": self.sigma}
+        return {"sigma": self.sigma, "own_entropy": self.own_entropy, "pinned": self.pinned, "warned": self.warned}
 
     def load_state_dict(self, state: dict) -> None:
         self.sigma = float(state["sigma"])
+        self.own_entropy = state.get("own_entropy")
+        self.pinned, self.warned = state.get("pinned", 0), state.get("warned", False)
 
 
 def noisy_norms(model: nn.Module, include_final_norm: bool) -> list[tuple[str, nn.Module]]:

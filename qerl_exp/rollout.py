@@ -5,15 +5,28 @@ The sampler is the policy as it stands (quantized base + LoRA), with AQN applied
 around `sample`. Two engines share one contract (`Rollout`): HF `generate` (any device) and our
 static-cache CUDA-graph engine (`qerl_exp.engine`, CUDA only); `rollout.engine=auto` picks the
 fast one on CUDA.
+
+What a token is drawn from, in both engines: softmax of the logits / temperature, cut by HF's
+top-k, top-p and min-p filters in that order (`warpers`; the engine's `engine.sampling` keeps the
+same tokens). A completion ends at the first of the tokenizer's EOS ids (the checkpoint's
+generation config may name several) or after the token that completes a stop string
+(`algo.stop`, `cut_at_stop`). `Rollout.sampler_logp` holds each sampled token's log-prob under
+that filtered, renormalised distribution, the one it was drawn from, as vLLM reports it with
+`logprobs_mode=processed_logprobs`: the behaviour policy that importance weights (`algo.tis_cap`)
+divide by. `Rollout.sampler_entropy` is the entropy of the unfiltered softmax(logits /
+temperature), the model's own, comparable with the learner's and the reference's. A checkpoint's
+other generation defaults (its temperature, top-k/p, repetition penalty) are not applied: the
+learner scores the plain softmax.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, StoppingCriteria, StoppingCriteriaList,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from qerl_exp.batch import Rollout, Sequences
 from qerl_exp.config import AlgoConfig
@@ -37,7 +50,7 @@ class _FiniteLogits(LogitsProcessor):
 class RowSampling(LogitsProcessor):
     """Turn greedy decoding into sampling, each row from its own random stream.
 
-    Placed after the temperature and top-p warpers: argmax(scores + Gumbel noise) is an exact draw
+    Placed after the warpers (`warpers`): argmax(scores + Gumbel noise) is an exact draw
     from softmax(scores) (the Gumbel-max trick). Row i's noise comes from a generator seeded with
     `seeds[i]`, so its tokens depend on its seed and its logits only, not on the other rows of the
     batch: a prompt samples the same completions on whichever rank of a data-parallel run draws it.
@@ -71,17 +84,75 @@ def encode_prompts(prompts: list[str], tokenizer, device: torch.device | str = "
     return ids.to(device), mask.to(device)
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask `[B, T]` that is 1 up to and including the first EOS, and `[B]` whether EOS came."""
-    is_eos = completion_ids == eos_id
+def warpers(temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> list[LogitsProcessor]:
+    """HF's processors that make the distribution a token is drawn from, in `generate`'s order:
+    logits / temperature, then top-k, top-p and min-p (each only where it cuts anything)."""
+    return [TemperatureLogitsWarper(temperature), *([TopKLogitsWarper(top_k)] if top_k else []),
+            *([TopPLogitsWarper(top_p)] if top_p < 1 else []), *([MinPLogitsWarper(min_p)] if min_p else [])]
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_id: int | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask `[B, T]` that is 1 up to and including the first EOS (any of `eos_id`'s ids; -1 or none:
+    no token ends a completion), and `[B]` whether EOS came."""
+    ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    is_eos = torch.isin(completion_ids, torch.tensor(ids or [-1], device=completion_ids.device))
     terminated = is_eos.any(dim=1)
     # Positions strictly after the first EOS are masked out.
     after = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
     return (~after).long(), terminated
 
 
-def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, eos_id: int, pad_id: int,
-                temperature: float, top_p: float, processors: list[LogitsProcessor] | None = None,
+def cut_at_stop(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
+                stop: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """End each completion after the token that completes the first of the `stop` strings in its text.
+
+    Args:
+        tokenizer: decodes the completion's tokens.
+        completion_ids: `[B, T]` sampled tokens.
+        mask: `[B, T]` the completion's tokens (`completion_mask`).
+        stop: the stop strings; a completion keeps the one it ends with.
+
+    Returns:
+        `(mask, stopped)`: the mask without the tokens after the stop string, and `[B]` which
+        completions a stop string ended.
+    """
+    stopped = torch.zeros(mask.shape[0], dtype=torch.bool)
+    if not stop:
+        return mask, stopped.to(mask.device)
+    out = mask.clone()
+
+    def has_stop(tokens: list[int]) -> bool:
+        text = tokenizer.decode(tokens)
+        return any(s in text for s in stop)
+
+    for i, (row, n) in enumerate(zip(completion_ids.tolist(), mask.sum(dim=1).tolist())):
+        if not has_stop(row[:n]):
+            continue
+        lo, hi = 1, n  # the shortest prefix whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if has_stop(row[:mid]) else (mid + 1, hi)
+        out[i, lo:] = 0
+        stopped[i] = True
+    return out, stopped.to(mask.device)
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row of `generate` once the text of its last tokens holds a stop string (`cut_at_stop`
+    then finds where); it only saves compute: rows that never stop run to EOS or the cap."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+        self.window = max(map(len, self.stop)) + 1  # tokens: each decodes to at least one character
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        tails = input_ids[:, self.prompt_len:][:, -self.window:].tolist()
+        return torch.tensor([any(s in self.tokenizer.decode(t) for s in self.stop) for t in tails], device=input_ids.device)
+
+
+def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int, eos_id: int | Sequence[int],
+                pad_id: int, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0,
+                stop: Sequence[str] = (), tokenizer=None, processors: list[LogitsProcessor] | None = None,
                 output_logits: bool = False, seeds: list[int] | None = None):
     """The project's one call of `transformers` `generate`: the sampler's, evaluation's and the
     warm-up's completions all come from here.
@@ -91,10 +162,15 @@ def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
         ids: `[B, P]` left-padded prompt ids.
         mask: `[B, P]` their attention mask.
         max_new_tokens: completion length cap.
-        eos_id: the token that ends a completion (-1: none does).
+        eos_id: the token, or tokens, that end a completion (-1 or none: none does).
         pad_id: the padding token.
         temperature: sampling temperature; 0 decodes greedily.
-        top_p: nucleus threshold of sampling (no top-k cut).
+        top_p: nucleus threshold of sampling (1: off).
+        top_k: sample among the k most likely tokens (0: off).
+        min_p: drop tokens less likely than min_p times the most likely (0: off).
+        stop: strings after which a row stops (with `tokenizer`, which decodes them); the caller cuts
+            the completion there (`cut_at_stop`).
+        tokenizer: the project tokenizer, for `stop`.
         processors: logits processors run before sampling.
         output_logits: also return the raw logits of every generated position.
         seeds: one per row: each row samples from its own generator (`RowSampling`), so its
@@ -105,25 +181,36 @@ def hf_generate(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
     """
     processors = list(processors or [])
     if temperature > 0 and seeds is not None:
-        # greedy decoding over tempered, top-p filtered, Gumbel-perturbed scores: sampling, row by row
-        processors += [TemperatureLogitsWarper(temperature), *([TopPLogitsWarper(top_p)] if top_p < 1 else []),
-                       RowSampling(seeds, ids.device)]
+        # greedy decoding over tempered, filtered, Gumbel-perturbed scores: sampling, row by row
+        processors += [*warpers(temperature, top_p, top_k, min_p), RowSampling(seeds, ids.device)]
         how = dict(do_sample=False)
     elif temperature > 0:
-        how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or None)
     else:
         how = dict(do_sample=False)
+    ids_list = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    stopping = StoppingCriteriaList([_StopStrings(tokenizer, stop, ids.shape[1])] if stop else [])
     return model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-        logits_processor=LogitsProcessorList(processors), output_logits=output_logits,
-        return_dict_in_generate=True, **how,
+        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=ids_list or [-1],
+        pad_token_id=pad_id, logits_processor=LogitsProcessorList(processors), stopping_criteria=stopping,
+        output_logits=output_logits, return_dict_in_generate=True,
+        repetition_penalty=1.0,  # not a checkpoint's own (Qwen2.5-Instruct's is 1.05): the learner has none
+        **how,
     )
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, eos_ids: Sequence[int]) -> list[str]:
+    """The text of each completion's tokens (`mask`), without its EOS."""
+    eos = set(eos_ids)
+    return [tokenizer.decode([t for t, m in zip(row, on) if m and t not in eos])
+            for row, on in zip(completion_ids.tolist(), mask.tolist())]
 
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
              max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None,
-             engine: str = "hf") -> tuple[list[str], list[bool]]:
+             engine: str = "hf", top_k: int = 0, min_p: float = 0.0,
+             stop: Sequence[str] = ()) -> tuple[list[str], list[bool]]:
     """Completion texts of prompt texts, in batches.
 
     Args:
@@ -139,9 +226,13 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
         engine: `hf` (transformers `generate`) or `fast` (a `FastEngine` over `model` for this
             call, released at its end: on CUDA it decodes from 4-bit weights directly, where
             `generate` dequantizes every weight at every token).
+        top_k: sample among the k most likely tokens (0: off).
+        min_p: drop tokens less likely than min_p times the most likely (0: off).
+        stop: strings that end a completion (kept in its text).
 
     Returns:
-        `(texts, terminated)`: each completion up to (without) its EOS, and whether EOS came.
+        `(texts, terminated)`: each completion up to (without) its EOS or through its stop string,
+        and whether EOS or a stop string came.
     """
     rows = [p for p in prompts for _ in range(samples)]
     device = next(model.parameters()).device
@@ -154,15 +245,17 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
                 if fast is None:  # sized by the first batch (the largest); a longer prompt grows it
                     fast = FastEngine(model, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + 64 + max_new_tokens)
                 stream = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))  # from the caller's RNG
-                out = fast.generate(ids, mask, max_new_tokens, temperature=temperature, top_p=top_p,
-                                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, generator=stream).completion_ids
+                out = fast.generate(ids, mask, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    min_p=min_p, eos_id=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+                                    generator=stream).completion_ids
             else:
-                out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id,
-                                  pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p).sequences[:, ids.shape[1]:]
-            for row in out.tolist():
-                done = tokenizer.eos_id in row
-                texts.append(tokenizer.decode(row[: row.index(tokenizer.eos_id)] if done else row))
-                terminated.append(done)
+                out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_ids,
+                                  pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  min_p=min_p, stop=stop, tokenizer=tokenizer).sequences[:, ids.shape[1]:]
+            cmask, ended = completion_mask(out, tokenizer.eos_ids)
+            cmask, stopped = cut_at_stop(tokenizer, out, cmask, stop)
+            texts += decode_completions(tokenizer, out, cmask, tokenizer.eos_ids)
+            terminated += (ended | stopped).tolist()
             if on_batch is not None:
                 on_batch(len(out))
     finally:
@@ -178,14 +271,22 @@ class HFSampler:
         self.model, self.tokenizer = model, tokenizer
 
     @torch.no_grad()
-    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
-        out = hf_generate(self.model, ids, mask, max_new_tokens=algo.max_new_tokens, eos_id=eos_id,
+    def generate(self, ids, mask, algo: AlgoConfig, eos_ids: Sequence[int], seeds: list[int]):
+        out = hf_generate(self.model, ids, mask, max_new_tokens=algo.max_new_tokens, eos_id=eos_ids,
                           pad_id=self.tokenizer.pad_id, temperature=algo.temperature, top_p=algo.top_p,
+                          top_k=algo.top_k, min_p=algo.min_p, stop=algo.stop, tokenizer=self.tokenizer,
                           processors=[_FiniteLogits()], output_logits=True, seeds=seeds)
         completion = out.sequences[:, ids.shape[1]:]
-        logits = torch.stack(out.logits, dim=1).float() / algo.temperature  # [B, T, V] raw, then tempered
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        return completion, logp, entropy_from_logits(logits)
+        # the generated positions' raw logits through the same warpers again: the distribution drawn from
+        chain = warpers(algo.temperature, algo.top_p, algo.top_k, algo.min_p)
+        logp, entropy = [], []
+        for t, raw in enumerate(out.logits):
+            raw = raw.float()
+            entropy.append(entropy_from_logits(raw / algo.temperature))
+            for warp in chain:
+                raw = warp(None, raw)
+            logp.append(torch.log_softmax(raw, dim=-1).gather(1, completion[:, t, None])[:, 0])
+        return completion, torch.stack(logp, dim=1), torch.stack(entropy, dim=1)
 
 
 class FastSampler:
@@ -198,13 +299,13 @@ class FastSampler:
         self.max_batch_size, self.max_new_tokens = max_batch_size, max_new_tokens
         self.engine: FastEngine | None = None
 
-    def generate(self, ids, mask, algo: AlgoConfig, eos_id: int, seeds: list[int]):
+    def generate(self, ids, mask, algo: AlgoConfig, eos_ids: Sequence[int], seeds: list[int]):
         if self.engine is None:  # room for prompts somewhat longer than the first batch's
             self.engine = FastEngine(self.model, max_batch_size=max(ids.shape[0], self.max_batch_size),
                                      max_seq_len=ids.shape[1] + 64 + max(algo.max_new_tokens, self.max_new_tokens))
-        out = self.engine.generate(
-            ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p,
-            eos_id=eos_id, pad_id=self.tokenizer.pad_id,
+        out = self.engine.generate(  # stop strings end rows only afterwards (`cut_at_stop`)
+            ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
+            min_p=algo.min_p, eos_id=eos_ids, pad_id=self.tokenizer.pad_id,
             generator=torch.Generator().manual_seed(seeds[0]),  # one stream for the batch, from its first row's seed
             group=algo.group_size,  # a group's rows repeat one prompt: prefilled once
         )
@@ -247,7 +348,7 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
         sampler: from `make_sampler`.
         tokenizer: the policy's tokenizer.
         prompts: rendered prompt texts, one per problem.
-        algo: sampling settings (group size, temperature, top-p, length cap).
+        algo: sampling settings (group size, temperature, top-p, top-k, min-p, stop strings, length cap).
         device: where the batch lives.
         ignore_eos: EOS does not end a completion: every one is `algo.max_new_tokens` long.
         seeds: one per completion (`row_seeds`); the HF engine samples each row from its own
@@ -265,20 +366,24 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
     """
     repeated = [p for p in prompts for _ in range(algo.group_size)]
     ids, mask = encode_prompts(repeated, tokenizer, device)
-    eos_id = -1 if ignore_eos else tokenizer.eos_id  # -1: no token ends a completion
+    eos_ids = [] if ignore_eos else tokenizer.eos_ids  # none: no token ends a completion
     if seeds is None:
         seeds = torch.randint(0, 2**62, (len(repeated),)).tolist()
-    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_id, seeds)
-    cmask, terminated = completion_mask(completion, eos_id)
+    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_ids, seeds)
+    cmask, terminated = completion_mask(completion, eos_ids)
+    cmask, stopped = cut_at_stop(tokenizer, completion, cmask, algo.stop)
+    terminated = terminated | stopped
     if lengths:
         cut = torch.tensor([lengths[i % len(lengths)] for i in range(len(repeated))], device=cmask.device)
         cmask = cmask * (torch.arange(cmask.shape[1], device=cmask.device) < cut.unsqueeze(1))
         terminated = cut < cmask.shape[1]
     if not torch.isfinite(logp[cmask.bool()]).all():  # the fast engine samples on without complaint
         raise NonFiniteLogitsError("the sampler's log-probabilities are not finite")
-    completion = torch.where(cmask.bool(), completion, torch.full_like(completion, tokenizer.pad_id))
-    texts = [tokenizer.decode(row[m.bool()].tolist()) for row, m in zip(completion.cpu(), cmask.cpu())]
-    return Rollout(
+    on = cmask.bool()
+    completion = torch.where(on, completion, torch.full_like(completion, tokenizer.pad_id))
+    texts = decode_completions(tokenizer, completion, cmask, eos_ids)
+    return Rollout(  # where, not a product: a padding token after the end may lie outside the filters (-inf)
         prompt_ids=ids, prompt_mask=mask, completion_ids=completion, completion_mask=cmask,
-        sampler_logp=logp * cmask, sampler_entropy=entropy * cmask, terminated=terminated, texts=texts,
+        sampler_logp=torch.where(on, logp, 0.0), sampler_entropy=torch.where(on, entropy, 0.0), terminated=terminated,
+        texts=texts,
     )

@@ -28,6 +28,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from qerl_exp.config import Config
+from qerl_exp.retired import upgrade
+
 LOCK_FILE = ".lock"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -191,7 +194,7 @@ def resumed(run_dir: str | Path, saved: dict, new: dict, keys: set[str]) -> dict
 
 
 def read_config(run_dir: str | Path) -> dict | None:
-    """The run's saved `config.json`, or None when there is none.
+    """The run's saved `config.json` in today's keys (`retired.upgrade`), or None when there is none.
 
     Raises:
         RunDirError: the file is there but is not a JSON object (one line naming it).
@@ -206,7 +209,7 @@ def read_config(run_dir: str | Path) -> dict | None:
                           "restore it from the run's .hydra/config.yaml or choose another run_dir") from None
     if not isinstance(saved, dict):
         raise RunDirError(f"{path} holds a {type(saved).__name__}, not a run config; choose another run_dir")
-    return saved
+    return upgrade(saved, Config)  # in today's keys: a run started by an earlier version compares and resumes
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -416,7 +419,7 @@ def check_checkpoint(path: Path, saved: dict | None, config: dict) -> None:
     Raises:
         ConfigChangedError: they differ outside `RESUMABLE_KEYS`: `config.json` was replaced or edited.
     """
-    changes = config_changes(saved, config) if saved is not None else []
+    changes = config_changes(upgrade(saved, Config), config) if saved is not None else []
     if changes:
         raise ConfigChangedError(
             f"{path} was written under another config than {path.parent.parent / 'config.json'} now holds "

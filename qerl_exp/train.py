@@ -32,7 +32,7 @@ from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
 from qerl_exp import learner
-from qerl_exp.loss import completion_logits, group_advantages
+from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
@@ -95,7 +95,9 @@ def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: tor
     module, tok = models.sampler.module, models.tokenizer
     lm = blocks.causal_lm(module)
     problems = task.sample(min(2, cfg.train.prompts_per_step), np.random.default_rng([cfg.seed, 2**31]))
-    algo = dataclasses.replace(cfg.algo, max_new_tokens=min(16, cfg.algo.max_new_tokens))
+    # unfiltered sampling: the sampler's log-probs are then the plain softmax's, as the learner's are
+    algo = dataclasses.replace(cfg.algo, max_new_tokens=min(16, cfg.algo.max_new_tokens), top_p=1.0, top_k=0,
+                               min_p=0.0, stop=[])
     prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     module.eval()
     try:
@@ -390,11 +392,10 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     scores = loop.task.rewards.score(repeated, rollout.texts, f"step {step}")
     rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
     total = M.total_reward(rewards, loop.task.rewards.weights)
-    advantages = group_advantages(total, G, algo.scale_rewards)
-    mask = loss_mask = rollout.completion_mask
-    if algo.filter_zero_std:
-        informative = total.view(-1, G).std(dim=1) > 0
-        loss_mask = mask * informative.repeat_interleave(G).unsqueeze(1)
+    advantages = group_advantages(total, G, algo.scale_rewards,
+                                  distributed.gather(total) if algo.scale_rewards == "batch" else None)
+    mask = rollout.completion_mask
+    loss_mask = tokens_in_loss(mask, rollout.terminated, total, algo)
 
     # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else only
     # every monitor.kl_every steps, for the `kl` metric.
@@ -448,6 +449,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         step_s=phases.pop("step"), phases=phases,
     ))
     metrics.update(loop.schedule.observe(metrics))
+    if distributed.is_main() and (warning := loop.schedule.pinned_warning()):
+        print(warning, file=sys.stderr)
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(

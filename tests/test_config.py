@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import fields
 
@@ -25,7 +26,8 @@ def test_every_preset_composes_into_valid_dataclasses(group):
 def test_presets_set_what_they_say():
     cfg = compose(["quant=nf4_dq", "algo=dapo", "noise=exp", "lora=r32"])[0]
     assert (cfg.quant.format, cfg.quant.double_quant) == ("nf4", True)
-    assert (cfg.algo.loss_agg, cfg.algo.eps_high, cfg.algo.filter_zero_std) == ("token", 0.28, True)
+    assert (cfg.algo.loss_type, cfg.algo.eps_high, cfg.algo.filter_zero_std) == ("dapo", 0.28, True)
+    assert cfg.algo.mask_truncated_completions and compose(["algo=grpo"])[0].algo.loss_type == "grpo"
     assert (cfg.noise.schedule, cfg.noise.num_stages) == ("exp", 10)
     assert (cfg.lora.r, cfg.lora.alpha) == (32, 32)
 
@@ -100,6 +102,58 @@ def test_a_saved_config_reads_back_and_retired_keys_are_dropped():
         from_dict(saved)
 
 
+def _as_saved_by_an_earlier_version(saved: dict) -> dict:
+    """`saved` as the version before TRL's loss names wrote it: `algo.loss_agg`, a boolean
+    `algo.scale_rewards`, none of the fields added with them."""
+    old = {**saved, "algo": dict(saved["algo"]), "noise": dict(saved["noise"])}
+    loss_type = old["algo"].pop("loss_type")
+    old["algo"]["loss_agg"] = {"grpo": "sequence", "dapo": "token"}[loss_type]
+    old["algo"]["scale_rewards"] = old["algo"]["scale_rewards"] == "group"
+    for key in ("importance_sampling_level", "mask_truncated_completions", "top_k", "min_p", "stop"):
+        del old["algo"][key]
+    del old["noise"]["target_relative"]
+    return old
+
+
+@pytest.mark.parametrize("overrides", [["algo=grpo"], ["algo=dapo", "algo.mask_truncated_completions=false"],
+                                       ["algo.scale_rewards=none", "noise=fixed"]])
+def test_a_config_saved_with_the_retired_algo_keys_means_what_it_meant(overrides, tmp_path):
+    from qerl_exp.rundir import check_checkpoint, claim
+
+    cfg, choices = compose(overrides)
+    old = _as_saved_by_an_earlier_version(as_dict(cfg))
+    assert from_dict(old) == cfg
+    # a run started by the earlier version continues: its config.json and checkpoints compare equal
+    config = {**as_dict(cfg), "choices": choices, "world_size": 1, "commit": "abc"}
+    (tmp_path / "config.json").write_text(json.dumps({**old, "choices": choices, "world_size": 1, "commit": "abc"}))
+    claim(tmp_path, config).release()
+    check_checkpoint(tmp_path / "checkpoints" / "step_000002", old, config)
+    assert json.loads((tmp_path / "config.json").read_text())["algo"].get("loss_agg")  # read, not rewritten
+
+
+def test_an_adaptive_run_saved_before_relative_targets_keeps_its_set_point_in_nats():
+    cfg = compose(["noise=adaptive", "noise.target_relative=false", "noise.target_value=0.5"])[0]
+    assert from_dict(_as_saved_by_an_earlier_version(as_dict(cfg))) == cfg
+
+
+def test_a_checkpoint_by_name_gets_the_schema_defaults_not_the_embedded_models():
+    tiny = compose([])[0]
+    assert (tiny.train.lr, tiny.algo.max_new_tokens, tiny.monitor.every) == (2e-3, 32, 1)
+    by_name = compose(["model.name=/some/checkpoint"])[0]
+    schema = Config()
+    want = (schema.train.lr, schema.algo.max_new_tokens, schema.monitor.every)
+    assert want == (1e-5, 1024, 0)
+    assert (by_name.train.lr, by_name.algo.max_new_tokens, by_name.monitor.every) == want
+    preset = compose(["model=qwen2.5-7b"])[0]
+    assert (preset.train.lr, preset.algo.max_new_tokens, preset.monitor.every) == want
+    # what the command line or another preset sets stays
+    mine = compose(["model.name=/some/checkpoint", "train.lr=2e-3", "monitor.every=5"])[0]
+    assert (mine.train.lr, mine.algo.max_new_tokens, mine.monitor.every) == (2e-3, 1024, 5)
+    smol = compose(["model=smollm2-135m"])[0]
+    assert (smol.train.lr, smol.algo.max_new_tokens, smol.monitor.every) == (5e-4, 128, 0)
+    assert compose(["model.name=tiny-label", "model.source=synthetic"])[0].train.lr == 2e-3  # the embedded model
+
+
 def test_configs_are_read_only_once_validated():
     cfg = compose(["train.steps=3"])[0]
     with pytest.raises(dataclasses.FrozenInstanceError, match="dataclasses.replace"):
@@ -147,6 +201,13 @@ def test_configs_are_read_only_once_validated():
         (["seed=abc"], "bad value for 'seed'"),
         (["+bogus=1", "train.steps=2"], "unknown config key 'bogus'"),
         (["+train.foo=2"], "unknown config key 'train.foo'"),
+        (["algo.loss_type=bogus"], "algo.loss_type='bogus' is not valid; choose one of: grpo, dr_grpo, dapo, bnpo"),
+        (["algo.loss_agg=token"], "algo.loss_agg is retired; set algo.loss_type: grpo (was sequence), dapo (was token)"),
+        (["algo.scale_rewards=true"], "algo.scale_rewards takes group, batch or none now (the boolean's true was group"),
+        (["algo.importance_sampling_level=seq"], "algo.importance_sampling_level='seq' is not valid; choose one of: token, sequence"),
+        (["algo.top_k=-1"], "algo.top_k must be >= 0"),
+        (["algo.min_p=1"], "algo.min_p must be in [0, 1)"),
+        (["algo.stop=['']"], "algo.stop entries must be non-empty strings"),
     ],
 )
 def test_bad_overrides_give_one_line(overrides, message):

@@ -108,6 +108,20 @@ def test_two_processes_log_what_one_process_logs(tmp_path, one_process):
 
 
 @pytest.mark.slow
+def test_two_processes_share_the_batch_reward_std_and_the_loss_count(tmp_path):
+    # `scale_rewards=batch` takes the std over every rank's rewards, `dr_grpo` counts every rank's
+    # completions, and GSPO's ratios (off-policy in the second iteration) are each a whole completion's
+    loss = ["algo.scale_rewards=batch", "algo.loss_type=dr_grpo", "algo.importance_sampling_level=sequence",
+            "algo.num_iterations=2", "tracker.mode=disabled"]
+    single = qerl(*RUN, *loss, f"run_dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr[-2000:]
+    proc = torchrun(*RUN, *loss, "run_dir=two", cwd=tmp_path)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert_same_steps(tmp_path / "one", tmp_path / "two")
+
+
+@pytest.mark.slow
 def test_every_rank_resumes_from_rank_0s_checkpoint(tmp_path, one_process):
     proc = torchrun(*RUN, "tracker.mode=disabled", "checkpoint.every=1", "run_dir=run", cwd=tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -86,7 +86,7 @@ def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))
     trained = evaluate_run(EvalCommand(run_dir=str(run_dir), **FAST))
-    base = evaluate_run(EvalCommand(run_dir=str(run_dir), adapter=False, **FAST))
+    base = evaluate_run(EvalCommand(run_dir=str(run_dir), adapter=False, temperature=0.7, top_p=0.9, **FAST))
 
     path = run_dir / "final" / "adapter" / ADAPTER_FILE
     state = load_file(str(path))
@@ -97,10 +97,16 @@ def test_evaluation_reads_the_adapter_from_disk(trained_run, tmp_path):
 
     logp = [m["eval/solution_logp"] for m in (trained, base, perturbed)]
     assert len(set(logp)) == 3, logp
-    assert json.loads((run_dir / "eval.json").read_text())["metrics"] == trained  # kept, not replaced
+    first = json.loads((run_dir / "eval.json").read_text())
+    assert first["metrics"] == trained  # kept, not replaced
+    # the sampling it used, not 0 for "the run's"
+    assert first["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": [], "max_new_tokens": 12}
+    assert (first["args"]["temperature"], first["args"]["top_p"]) == (1.0, 1.0)
     written = json.loads((run_dir / "eval-2.json").read_text())
     assert written["metrics"] == perturbed and written["adapter"] == str(run_dir / "final" / "adapter")
-    base_rows = json.loads((run_dir / "eval_base.json").read_text())["problems"]
+    base_record = json.loads((run_dir / "eval_base.json").read_text())
+    assert (base_record["sampling"]["temperature"], base_record["sampling"]["top_p"]) == (0.7, 0.9)
+    base_rows = base_record["problems"]
     assert [r["greedy"] for r in written["problems"]] != [r["greedy"] for r in base_rows]
     assert len(written["problems"]) == 6 and {"question", "answer", "greedy", "correct", "samples_correct"} <= set(written["problems"][0])
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_models, tiny_qwen2, with_lora
-from qerl_exp.config import AlgoConfig, TrainConfig
+from qerl_exp.config import LOSS_TYPES, AlgoConfig, TrainConfig
 from qerl_exp.config import ModelConfig, QuantConfig
 from qerl_exp.learner import rows, update_policy
 from qerl_exp.loss import completion_logits, score_completions, token_logp
@@ -25,6 +25,7 @@ from qerl_exp.quant.fp4 import FP4Linear
 from qerl_exp.batch import Rollout
 from qerl_exp.rollout import HFSampler, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
+from test_loss import trl_loss
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -116,19 +117,62 @@ def _sgd_delta(policy, rollout, cfg, **changes):
     return result, delta
 
 
-@pytest.mark.parametrize("agg", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["grpo", "dapo"])
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_micro_batches_give_the_whole_batch_loss_and_gradient(setup, agg, padding_free):
     cfg, policy, rollout = setup
     size = {"micro_batch_tokens": 60} if padding_free else {"micro_batch_size": 3}
     whole, d_whole = _sgd_delta(policy, rollout, cfg, padding_free=padding_free, micro_batch_size=0,
-                                micro_batch_tokens=0, grad_clip=0.0, algo={"loss_agg": agg})
+                                micro_batch_tokens=0, grad_clip=0.0, algo={"loss_type": agg})
     micro, d_micro = _sgd_delta(policy, rollout, cfg, padding_free=padding_free, **size, grad_clip=0.0,
-                                algo={"loss_agg": agg})
+                                algo={"loss_type": agg})
     assert micro.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
     assert any(d.abs().max() > 0 for d in d_whole)
     for a, b in zip(d_micro, d_whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_each_loss_type_through_the_learner_equals_its_formula(setup, padding_free, loss_type, level):
+    """Two updates on one batch, micro-batched (the second off-policy: its ratio is not 1 and clips):
+    the parameters move as two SGD steps on TRL's formula (`test_loss.trl_loss`) over one HF forward
+    of the whole batch, and the logged loss is the mean of the two."""
+    cfg, policy, rollout = setup
+    algo = dataclasses.replace(cfg.algo, loss_type=loss_type, importance_sampling_level=level, num_iterations=2,
+                               eps_low=0.2, eps_high=0.28)
+    size = {"micro_batch_tokens": 60} if padding_free else {"micro_batch_size": 3}
+    train = dataclasses.replace(cfg.train, padding_free=padding_free, grad_clip=0.0, **size)
+    loss_mask = rollout.completion_mask.clone()
+    loss_mask[1] = 0  # a completion out of the loss (a dropped group's, a masked truncated one)
+    advantages = torch.linspace(-1, 1, rollout.completion_ids.shape[0])
+    params = [p for p in policy.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    lr = 2.0
+    update = update_policy(policy, torch.optim.SGD(params, lr=lr), params, rollout, advantages, loss_mask, algo, train)
+    got = [p.detach() - b for p, b in zip(params, before)]
+    with torch.no_grad():
+        for p, b in zip(params, before):
+            p.copy_(b)
+        old = score_completions(policy, rollout, algo.temperature)[0]
+    losses = []
+    for _ in range(2):
+        logp, _ = score_completions(policy, rollout, algo.temperature)
+        loss = trl_loss(logp, old, advantages, loss_mask, algo)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(lr * g)
+        losses.append(loss.item())
+    want = [p.detach() - b for p, b in zip(params, before)]
+    with torch.no_grad():
+        for p, b in zip(params, before):
+            p.copy_(b)
+    assert update.clip["clip_ratio/low_mean"] + update.clip["clip_ratio/high_mean"] > 0
+    assert update.loss == pytest.approx(sum(losses) / 2, rel=1e-4, abs=1e-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_ratio_is_one_in_the_first_update_only(setup):

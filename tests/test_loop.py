@@ -10,6 +10,7 @@ the embedded model's warm-up is cached after its first build.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -140,7 +141,7 @@ def test_the_learner_weights_each_token_by_its_tis_weight(tiny_policy):
     cfg, task, models = tiny_policy
     policy, tok = models.policy, models.tokenizer
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in task.eval_problems()[:2]]
-    algo = AlgoConfig(group_size=3, max_new_tokens=8, loss_agg="token", tis_cap=2.0)
+    algo = AlgoConfig(group_size=3, max_new_tokens=8, loss_type="dapo", tis_cap=2.0)
     torch.manual_seed(0)
     rollout = sample(HFSampler(policy, tok), tok, prompts, algo, torch.device("cpu"))
     mask = rollout.completion_mask
@@ -193,6 +194,26 @@ def test_requantizing_the_sampler_draws_no_random_numbers(fmt):
     assert torch.equal(torch.get_rng_state(), before)
 
 
+# --------------------------------------------------------------------------- sampling controls
+
+
+@pytest.mark.parametrize("stop", ["</answer>", "</think>"])
+def test_no_logged_completion_continues_past_its_stop_string(tmp_path, stop):
+    """The run of `algo.top_k=5 algo.min_p=0.05 'algo.stop=["</answer>"]'`: every completion the
+    tracker logs ends at the first stop string, which it keeps; `</think>` stops the embedded
+    model mid-answer, so the stop is seen to act."""
+    rows = _run(tmp_path / "run", "algo.top_k=5", "algo.min_p=0.05", f"algo.stop=['{stop}']", "train.steps=3",
+                "tracker.completions_every=1")
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    texts = [r["completion"] for r in logged]
+    assert len(rows) == 3 and len(texts) == 3 * 2 * 4  # every completion of every step
+    assert all(stop not in t or t.index(stop) == len(t) - len(stop) for t in texts), texts
+    assert sum(t.endswith(stop) for t in texts) >= len(texts) // 2, texts
+    if stop == "</think>":
+        assert not any("<answer>" in t for t in texts)
+        assert all(r["completions/clipped_ratio"] == 0 for r in rows)  # a stop string ends, not truncates
+
+
 # --------------------------------------------------------------------------- the entropy bonus
 
 
@@ -209,14 +230,14 @@ def test_entropy_bonus_adds_minus_coef_times_the_entropy_gradient():
         logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # as the learner scores it, in float64
         per_token, _ = policy_loss(logp, logp.detach(), adv, algo, entropy=entropy)
-        loss = aggregate(per_token, mask, "token", loss_normalizer(mask, "token"))
+        loss = aggregate(per_token, mask, algo.loss_type, loss_normalizer(mask, algo))
         return torch.autograd.grad(loss, logits)[0]
 
     p = torch.softmax(logits.detach(), dim=-1)
     h = -(p * p.log()).sum(-1, keepdim=True)
     d_entropy = -p * (p.log() + h)  # dH/dz of a softmax, by hand
     want = -coef * d_entropy * mask[..., None] / mask.sum()
-    got = grad(AlgoConfig(loss_agg="token", entropy_coef=coef)) - grad(AlgoConfig(loss_agg="token"))
+    got = grad(AlgoConfig(loss_type="dapo", entropy_coef=coef)) - grad(AlgoConfig(loss_type="dapo"))
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 

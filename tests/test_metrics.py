@@ -92,7 +92,7 @@ def test_weighted_rewards_leave_out_none_and_unscorable_completions_as_trl_does(
     assert got["rewards/fmt/std"] == pytest.approx(statistics.stdev([1.0, 0.0, 1.0, 1.0, 0.0]))
     assert got["rewards/correct/mean"] == pytest.approx(statistics.mean([2.0, 0.0, 3.0, 1.0]))
     assert got["rewards/correct/std"] == pytest.approx(statistics.stdev([2.0, 0.0, 3.0, 1.0]))
-    adv = group_advantages(M.total_reward(rewards, weights), 3, scale=True).tolist()
+    adv = group_advantages(M.total_reward(rewards, weights), 3, scale="group").tolist()
     for group in (slice(0, 3), slice(3, 6)):
         values = [t for t in totals[group] if t is not None]
         mean, std = statistics.mean(values), statistics.stdev(values)

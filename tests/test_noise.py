@@ -42,7 +42,8 @@ def test_stages_split_steps_evenly():
 
 
 def test_adaptive_controller_moves_toward_target_and_stays_bounded():
-    cfg = NoiseConfig(schedule="adaptive", sigma=1e-2, target_value=0.5, gain=0.5, sigma_min=1e-4, sigma_max=2e-2)
+    cfg = NoiseConfig(schedule="adaptive", sigma=1e-2, target_value=0.5, target_relative=False, gain=0.5,
+                      sigma_min=1e-4, sigma_max=2e-2)
     sched = Schedule(cfg, 10)
     sched.observe({"sampler/entropy": 0.1})  # too little entropy: more noise
     assert sched(1)[0] > 1e-2
@@ -56,6 +57,38 @@ def test_adaptive_controller_moves_toward_target_and_stays_bounded():
     other = Schedule(cfg, 10)
     other.load_state_dict(state)
     assert other(3)[0] == sched(3)[0]
+
+
+@pytest.mark.parametrize("target, want", [("entropy", 1.2 * 0.3), ("entropy_gain", 0.2 * 0.3)])
+def test_a_relative_target_is_a_multiple_of_the_entropy_at_step_0(target, want):
+    cfg = NoiseConfig(schedule="adaptive", target=target, target_value=1.2, target_relative=True)
+    sched = Schedule(cfg, 40)
+    measured = "sampler/entropy" if target == "entropy" else "entropy_gain"
+    first = sched.observe({"entropy": 0.3, measured: want})
+    assert first["noise/target"] == pytest.approx(want) and first["noise/target_error"] == pytest.approx(0)
+    assert sched(1)[0] == pytest.approx(cfg.sigma)  # on target: sigma stays
+    later = sched.observe({"entropy": 0.9, measured: 0.0})  # H0 is the first step's, whatever comes later
+    assert later["noise/target"] == pytest.approx(want) and sched(2)[0] > cfg.sigma
+    resumed = Schedule(cfg, 40)
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.set_point() == pytest.approx(want)
+
+
+def test_a_sigma_held_at_a_bound_for_a_tenth_of_the_run_warns_once():
+    cfg = NoiseConfig(schedule="adaptive", sigma=1e-2, target_value=0.5, target_relative=False, sigma_max=2e-2)
+    sched = Schedule(cfg, 50)
+    lines = []
+    for _ in range(20):
+        sched.observe({"sampler/entropy": 0.0})  # out of reach: sigma climbs to sigma_max and stays
+        lines.append(sched.pinned_warning())
+    warned = [line for line in lines if line]
+    assert len(warned) == 1 and lines.index(warned[0]) == 5  # 2 steps to the bound, then 5 held
+    assert warned[0] == ("warning: noise=adaptive has held sigma at noise.sigma_max (0.02) for 5 steps: the sampler "
+                         "entropy target (0.5 nats) is out of its reach; lower noise.target_value or raise noise.sigma_max")
+    resumed = Schedule(cfg, 50)
+    resumed.load_state_dict(sched.state_dict())
+    resumed.observe({"sampler/entropy": 0.0})
+    assert resumed.pinned_warning() is None
 
 
 def _tiny_model():

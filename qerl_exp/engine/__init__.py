@@ -1,7 +1,7 @@
 """Fast rollouts on the GPU: a gpt-fast style decode engine and weight-only 4-bit Triton kernels.
 
 `FastEngine(model, max_batch_size, max_seq_len).generate(prompt_ids, prompt_mask, max_new_tokens,
-temperature=..., top_p=..., eos_id=..., pad_id=...)` returns a `GenerateOutput` with the same
+temperature=..., top_p=..., top_k=..., min_p=..., eos_id=..., pad_id=...)` returns a `GenerateOutput` with the same
 semantics as the HF path of `qerl_exp.rollout`. See `docs/engine.md`.
 """
 

@@ -30,9 +30,10 @@ from qerl_exp.engine.attention import attention_workspace, decode_attention
 from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.norm import norm_shrink
 from qerl_exp.engine.rope_cache import rope_cache
-from qerl_exp.engine.sampling import fused_sample, sample
+from qerl_exp.engine.sampling import Filters, fused_sample, keep_threshold, sample
 
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
+MAX_EOS = 8  # most token ids that end a sequence (instruct checkpoints name two or three)
 
 
 @dataclass
@@ -42,9 +43,10 @@ class GenerateOutput:
     Args:
         completion_ids: long [B, T], right-padded with pad_id after the first EOS (EOS kept).
         completion_mask: bool [B, T], True up to and including the first EOS.
-        logprobs: float32 [B, T], log-prob of each sampled token under softmax(logits / T)
-            (before top-p); 0 where the mask is False. With temperature 0 (greedy): T = 1.
-        entropy: float32 [B, T], entropy of softmax(logits / temperature); 0 where masked.
+        logprobs: float32 [B, T], log-prob of each sampled token under the distribution it was
+            drawn from: softmax(logits / T) cut by top-k, top-p and min-p and renormalised; 0 where
+            the mask is False. With temperature 0 (greedy): T = 1, nothing cut.
+        entropy: float32 [B, T], entropy of the uncut softmax(logits / temperature); 0 where masked.
     """
 
     completion_ids: Tensor
@@ -229,7 +231,8 @@ class _State:
         self.slot, self.step = z(1), z(1)
         self.done = z(b, dtype=torch.bool)
         self.temperature, self.top_p = z(1, dtype=torch.float32) + 1, z(1, dtype=torch.float32) + 1
-        self.eos, self.pad_id = z(1), z(1)
+        self.min_p = z(1, dtype=torch.float32)
+        self.eos, self.pad_id = z(MAX_EOS) - 1, z(1)  # -1: an unused slot (no token matches it)
         self.out_tok, self.out_mask = z(b, s), z(b, s, dtype=torch.bool)
         self.out_lp, self.out_ent = z(b, s, dtype=torch.float32), z(b, s, dtype=torch.float32)
         self.arange = torch.arange(s, device=dev)
@@ -284,13 +287,16 @@ def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
     return F.linear(st.h, m.lm_head)  # bf16: fused_sample reads it as fp32, as .float() would
 
 
-def sample_next(st: _State, logits: Tensor, greedy: bool, use_top_p: bool) -> None:
+def sample_next(st: _State, logits: Tensor, greedy: bool, filters: Filters) -> None:
     """Sample every row's next token from `logits` and advance: in one fused pass
-    (`sampling.fused_sample`, keyed by st.seed and st.step) unless top-p needs a sort."""
-    if not use_top_p:
-        drawn = fused_sample(logits, st.temperature, st.seed, st.step, greedy)
+    (`sampling.fused_sample`, keyed by st.seed and st.step; top-k and min-p as a threshold per row)
+    unless top-p needs a sort."""
+    min_p = st.min_p if filters.min_p else None
+    if greedy or not filters.top_p:
+        keep = keep_threshold(logits, st.temperature, filters.top_k, min_p) if filters.top_k or filters.min_p else None
+        drawn = fused_sample(logits, st.temperature, st.seed, st.step, greedy, keep=keep)
     else:
-        drawn = sample(logits, st.temperature, st.top_p, greedy, use_top_p, st.generator)
+        drawn = sample(logits, st.temperature, st.top_p, greedy, True, st.generator, top_k=filters.top_k, min_p=min_p)
     _advance(st, *drawn)
 
 
@@ -302,16 +308,16 @@ def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
     st.out_mask.index_copy_(1, st.step, live[:, None])
     st.out_lp.index_copy_(1, st.step, (lp * live)[:, None])
     st.out_ent.index_copy_(1, st.step, (ent * live)[:, None])
-    st.done |= tok == st.eos
+    st.done |= (tok[:, None] == st.eos).any(dim=1)
     st.tok.copy_(tok)
     st.step += 1
     st.slot += 1
     st.pos += 1
 
 
-def decode_one_token(m: _Model, cache: _Cache, st: _State, greedy: bool, use_top_p: bool) -> None:
+def decode_one_token(m: _Model, cache: _Cache, st: _State, greedy: bool, filters: Filters) -> None:
     """One decode step for every sequence: forward st.tok, sample, record, advance (captured)."""
-    sample_next(st, _forward(m, cache, st), greedy, use_top_p)
+    sample_next(st, _forward(m, cache, st), greedy, filters)
 
 
 def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from qerl_exp import blocks
-from qerl_exp.engine.decode import (PREFILL_GRAPHS, GenerateOutput, _Cache, _State, build_model, decode_n_tokens,
-                                    decode_one_token, frozen, refresh, same_layout, sample_next, setup_caches)
-from qerl_exp.quant.layout import KernelWeight
+from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, _Cache, _State, build_model,
+                                    decode_n_tokens, decode_one_token, frozen, refresh, same_layout, sample_next,
+                                    setup_caches)
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
 from qerl_exp.engine.prefill import prefill, share_prompts
+from qerl_exp.engine.sampling import Filters
 from qerl_exp.engine.triton_util import pow2, require_device
+from qerl_exp.quant.layout import KernelWeight
 
 # dense_gemm="auto": cuBLAS computes dense base products from this many rows, where its one GEMM
 # over a group's stacked weights (`blocks.stack_dense`) overtakes the Triton split-K kernel in a 7B
@@ -136,8 +139,8 @@ class FastEngine:
             self._states[b] = _State(self.m, b, self.seq_cap, self._rt())
         return self._states[b]
 
-    def _step_fn(self, st: _State, greedy: bool, use_top_p: bool):
-        return lambda: decode_one_token(self.m, self.cache, st, greedy, use_top_p)
+    def _step_fn(self, st: _State, greedy: bool, filters: Filters):
+        return lambda: decode_one_token(self.m, self.cache, st, greedy, filters)
 
     def _capture(self, fn, reset, warmups: int):
         """(CUDA graph of `fn()` in the engine's memory pool, what the captured call returned), after
@@ -161,14 +164,14 @@ class FastEngine:
         self.capture_s += time.perf_counter() - t0
         return g, out
 
-    def _graph(self, st: _State, greedy: bool, use_top_p: bool):
-        key = (st.b, greedy, use_top_p)
+    def _graph(self, st: _State, greedy: bool, filters: Filters):
+        key = (st.b, greedy, filters)
         if key not in self._graphs:
             def reset():
                 st.slot.zero_()
                 st.step.zero_()
 
-            self._graphs[key], _ = self._capture(self._step_fn(st, greedy, use_top_p), reset, warmups=2)
+            self._graphs[key], _ = self._capture(self._step_fn(st, greedy, filters), reset, warmups=2)
         return self._graphs[key]
 
     def _prefill(self, ids: Tensor, mask: Tensor, group: int) -> Tensor:
@@ -237,8 +240,8 @@ class FastEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_p: float = 1.0, eos_id: int, pad_id: int, generator: torch.Generator | None = None,
-                 group: int = 1) -> GenerateOutput:
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, eos_id: int | Sequence[int], pad_id: int,
+                 generator: torch.Generator | None = None, group: int = 1) -> GenerateOutput:
         """Sample completions for left-padded prompts.
 
         Args:
@@ -246,7 +249,10 @@ class FastEngine:
             max_new_tokens: most tokens sampled per sequence.
             temperature: softmax temperature; 0 means greedy.
             top_p: nucleus filter (HF semantics); 1 disables it.
-            eos_id: a sequence stops after emitting it (EOS kept in the completion).
+            top_k: sample among the k most likely tokens (HF semantics); 0 disables it.
+            min_p: drop tokens less likely than min_p times the most likely (HF semantics); 0 disables it.
+            eos_id: a sequence stops after emitting it, or any of several (at most `MAX_EOS`; EOS
+                kept in the completion); -1 or none: no token stops one.
             pad_id: fills completions after their EOS.
             generator: makes sampling reproducible: `fused_sample`'s seed is drawn from it, and on
                 CUDA it seeds the graph's RNG for the call (the torch sampler's, under top-p) and
@@ -279,10 +285,13 @@ class FastEngine:
         if group > 1 and not bool(((ids.view(b // group, group, p) == ids[::group, None])  # one host sync
                                    & (mask.view(b // group, group, p) == mask[::group, None])).all()):
             raise ValueError(f"generate(group={group}): the rows of a group must share one prompt (ids and mask)")
+        eos = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+        if len(eos) > MAX_EOS:
+            raise ValueError(f"generate takes at most {MAX_EOS} EOS ids, got {len(eos)}")
         greedy = temperature <= 0
-        use_top_p = (not greedy) and top_p < 1.0
+        filters = Filters() if greedy else Filters(top_p=top_p < 1.0, top_k=top_k, min_p=min_p > 0)
         st = self._state(b)
-        graph = self._graph(st, greedy, use_top_p) if self.use_graph else None
+        graph = self._graph(st, greedy, filters) if self.use_graph else None
         rng = None
         if generator is not None:  # fused_sample's key, and on CUDA the graph's RNG, from the generator
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
@@ -296,7 +305,8 @@ class FastEngine:
         try:
             st.temperature.fill_(temperature if not greedy else 1.0)
             st.top_p.fill_(top_p)
-            st.eos.fill_(eos_id)
+            st.min_p.fill_(min_p)
+            st.eos.copy_(torch.tensor(eos + [-1] * (MAX_EOS - len(eos)), device=dev))
             st.pad_id.fill_(pad_id)
             st.done.zero_()
             st.step.zero_()
@@ -304,8 +314,8 @@ class FastEngine:
             st.pad.copy_(p - mask.long().sum(1))
             st.slot.fill_(p - 1)  # _advance moves both to the first sampled token's slot / position
             st.pos.copy_(p - 1 - st.pad)
-            sample_next(st, logits, greedy, use_top_p)
-            step = graph.replay if graph is not None else self._step_fn(st, greedy, use_top_p)
+            sample_next(st, logits, greedy, filters)
+            step = graph.replay if graph is not None else self._step_fn(st, greedy, filters)
             n = 1 + decode_n_tokens(step, st, max_new_tokens - 1)
         finally:
             if rng is not None:

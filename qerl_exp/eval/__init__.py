@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -63,7 +64,8 @@ def _device(policy) -> torch.device:
 
 @torch.no_grad()
 def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
-                       batch_size: int, on_batch=None, engine: str = "hf") -> tuple[list[str], list[bool]]:
+                       batch_size: int, on_batch=None, engine: str = "hf",
+                       stop: Sequence[str] = ()) -> tuple[list[str], list[bool]]:
     """Greedy completions of `problems`: `(texts, terminated)`, one entry per problem.
 
     Args:
@@ -75,10 +77,11 @@ def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_pro
         batch_size: sequences per `generate` call.
         on_batch: called with the number of rows after each generated batch.
         engine: `hf` or `fast`, as `rollout.complete` takes it.
+        stop: strings that end a completion (`algo.stop`).
     """
     prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
     return complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                    batch_size=batch_size, on_batch=on_batch, engine=engine)
+                    batch_size=batch_size, on_batch=on_batch, engine=engine, stop=stop)
 
 
 def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]],
@@ -138,8 +141,8 @@ def samples_per_problem(k: int, n: int) -> int:
 
 def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
-          on_batch=None, engine: str = "hf", split: str = HELD_OUT,
-          start: bool = False) -> tuple[dict[str, float], list[dict]]:
+          on_batch=None, engine: str = "hf", split: str = HELD_OUT, start: bool = False, top_k: int = 0,
+          min_p: float = 0.0, stop: Sequence[str] = ()) -> tuple[dict[str, float], list[dict]]:
     """`evaluate`'s metrics and one row per problem (question, reference, greedy completion,
     verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
     if k < 0:
@@ -160,10 +163,10 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
             torch.manual_seed(seed)
             greedy, terminated = greedy_completions(
                 policy, tokenizer, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
-                batch_size=batch_size, on_batch=on_batch, engine=engine)
+                batch_size=batch_size, on_batch=on_batch, engine=engine, stop=stop)
             sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
                                max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch,
-                               engine=engine)[0] if k else []
+                               engine=engine, top_k=top_k, min_p=min_p, stop=stop)[0] if k else []
             logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
     finally:
         policy.train(was_training)
@@ -189,7 +192,7 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
 def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
              problems: list[Problem] | None = None, engine: str = "hf", split: str = HELD_OUT,
-             start: bool = False) -> dict[str, float]:
+             start: bool = False, top_k: int = 0, min_p: float = 0.0, stop: Sequence[str] = ()) -> dict[str, float]:
     """Score `policy` on one evaluation split: greedy pass@1, and pass@k from sampling.
 
     Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
@@ -213,6 +216,9 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
             loop and `python -m qerl_exp.eval` pass `rollout.engine`, so `auto` is fast on CUDA).
         split: one of `task.splits`: `heldout` (its metrics are `eval/...`) or `ood` (`eval/ood/...`).
         start: name the metrics as the evaluation before the first update (`eval/start/...`).
+        top_k: top-k of the pass@k samples (0: off).
+        min_p: min-p of the pass@k samples (0: off).
+        stop: strings that end every completion, greedy or sampled (`algo.stop`).
 
     Returns:
         The metrics listed in this module's docstring.
@@ -223,12 +229,12 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
     """
     return score(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt,
-                 engine=engine, split=split, start=start)[0]
+                 engine=engine, split=split, start=start, top_k=top_k, min_p=min_p, stop=stop)[0]
 
 
 def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = False) -> dict[str, float]:
     """The run loop's evaluation: every split of the task, with the run's `eval.*` settings, its
-    sampling temperature and top-p, and its rollout engine.
+    sampling settings (temperature, top-p, top-k, min-p, stop strings), and its rollout engine.
 
     Args:
         policy: the policy being trained (adapters on, AQN off).
@@ -247,5 +253,5 @@ def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = 
             policy, tokenizer, task, k=cfg.eval.k, n=cfg.eval.n, temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.algo.max_new_tokens, batch_size=cfg.eval.batch_size,
             seed=cfg.seed, system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, _device(policy)),
-            split=split, start=start))
+            split=split, start=start, top_k=cfg.algo.top_k, min_p=cfg.algo.min_p, stop=cfg.algo.stop))
     return out

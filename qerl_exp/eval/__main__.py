@@ -20,12 +20,12 @@ from pathlib import Path
 
 from qerl_exp import logs, progress
 from qerl_exp.checkpoint import adapter_file, load_adapter
-from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.cli import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.rundir import DATA_KEY, REWARDS_KEY, check_writable, os_error_line, read_config, write_atomic
+from qerl_exp.rundir import DATA_KEY, REWARDS_KEY, check_writable, read_config, write_atomic
 from qerl_exp.tasks import build_task, file_digests, source_files
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
@@ -63,7 +63,7 @@ def run_config(run_dir: str | Path):
     return cfg
 
 
-def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True):
+def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True, quantized: bool = True):
     """Rebuild a run's policy: its base model and quantization, and (by default) its trained adapter.
 
     Args:
@@ -71,17 +71,21 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True)
         device: `auto`, `cpu` or `cuda`.
         adapter: load `final/adapter`; False leaves the freshly initialized LoRA, which is the
             identity (peft initializes B to zero), so the policy is the quantized base.
+        quantized: the base as the run stored it (`quant.format`); False: unquantized, in
+            `model.dtype` (what `python -m qerl_exp.export merge=bf16` merges the adapter into).
 
     Returns:
-        `(cfg, task, models)`; `models.policy` is in eval mode.
+        `(cfg, task, models)`; `models.policy` is in eval mode; `cfg` is the run's config.
     """
     cfg = run_config(run_dir)
     if adapter:
         adapter_file(Path(run_dir) / "final" / "adapter")  # before the model is built
     # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.
-    cfg = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
+    built = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
+    if not quantized:
+        built = replace(built, quant=replace(built.quant, format="none", double_quant=False))
     task = build_task(cfg.task)
-    models = build_models(cfg, task, resolve_device(device))
+    models = build_models(built, task, resolve_device(device))
     if adapter:
         load_adapter(models.policy, Path(run_dir) / "final" / "adapter")
     models.policy.eval()
@@ -130,17 +134,13 @@ class EvalCommand:
     verbose: bool = False
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise UsageError(message)
-
-        check(bool(self.run_dir), "run_dir=<a run directory> is required")
+        require(bool(self.run_dir), "run_dir=<a run directory> is required")
         for name in ("limit", "temperature", "top_p"):
-            check(getattr(self, name) >= 0, f"{name} must be >= 0")
-        check(self.top_p <= 1, "top_p must be <= 1")
-        check(self.split in SPLITS, f"split={self.split!r} is not valid; choose one of: {', '.join(SPLITS)}")
-        check(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
-        check(self.tracker in ("run", "offline", "online", "disabled"),
+            require(getattr(self, name) >= 0, f"{name} must be >= 0")
+        require(self.top_p <= 1, "top_p must be <= 1")
+        require(self.split in SPLITS, f"split={self.split!r} is not valid; choose one of: {', '.join(SPLITS)}")
+        require(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
+        require(self.tracker in ("run", "offline", "online", "disabled"),
               f"tracker={self.tracker!r} is not valid; choose one of: run, offline, online, disabled")
 
 
@@ -153,24 +153,7 @@ def parse_args(argv: list[str]) -> EvalCommand:
     the bad argument."""
     eval_types = {f.name: f.type for f in fields(EvalConfig) if f.name in _EVAL_KEYS}
     own_types = {f.name: f.type for f in fields(EvalCommand) if f.name != "eval"}
-    types = {"run_dir": "str", **eval_types, **own_types}
-    values = {}
-    for arg in argv:
-        key, sep, raw = arg.partition("=")
-        if not sep:
-            raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
-        if key not in types:
-            raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
-        kind = types[key]
-        try:
-            if kind == "bool":
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                values[key] = raw.lower() in ("true", "1", "yes")
-            else:
-                values[key] = {"int": int, "float": float, "str": str}[kind](raw)
-        except ValueError:
-            raise UsageError(f"bad value for {key!r}: {raw!r} is not a {kind}") from None
+    values = key_values(argv, {"run_dir": "str", **eval_types, **own_types})
     try:
         settings = EvalConfig(**{k: values.pop(k) for k in _EVAL_KEYS if k in values})
     except ConfigError as e:  # its messages name eval.KEY; here the key is KEY
@@ -196,7 +179,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
 
     Args:
         args: the run directory and the evaluation settings (`EvalCommand`); `args.out` is set
-            to the name of the file written.
+            to the name of the file written, `args.temperature` and `args.top_p` to the values used.
 
     Returns:
         The `eval/...` metrics, also written to the output file together with the settings and
@@ -218,14 +201,18 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     device = next(models.policy.parameters()).device
     algo = cfg.algo
     problems = task.eval_problems(args.split)[: args.limit or None]
+    # what the samples are drawn with, recorded as such: these arguments, else (0) the run's
+    args.temperature, args.top_p = args.temperature or algo.temperature, args.top_p or algo.top_p
     settings = args.eval
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": algo.top_k, "min_p": algo.min_p,
+                "stop": list(algo.stop), "max_new_tokens": settings.max_new_tokens or algo.max_new_tokens}
     bar = progress.Progress(len(problems) * (1 + samples_per_problem(settings.k, settings.n)), "eval", unit="seq",
                             fields=())
     try:
         metrics, rows = score(
             models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
-            temperature=args.temperature or algo.temperature, top_p=args.top_p or algo.top_p,
-            max_new_tokens=settings.max_new_tokens or algo.max_new_tokens, batch_size=settings.batch_size,
+            temperature=args.temperature, top_p=args.top_p, top_k=algo.top_k, min_p=algo.min_p, stop=algo.stop,
+            max_new_tokens=sampling["max_new_tokens"], batch_size=settings.batch_size,
             seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
             engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
             split=args.split,
@@ -234,7 +221,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
         bar.close()  # an error line after it starts a line of its own
     adapter = str(run_dir / "final" / "adapter") if args.adapter else None
     record = {"run_dir": str(run_dir), "adapter": adapter, "base": models.base_info, "task": cfg.task.name,
-              "split": args.split, "args": asdict(args), "metrics": metrics, "problems": rows}
+              "split": args.split, "args": asdict(args), "sampling": sampling, "metrics": metrics, "problems": rows}
     out = _new_output(run_dir, args.out, args.adapter, args.split)
     try:
         write_atomic(out, json.dumps(record, indent=2))
@@ -263,7 +250,7 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
     except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
-        warnings.warn(f"W&B could not start ({_first_line(e)}); the results are in the evaluation file only")
+        warnings.warn(f"W&B could not start ({first_line(e)}); the results are in the evaluation file only")
         return
     run.log({"step": cfg.train.steps, **metrics})
     run.summary.update(metrics)
@@ -281,23 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
     except UsageError as e:
         fail(str(e))
-    try:
+    with one_line_errors("path (out=...)", "interrupted; an evaluation file is written only when the evaluation finishes"):
         with logs.quiet(args.verbose):
             metrics = evaluate_run(args)
-    except KeyboardInterrupt:
-        fail("interrupted; an evaluation file is written only when the evaluation finishes", code=130)
-    except OSError as e:
-        line = os_error_line(e, "path (out=...)")
-        fail(line or f"{type(e).__name__}: {_first_line(e)}", code=1)
-    except (ValueError, RuntimeError) as e:
-        fail(f"{type(e).__name__}: {_first_line(e)}", code=1)
     shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))
     print(f"{shown}\nwritten: {Path(args.run_dir) / args.out}")
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 if __name__ == "__main__":

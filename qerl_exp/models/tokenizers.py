@@ -1,13 +1,14 @@
 """Tokenizers behind one small interface: the embedded character-level one, and HF's.
 
-The run loop needs only: `encode`, `decode`, `pad_id`, `eos_id` and `render_prompt` (turning a
-task's question into the model's prompt text: plain text for the embedded model, the chat
-template with the task's system prompt for instruct checkpoints).
+The run loop needs only: `encode`, `decode`, `pad_id`, `eos_ids` (every token that ends a
+completion; `eos_id`, the first, is the tokenizer's own) and `render_prompt` (turning a task's
+question into the model's prompt text: plain text for the embedded model, the chat template with
+the task's system prompt for instruct checkpoints). `save_pretrained` writes a tokenizer that
+`transformers.AutoTokenizer` loads (`python -m qerl_exp.export`).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class CharTokenizer:
         self.vocab = list(SPECIALS) + list(TAGS) + list(dict.fromkeys(chars))
         self.index = {tok: i for i, tok in enumerate(self.vocab)}
         self.pad_id, self.bos_id, self.eos_id = (self.index[s] for s in SPECIALS)
+        self.eos_ids = [self.eos_id]
         self._split = re.compile("|".join(re.escape(t) for t in TAGS) + r"|.", re.DOTALL)
 
     def __len__(self) -> int:
@@ -48,8 +50,28 @@ class CharTokenizer:
                              "(lists of messages); use model.name=<a checkpoint with a chat template>, or text prompts")
         return prompt
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"vocab": self.vocab}))
+    def to_hf(self):
+        """The same tokenizer as a `transformers` fast tokenizer: one token per character, the tags
+        atomic, `<bos>` prepended as the run loop does (`rollout.encode_prompts`), the same ids, and
+        decoding that skips the special tokens as `decode` does. Its characters are spelled
+        byte-level (a space is `Ġ`), so `AutoTokenizer` rebuilds it the same where a model's type
+        brings its own byte-level class (Qwen2's); a character outside the vocabulary is dropped."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import AddedToken, PreTrainedTokenizerFast
+
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        vocab = {tok if tok in SPECIALS or tok in TAGS else byte_level.pre_tokenize_str(tok)[0][0]: i
+                 for i, tok in enumerate(self.vocab)}
+        core = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))  # no merges: one token a character
+        core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+        core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])  # in the vocabulary: same ids
+        core.pre_tokenizer, core.decoder = byte_level, decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                       padding_side="left", add_bos_token=True)
+
+    def save_pretrained(self, path: Path) -> None:
+        """Write `to_hf()` into `path` (tokenizer.json and its config)."""
+        self.to_hf().save_pretrained(path)
 
 
 class HFTokenizer:
@@ -68,6 +90,9 @@ class HFTokenizer:
         self.eos_id = self.tok.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"the tokenizer of {name_or_path} has no EOS token; completions could never end")
+        # instruct checkpoints often end a turn with a token the tokenizer does not call EOS
+        # (<|im_end|> beside <|endoftext|>): their generation config names every one
+        self.eos_ids = list(dict.fromkeys([self.eos_id, *generation_eos_ids(name_or_path, local_files_only)]))
         self.bos_id = None  # the chat template adds what the model expects
         # Some transformers versions leave SmolLM2's tokenizer without a pad token.
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
@@ -105,5 +130,17 @@ class HFTokenizer:
             messages = prompt
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
 
-    def save(self, path: Path) -> None:
-        self.tok.save_pretrained(path.parent / "tokenizer")
+    def save_pretrained(self, path: Path) -> None:
+        """The tokenizer and its chat template, as `transformers` saves them."""
+        self.tok.save_pretrained(path)
+
+
+def generation_eos_ids(name_or_path: str | Path, local_files_only: bool = False) -> list[int]:
+    """The EOS ids a checkpoint's `generation_config.json` names (an id or a list); none without one."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(name_or_path, local_files_only=local_files_only).eos_token_id
+    except OSError:  # no generation_config.json
+        return []
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
