@@ -471,3 +471,20 @@ def test_a_claim_lock_held_by_a_stopped_worker_is_named_and_a_stop_ends_the_wait
     assert len(err) == 1 and err[0].startswith("waiting for the study's claim lock, held by process 4242"), err
     with S.claim_lock(plan):  # released: taken at once
         pass
+
+
+def test_the_gpu_study_specs_compose_and_the_pilot_seeds_stay_out_of_the_study():
+    """The SmolLM2 take-off check (both learners, the earlier runs' settings), the learning-rate pilot
+    and the confirmatory study: each trial's config composes, and the pilot's seeds are not the
+    study's (the pilot chooses each row's rate)."""
+    from qerl_exp.cli import compose
+
+    check, pilot, confirm = (load_plan(ROOT / "sweeps" / f"smollm2_{name}.yaml", []) for name in ("check", "pilot", "confirm"))
+    assert (check.n_trials, pilot.n_trials, confirm.n_trials) == (6, 24, 40)
+    for plan in (check, pilot, confirm):
+        for overrides in plan.configs.values():
+            compose([*plan.overrides, *overrides])
+    assert {c[0] for c in check.configs.values()} == {"train.padding_free=false", "train.padding_free=true"}
+    seeds = {name: {c for p in plan.params if p.name == "seed" for c in p.distribution.choices}
+             for name, plan in (("pilot", pilot), ("confirm", confirm))}
+    assert not seeds["pilot"] & seeds["confirm"] and len(seeds["confirm"]) >= 10
