@@ -5,7 +5,7 @@ run files (`run-*.wandb`). DIR defaults to `report/` in the folder holding the r
 deepest folder common to the PATHs that is not itself a run), `runs/report` for a W&B project
 alone. Writes into DIR:
   strategy_table.md, .csv, .tex    the strategy table (analysis/table.py)
-  figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
+  figures/*.png                    the figures (analysis/figures.py; --pdf adds a PDF of each)
   strategy_runs.md                 every run used, skipped (with the reason: failed runs with
                                    their error.txt line) or left out
   results_section.md               pass@1 on both evaluation splits (start, end, change), the
@@ -21,9 +21,9 @@ Example:
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
     python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
     python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
-    python -m analysis docs/smollm2/study --out docs/smollm2/study --into docs/results.md
+    python -m analysis results/smollm2_study --out results/smollm2_study --into docs/results.md
     python -m analysis determinism RUN_A RUN_B   (two runs of one config and seed, step by step)
-    python -m analysis keep runs/smollm2_study docs/smollm2/study   (a sweep's finished runs, to keep)
+    python -m analysis keep runs/smollm2_study results/smollm2_study   (a sweep's finished runs, to keep)
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--into", type=Path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
+    p.add_argument("--pdf", action="store_true", help="also write each figure as PDF (PNG alone by default)")
     p.add_argument("--smooth", type=_positive, default=1, metavar="K",
                    help="moving average over K steps on reward and entropy curves (default 1: none)")
     return p
@@ -137,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(note)
     try:
         written = table.write(rows, args.out)
-        written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)
+        formats = ("png", "pdf") if args.pdf else figures.PNG
+        written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth, formats=formats)
         if args.optuna_storage:
-            paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures")
+            paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures",
+                                                         formats)
             written += paths
             notes += optuna_notes
         else:

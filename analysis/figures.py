@@ -13,7 +13,7 @@
 Ablation figures compare runs one factor at a time around an anchor: the nvfp4_lora (QeRL) runs
 and the full_precision runs. A curve groups the runs whose settings equal the anchor's except
 for the factor studied; runs that differ in anything else are not drawn. Every file is written
-as PNG and PDF.
+as PNG, and also as PDF when asked (`formats`, `python -m analysis --pdf`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from analysis.table import select
 
 ANCHORS = ("nvfp4_lora", "full_precision")
 BAND_NOTE = "line: mean over seeds; band: +-1 s.d. across seeds"
+PNG = ("png",)  # the default output; ("png", "pdf") adds a PDF of each figure
 
 
 @dataclass
@@ -152,12 +153,12 @@ def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False) -
         ax.text(0.5, 0.5, "no runs for this panel", ha="center", va="center", transform=ax.transAxes)
 
 
-def _save(fig, out_dir: Path, stem: str, suptitle: str, band_note: bool = True) -> list[Path]:
+def _save(fig, out_dir: Path, stem: str, suptitle: str, band_note: bool = True, formats: tuple[str, ...] = PNG) -> list[Path]:
     fig.suptitle(suptitle, fontsize=11)
     if band_note:
         fig.text(0.99, 0.01, BAND_NOTE, ha="right", va="bottom", fontsize=7, color="0.4")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
+    paths = [out_dir / f"{stem}.{suffix}" for suffix in formats]
     for p in paths:
         fig.savefig(p, dpi=150)
     _plt().close(fig)
@@ -176,7 +177,7 @@ def _single_note(groups: dict) -> str:
     return " (only one setting in these runs)" if len(groups) == 1 else ""
 
 
-def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
+def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1, formats: tuple[str, ...] = PNG) -> list[Path]:
     """Figs. 4 and 5 over the table's runs: reward per strategy; sampler entropy and entropy gain.
 
     The entropy gain (sampler minus full-precision reference on the same tokens) removes the
@@ -192,7 +193,7 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
           "reward per strategy")
     if evaluated:  # runs with eval.every: the held-out accuracy beside the training reward
         _draw(axes[0, 1], heldout, "held-out greedy pass@1", "held-out pass@1 per strategy (eval.every)")
-    paths = _save(fig, out_dir, "fig4_reward", "Reward vs step by strategy (paper Fig. 4)")
+    paths = _save(fig, out_dir, "fig4_reward", "Reward vs step by strategy (paper Fig. 4)", formats=formats)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.2))
     _draw(left, [curve(n, m, "sampler/entropy", smooth) for n, m in groups.items()],
           _metric_label("sampler entropy (nats)", smooth), "sampler token entropy")
@@ -200,12 +201,13 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pa
     _draw(right, [curve(n, m, "entropy_gain", smooth) for n, m in groups.items()],
           _metric_label("entropy gain (nats)", smooth), "entropy gain over the full-precision reference")
     right.axhline(0, color="0.3", lw=0.8)
-    paths += _save(fig, out_dir, "fig5_entropy", "Entropy vs step by strategy (paper Fig. 5)")
+    paths += _save(fig, out_dir, "fig5_entropy", "Entropy vs step by strategy (paper Fig. 5)", formats=formats)
     return paths
 
 
 def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, ...], title: str,
-                    keep=None, relabel: dict[str, str] | None = None, smooth: int = 1) -> list[Path]:
+                    keep=None, relabel: dict[str, str] | None = None, smooth: int = 1,
+                    formats: tuple[str, ...] = PNG) -> list[Path]:
     """Reward vs step per value of `vary`, one panel per anchor (QeRL and full precision).
 
     Args:
@@ -226,10 +228,10 @@ def ablation_figure(runs: list[Run], out_dir: Path, stem: str, vary: tuple[str, 
         _draw(ax, curves, _reward_label(smooth), f"around {anchor}{_single_note(groups)}")
     if not panels:
         _draw(axes[0][0], [], _reward_label(smooth), "no anchor runs (nvfp4_lora or full_precision)")
-    return _save(fig, out_dir, stem, title)
+    return _save(fig, out_dir, stem, title, formats=formats)
 
 
-def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
+def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1, formats: tuple[str, ...] = PNG) -> list[Path]:
     """Figs. 9 and 15: reward per noise schedule around QeRL, and each schedule's sigma."""
     plt = _plt()
     groups = ablation(runs, ANCHORS[0], ("noise",))
@@ -239,7 +241,8 @@ def schedule_figure(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Pat
           f"reward per noise schedule around {ANCHORS[0]}{note}")
     _draw(right, [curve(k, v, "noise/sigma") for k, v in groups.items()], "AQN sigma (symlog scale)",
           "sigma per step (stage 0 is noise-free)", log=True)
-    return _save(fig, out_dir, "fig9_15_schedules", "Noise schedules: reward (paper Fig. 9) and sigma (paper Fig. 15)")
+    return _save(fig, out_dir, "fig9_15_schedules", "Noise schedules: reward (paper Fig. 9) and sigma (paper Fig. 15)",
+                 formats=formats)
 
 
 AQN_LABELS = {"schedule=exp": "AQN on (exp schedule)", "schedule=none": "AQN off"}
@@ -250,13 +253,14 @@ def _aqn_on_or_off(run: Run) -> bool:
     return run.get("noise.schedule") in ("exp", "none")
 
 
-def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
-    """Write every run-based figure into `out_dir` (PNG and PDF); return the paths.
+def write_all(runs: list[Run], out_dir: Path, smooth: int = 1, formats: tuple[str, ...] = PNG) -> list[Path]:
+    """Write every run-based figure into `out_dir` (PNG; `formats` may add PDF); return the paths.
 
     Args:
         runs: complete, labelled runs (`analysis.runs.load(...).runs`).
         out_dir: the figures' directory (created if needed).
         smooth: moving average over this many steps on reward and entropy curves (1: none).
+        formats: the files of each figure, by suffix (`PNG`, or `("png", "pdf")`).
 
     Example:
         .. code-block:: python
@@ -267,13 +271,14 @@ def write_all(runs: list[Run], out_dir: Path, smooth: int = 1) -> list[Path]:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = strategy_figures(runs, out_dir, smooth)
+    paths = strategy_figures(runs, out_dir, smooth, formats)
     paths += ablation_figure(runs, out_dir, "fig8_aqn", ("noise",), "AQN on vs off (paper Fig. 8)",
-                             keep=_aqn_on_or_off, relabel=AQN_LABELS, smooth=smooth)
-    paths += schedule_figure(runs, out_dir, smooth)
-    paths += ablation_figure(runs, out_dir, "fig10_lora_rank", ("lora",), "LoRA rank (paper Fig. 10)", smooth=smooth)
+                             keep=_aqn_on_or_off, relabel=AQN_LABELS, smooth=smooth, formats=formats)
+    paths += schedule_figure(runs, out_dir, smooth, formats)
+    paths += ablation_figure(runs, out_dir, "fig10_lora_rank", ("lora",), "LoRA rank (paper Fig. 10)", smooth=smooth,
+                             formats=formats)
     paths += ablation_figure(runs, out_dir, "fig16_17_lr", ("train.lr",),
-                             "Learning-rate robustness (paper Figs. 16-17)", smooth=smooth)
+                             "Learning-rate robustness (paper Figs. 16-17)", smooth=smooth, formats=formats)
     return paths
 
 
@@ -310,7 +315,8 @@ def check_storage(storage: str, study_name: str | None) -> None:
                          "give --optuna-study NAME")
 
 
-def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple[list[Path], list[str]]:
+def optuna_figures(storage: str, study_name: str | None, out_dir: Path,
+                   formats: tuple[str, ...] = PNG) -> tuple[list[Path], list[str]]:
     """The optimization history and the parameter importances of an Optuna study.
 
     A multi-objective study gets one history panel per objective and the importances of its
@@ -320,6 +326,7 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
         storage: an Optuna storage URL (e.g. `sqlite:///sweeps.db`, `postgresql://...`).
         study_name: the study; None picks the only study in the storage.
         out_dir: where `optuna_history.*` and `optuna_importance.*` go.
+        formats: the files of each figure, by suffix.
 
     Returns:
         (written paths, notes on what could not be drawn).
@@ -345,7 +352,7 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
     for i, (ax, name, direction) in enumerate(zip(axes[0], names, study.directions)):
         _draw_history(ax, done, pruned, i, name, direction == optuna.study.StudyDirection.MAXIMIZE)
     fig.suptitle(f"Optuna optimization history: {study_name}, {len(done)} complete, {len(pruned)} pruned", fontsize=11)
-    paths = _save(fig, out_dir, "optuna_history", fig._suptitle.get_text(), band_note=False)
+    paths = _save(fig, out_dir, "optuna_history", fig._suptitle.get_text(), band_note=False, formats=formats)
     values = {t.values[0] for t in done}
     if len(done) < 2 or not any(t.params for t in done):
         return paths, [f"study {study_name}: importance needs two complete trials with parameters"]
@@ -360,7 +367,8 @@ def optuna_figures(storage: str, study_name: str | None, out_dir: Path) -> tuple
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna's experimental-API and evaluator notices
         fig = vis.plot_param_importances(study, target=target, target_name=names[0]).figure
-    paths += _save(fig, out_dir, "optuna_importance", f"Optuna parameter importance: {study_name}", band_note=False)
+    paths += _save(fig, out_dir, "optuna_importance", f"Optuna parameter importance: {study_name}", band_note=False,
+                    formats=formats)
     return paths, []
 
 

@@ -7,7 +7,7 @@ and `python -m analysis` read; checkpoints and adapters stay behind. A trial wit
 already in DEST is replaced.
 
 Example:
-    python -m analysis keep runs/smollm2_study docs/smollm2/study
+    python -m analysis keep runs/smollm2_study results/smollm2_study
 """
 
 from __future__ import annotations

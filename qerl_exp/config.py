@@ -687,13 +687,9 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-RETIRED_KEYS = {("train", "compile")}  # saved by earlier versions, set nothing now: dropped on reading
-
-
 def from_dict(data: dict) -> Config:
     """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`)."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    data = {k: ({kk: vv for kk, vv in v.items() if (k, kk) not in RETIRED_KEYS} if isinstance(v, dict) else v)
-            for k, v in data.items() if k in fields}
+    data = {k: v for k, v in data.items() if k in fields}
     merged = OmegaConf.merge(OmegaConf.structured(Config), data)
     return to_config(merged)
