@@ -1,7 +1,8 @@
 """`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials as run records to keep.
 
 Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.json` and any
-`eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/`, the names docs/results.md
+`eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/` (`<config>_b<base>_s<seed>/` on
+an embedded base other than the default), the names docs/results.md
 and `python -m analysis` read; checkpoints and adapters stay behind. A trial without
 `summary.json` has not finished and is left out, with a line saying so. A record of the same name
 already in DEST is replaced.
@@ -22,9 +23,11 @@ RECORD = ("config.json", "metrics.jsonl", "summary.json")
 
 
 def record_name(config: dict, trial: Path) -> str:
-    """`<config>_s<seed>` for a trial of a spec's `configs`; the trial folder's name otherwise."""
+    """`<config>_s<seed>` for a trial of a spec's `configs` (`<config>_b<base>_s<seed>` on an embedded
+    base other than the default, `model.warmup.seed`); the trial folder's name otherwise."""
     name = config.get("choices", {}).get("config")
-    return f"{name}_s{config['seed']}" if name else trial.name
+    base = (config.get("model", {}).get("warmup") or {}).get("seed", 0)
+    return f"{name}{f'_b{base}' if base else ''}_s{config['seed']}" if name else trial.name
 
 
 def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:

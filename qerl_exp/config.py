@@ -74,6 +74,7 @@ class WarmupConfig:
         target_accuracy: stop once greedy exact-answer accuracy on a probe set reaches this; kept
             well below 1 so that RL has something left to learn.
         eval_every: warm-up steps between probe evaluations.
+        seed: which embedded base: the seed of its initialization and warm-up data (bases of other seeds replicate a run).
     """
 
     max_steps: int = 3000
@@ -81,9 +82,10 @@ class WarmupConfig:
     lr: float = 3e-3
     target_accuracy: float = 0.3
     eval_every: int = 100
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 0, f"model.warmup.max_steps must be >= 0, got {self.max_steps}")
+        _check(self.max_steps >= 0 and self.seed >= 0, f"model.warmup.max_steps and .seed must be >= 0, got {self.max_steps}, {self.seed}")
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
 
 
@@ -278,8 +280,8 @@ class TaskConfig:
     """The problems the policy learns to solve and how they are scored.
 
     Args:
-        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
-            or `math` (local files or the hub).
+        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `fork` (arith's
+            questions by two routes, one worth more: `tasks.fork`), `gsm8k` or `math` (local files or the hub).
         path: local data file (JSONL or Parquet) for file-backed tasks; empty uses the default.
         eval_path: held-out file in the same format as `path` (e.g. GSM8K's test split); empty
             holds out part of `path`.
@@ -300,6 +302,7 @@ class TaskConfig:
             \\boxed{...}, else what follows the last `####` or "answer is", else its last number.
         system_prompt: the system message of chat-template models (the embedded model ignores
             it); empty sends none, so the template's default applies.
+        route_b_prior: fork: the embedded base's probability of opening a reply with route B, set by its warm-up.
     """
 
     name: str = "arith"
@@ -313,9 +316,11 @@ class TaskConfig:
     correct_reward: float = 2.0
     answer_from: str = "tags"
     system_prompt: str = SYSTEM_PROMPT
+    route_b_prior: float = 0.01
 
     def __post_init__(self) -> None:
-        _choice("task.name", self.name, ("arith", "wordprob", "gsm8k", "math"))
+        _choice("task.name", self.name, ("arith", "fork", "wordprob", "gsm8k", "math"))
+        _check(0 < self.route_b_prior <= 0.5, f"task.route_b_prior must be in (0, 0.5], got {self.route_b_prior}")
         _choice("task.answer_from", self.answer_from, ("tags", "text"))
         _choice("task.templates", self.templates, ("base", "wide"))
         _check(self.templates == "base" or self.name == "wordprob",

@@ -398,6 +398,9 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         memory=distributed.maximum(M.memory_metrics(loop.weights, device, rollout_bytes, loop.load_peak, peaks)),
         step_s=phases.pop("step"), phases=phases,
     ))
+    if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
+        metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
+                                              gather(rollout.sampler_entropy[:, 0]).tolist()))
     metrics.update(loop.schedule.observe(metrics))
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:

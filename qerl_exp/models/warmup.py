@@ -2,9 +2,11 @@
 
 Nothing is downloaded: the synthetic model (`models.synthetic`) is trained by supervised learning
 on the task's worked solutions until its greedy accuracy reaches `model.warmup.target_accuracy`
-(so RL starts with clearly non-zero reward and room to improve). The result is cached under
-`model.cache_dir`, keyed by a hash of everything that determines it; a file lock keeps parallel
-runs from warming up the same model twice.
+(so RL starts with clearly non-zero reward and room to improve). A two-route task (`task=fork`)
+learns both routes instead, until each answers at that accuracy, with its route prior set to
+`task.route_b_prior` (`models.routes`). `model.warmup.seed` picks the base: its initialization and
+warm-up data. The result is cached under `model.cache_dir`, keyed by a hash of everything that
+determines it; a file lock keeps parallel runs from warming up the same model twice.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
 from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.models.synthetic import SEED, build
+from qerl_exp.models import routes
+from qerl_exp.models.synthetic import base_seed, build
 from qerl_exp.models.tokenizers import CharTokenizer
 from qerl_exp.tasks import Problem, reference_completion
+from qerl_exp.tasks.fork import reply
 
 # Bump when the embedded model, its tokenizer or its warm-up recipe change meaning, so that
 # cached warm-ups made by older code are not reused. 2: the warm-up runs on one thread (version 1's
@@ -73,6 +77,8 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
         `(model, info)`, info holding the cache key, path, warm-up steps and accuracy.
     """
     task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
+    if hasattr(task, "routes"):  # the warm-up sets the route prior
+        task_fields["route_b_prior"] = task_cfg.route_b_prior
     if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path
         task_fields["data"] = task.fingerprint
     key = tiny_cache_key(cfg, task_fields, tokenizer.vocab)
@@ -91,7 +97,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
                 torch.set_num_threads(1)
                 with torch.random.fork_rng(devices=[]):
                     model = build(cfg, len(tokenizer))
-                    info = _warm_up(model, cfg, task, tokenizer)
+                    info = _warm_up(model, cfg, task, tokenizer, task_cfg.route_b_prior)
             finally:
                 torch.set_num_threads(threads)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
@@ -131,12 +137,12 @@ def _cached(path: Path):
         return None
 
 
-def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(problems: list[Problem], completions: list[str], tokenizer: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `[B, L]` inputs and labels (-100 outside the completion)."""
     seqs, labels = [], []
-    for p in problems:
+    for p, text in zip(problems, completions):
         prompt = [tokenizer.bos_id] + tokenizer.encode(p.question)
-        completion = tokenizer.encode(reference_completion(p)) + [tokenizer.eos_id]
+        completion = tokenizer.encode(text) + [tokenizer.eos_id]
         seqs.append(prompt + completion)
         labels.append([-100] * len(prompt) + completion)
     width = max(map(len, seqs))
@@ -148,32 +154,56 @@ def _batch(problems: list[Problem], tokenizer: CharTokenizer) -> tuple[torch.Ten
     return ids, lab
 
 
-def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer) -> dict:
+def _loss(model, problems: list[Problem], tokenizer: CharTokenizer, rng: np.random.Generator, task,
+          prior: float) -> torch.Tensor:
+    """One warm-up batch's loss: the reference replies' cross-entropy; for a two-route task, each
+    problem by a route drawn at random, its route token taught the prior (`routes.route_loss`)."""
+    if not hasattr(task, "routes"):
+        ids, labels = _batch(problems, [reference_completion(p) for p in problems], tokenizer)
+        return model(input_ids=ids, attention_mask=(ids != tokenizer.pad_id).long(), labels=labels).loss
+    drawn = routes.draw_routes(len(problems), rng)
+    ids, labels = _batch(problems, [reply(p, r) for p, r in zip(problems, drawn)], tokenizer)
+    starts = [1 + len(tokenizer.encode(p.question)) for p in problems]  # bos + the question
+    labels[torch.arange(len(starts)), torch.tensor(starts)] = -100  # the route token learns the prior instead
+    logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_id).long()).logits
+    return routes.route_loss(logits, labels, starts, tuple(tokenizer.encode(r)[0] for r in task.routes), prior)
+
+
+def _progress(model, task, tokenizer: CharTokenizer, probe: list[Problem], target: float, prior: float) -> tuple[dict, bool]:
+    """What the warm-up has reached on the probe problems, and whether it is done."""
+    if hasattr(task, "routes"):
+        facts = routes.route_facts(model, tokenizer, task, probe)
+        return facts, routes.competent(facts, prior, target)
+    model.eval()
+    # One batch of all problems, as always: other batches pad differently, which could move
+    # the greedy tokens and so the stopping step (the model is cached by config hash alone).
+    correct = greedy_pass_at_1(model, tokenizer, task, probe, system_prompt="", max_new_tokens=32, batch_size=len(probe))[2]
+    accuracy = float(np.mean(correct))
+    return {"greedy_accuracy": accuracy}, accuracy >= target
+
+
+def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer, prior: float) -> dict:
     w = cfg.warmup
-    rng = np.random.default_rng(SEED)
-    probe = task.sample(128, np.random.default_rng(SEED + 1))
+    rng = np.random.default_rng(base_seed(cfg))
+    probe = task.sample(128, np.random.default_rng(base_seed(cfg) + 1))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=0.01)
-    start, accuracy, step = time.time(), 0.0, 0
+    start, facts, step = time.time(), {"greedy_accuracy": 0.0}, 0
     # A terminal gets a live bar; a log file gets a line every 10 s rather than thousands.
     bar = tqdm(range(1, w.max_steps + 1), desc="warm-up (embedded model, cached after)", unit="step",
                mininterval=0.1 if sys.stderr.isatty() else 10.0)
     for step in bar:
         model.train()
-        ids, labels = _batch(task.sample(w.batch_size, rng), tokenizer)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_id).long(), labels=labels).loss
+        loss = _loss(model, task.sample(w.batch_size, rng), tokenizer, rng, task, prior)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % w.eval_every == 0:
-            model.eval()
-            # One batch of all problems, as always: other batches pad differently, which could move
-            # the greedy tokens and so the stopping step (the model is cached by config hash alone).
-            correct = greedy_pass_at_1(model, tokenizer, task, probe, system_prompt="", max_new_tokens=32,
-                                       batch_size=len(probe))[2]
-            accuracy = float(np.mean(correct))
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
-            if accuracy >= w.target_accuracy:
+            facts, done = _progress(model, task, tokenizer, probe, w.target_accuracy, prior)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{facts['greedy_accuracy']:.2f}")
+            if done:
                 break
     bar.close()
+    if hasattr(task, "routes") and "pi0_b" not in facts:  # stopped before its first measurement
+        facts = _progress(model, task, tokenizer, probe, w.target_accuracy, prior)[0]
     model.eval()
-    return {"steps": step, "greedy_accuracy": accuracy, "loss": float(loss.item()), "seconds": time.time() - start}
+    return {"steps": step, **facts, "loss": float(loss.item()), "seconds": time.time() - start}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from qerl_exp.config import SYSTEM_PROMPT, TaskConfig
-from qerl_exp.tasks import arith, datasets, wordprob
+from qerl_exp.tasks import arith, datasets, fork, wordprob
 from qerl_exp.tasks.base import Problem, RewardFn, Task, reference_completion
 from qerl_exp.tasks.datasets import file_digests
 
@@ -19,7 +19,8 @@ __all__ = ["SYSTEM_PROMPT", "Problem", "RewardFn", "Task", "build_task", "file_d
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task named by `cfg.name`."""
-    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "wordprob": wordprob.WordProblemTask,
+    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "fork": fork.ForkTask,
+                                                      "wordprob": wordprob.WordProblemTask,
                                                       **datasets.TASKS}
     if cfg.name not in tasks:
         raise ValueError(f"task.name={cfg.name!r} is not available; choose one of: {', '.join(sorted(tasks))}")

@@ -12,11 +12,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: the question shown to the model and the reference answer."""
+    """One problem: the question shown to the model, the reference answer, the worked solution of
+    synthetic tasks, and for a task whose replies are not in the paper's format its whole
+    reference reply (`completion`)."""
 
     question: str
     answer: str
     solution: str = ""
+    completion: str = ""
 
 
 RewardFn = Callable[[str, Problem], float]
@@ -28,12 +31,18 @@ SPLITS = (HELD_OUT, OOD)
 
 
 def reference_completion(problem: Problem) -> str:
-    """The problem's worked solution and answer in the paper's format: what the embedded model's
-    warm-up imitates and what evaluation's `eval/solution_logp` scores."""
-    return f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
+    """The problem's reference reply (its worked solution and answer in the paper's format, unless
+    the task gives its own): what the embedded model's warm-up imitates and what evaluation's
+    `eval/solution_logp` scores."""
+    return problem.completion or f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
 
 
 class Task(Protocol):
+    """A task. Optional, for a task with metrics of its own (named in `qerl_exp.metrics`):
+    `step_metrics(texts, route_entropy)` on each step's completions and the sampler's entropy at
+    their first token, and `eval_metrics(greedy, prefix)` on an evaluation's greedy replies
+    (`tasks.fork`)."""
+
     name: str
     rewards: dict[str, RewardFn]
     splits: tuple[str, ...]  # its evaluation splits, HELD_OUT first
