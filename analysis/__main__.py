@@ -9,8 +9,10 @@ alone. Writes into DIR:
   strategy_runs.md                 every run used, skipped (with the reason: failed runs with
                                    their error.txt line) or left out
   results_section.md               pass@1 on both evaluation splits (start, end, change), the
-                                   diagnostics, the best AQN setting, the spread between identical
-                                   runs, the commit and this command (analysis/section.py), for
+                                   diagnostics, every row's paired contrasts against --reference
+                                   (analysis/compare.py), route B's discovery (task=fork), the best
+                                   AQN setting, the spread between identical runs, the commit and
+                                   this command (analysis/section.py), for
                                    docs/results.md to include verbatim (--into docs/results.md
                                    puts it there, between its begin and end lines)
 
@@ -30,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from analysis import determinism, figures, keep, section, table
+from analysis import compare, determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
 from qerl_exp.rundir import check_writable, os_error_line
@@ -45,6 +48,19 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 1")
     return int(text)
+
+
+def _margin(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    if name not in compare.OUTCOMES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not an outcome; choose one of: {', '.join(compare.OUTCOMES)}")
+    try:
+        margin = float(value)
+    except ValueError:
+        margin = math.nan
+    if not margin > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the margin must be a number > 0, e.g. {name}=0.05")
+    return name, margin
 
 
 def _check_out(out: Path) -> None:
@@ -68,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--into", type=Path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
+    p.add_argument("--reference", default=compare.REFERENCE, metavar="ROW",
+                   help="the row every other row is compared with in the results section (default: full_precision)")
+    p.add_argument("--margin", action="append", default=[], type=_margin, metavar="OUTCOME=VALUE",
+                   help="an equivalence margin for 'similar' (TOST), in the outcome's units, e.g. discovery=12; "
+                        f"outcomes: {', '.join(compare.OUTCOMES)}")
     p.add_argument("--pdf", action="store_true", help="also write each figure as PDF (PNG alone by default)")
     p.add_argument("--smooth", type=_positive, default=1, metavar="K",
                    help="moving average over K steps on reward and entropy curves (default 1: none)")
@@ -152,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {os_error_line(e, '--out DIR') or f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return 1
     written.append(args.out / "strategy_runs.md")
-    written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv]),
-                                 section.cut_short(loaded)))
+    built = section.build(loaded, args.reference, dict(args.margin))
+    written.append(section.write(built, args.out, shlex.join(["python", "-m", "analysis", *argv]), section.cut_short(loaded)))
     if args.into:
         try:
             section.splice(args.into, written[-1])

@@ -38,9 +38,11 @@ REQUIRED = (
 # Metrics of the noise monitor: present on every step k with k % monitor.every == 0.
 MONITORED = ("entropy_gain",)
 
-# Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
-IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir",
-                "world_size", "train.dist_timeout_s", "commit")
+# Config keys that say nothing about the experiment (where it ran and was stored, how it was logged),
+# and its replication units: the run seed and the embedded base (`model.warmup.seed`); runs that
+# differ in these alone are one row's replicates.
+IGNORED_KEYS = ("seed", "model.warmup.seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb",
+                "model.cache_dir", "world_size", "train.dist_timeout_s", "commit")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 

@@ -23,12 +23,16 @@ Runs cut short (a sweep stopped before their last step, each logged step whole) 
 finished runs; `cut_short` compares their training reward over the last quarter of the steps all
 of them logged, beside their pass@1 before the first update.
 
-Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). The best AQN
-setting is, among the nvfp4_lora rows (settings equal to the `nvfp4_lora` preset's outside
-`noise.*`; AQN off is one of them), the one with the highest mean final training reward: chosen
-on training reward, never on held-out pass@1. Two runs of one row with one seed are a determinism
-pair: the first, in the order of the command's PATHs (so a study named before its repeats keeps its
-own runs), enters the row, and the section states their spread (`analysis.determinism`).
+Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). Then every row
+against the reference row (`--reference`, default full_precision): paired differences per (base,
+seed) with intervals, p-values and Holm's adjustment (`analysis.compare`), and for `task=fork` the
+discovery of route B. The best AQN setting is, among the nvfp4_lora rows (settings equal to the
+`nvfp4_lora` preset's outside `noise.*`; AQN off is one of them) that differ from each other in
+`noise.*` alone, the one with the highest mean final training reward: chosen on training reward,
+never on held-out pass@1; rows that also differ in another setting (a learning rate, a task) are
+not candidates. Two runs of one row with one (base, seed) are a determinism pair: the first, in the
+order of the command's PATHs (so a study named before its repeats keeps its own runs), enters the
+row, and the section states their spread (`analysis.determinism`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis import determinism
+from analysis import compare, determinism
 from analysis.runs import Loaded, Run, preset_differences, settings
 from analysis.stats import Interval, mean, t_interval
 from analysis.table import order
@@ -56,6 +60,9 @@ DIAGNOSTICS = {  # column: (header, digits)
     "clipped": ("replies cut", 2), "eval_clipped": ("held-out replies cut (end)", 2),
     "zero_std": ("no reward spread", 2), "logp_gap": ("sampler-learner gap", 3),
 }
+# The outcomes whose paired contrasts against the reference row the section shows (those the runs logged).
+CONTRAST_OUTCOMES = ("final_reward", "heldout_pass1", "ood_pass1", "entropy_gain_0", "entropy_gain", "discovery",
+                     "first_b", "b_share_end")
 # Metrics a determinism pair reports besides its largest difference.
 PAIR_METRICS = ("reward", "entropy", "kl", "loss", "grad_norm", "eval/pass@1", "eval/ood/pass@1")
 # Settings the section names when every run shares them.
@@ -116,6 +123,8 @@ class Section:
     best: Row | None
     pairs: list[determinism.Comparison]
     notes: list[str]
+    reference: str = compare.REFERENCE
+    margins: dict[str, float] = field(default_factory=dict)
 
 
 def _label(runs: list[Run]) -> str:
@@ -130,8 +139,26 @@ def _family(run: Run, presets: dict[str, dict]) -> str | None:
     return run.strategy or next((p for p in order(presets) if not preset_differences(run, presets[p], ignore=("noise",))), None)
 
 
-def build(loaded: Loaded) -> Section:
-    """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats."""
+def _aqn_candidates(rows: list[Row], presets: dict) -> list[Row]:
+    """The nvfp4_lora-family rows that differ from each other in `noise.*` alone: the largest group
+    of them sharing every other setting (the first such group in row order); none when no two do."""
+    preset = presets.get(AQN_FAMILY)
+    family = [r for r in rows if preset and not preset_differences(r.runs[0], preset, ignore=("noise",))]
+    groups: dict[tuple, list[Row]] = {}
+    for r in family:
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in settings(r.runs[0], ("noise",)).items())), []).append(r)
+    largest = max(groups.values(), key=len, default=[])
+    return largest if len(largest) >= 2 else []
+
+
+def build(loaded: Loaded, reference: str = compare.REFERENCE, margins: dict[str, float] | None = None) -> Section:
+    """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats.
+
+    Args:
+        loaded: the runs.
+        reference: the label of the row every other row is compared with.
+        margins: equivalence margins by outcome (`compare.OUTCOMES`), for "similar" verdicts.
+    """
     groups: dict[tuple, list[Run]] = {}
     for run in loaded.runs:  # in PATH order: the first run of a row and seed is the row's
         key = tuple(sorted((k, repr(v)) for k, v in settings(run).items()))
@@ -140,10 +167,10 @@ def build(loaded: Loaded) -> Section:
     for runs in groups.values():
         by_seed: dict = {}
         for run in runs:
-            if run.seed in by_seed:
-                pairs.append(determinism.compare(by_seed[run.seed], run))
+            if compare.unit(run) in by_seed:
+                pairs.append(determinism.compare(by_seed[compare.unit(run)], run))
             else:
-                by_seed[run.seed] = run
+                by_seed[compare.unit(run)] = run
         label = _label(runs)
         seen[label] += 1
         row = Row(label if seen[label] == 1 else f"{label} ({seen[label]})", list(by_seed.values()))
@@ -156,14 +183,15 @@ def build(loaded: Loaded) -> Section:
     thin = [f"{r.label} ({r.seeds})" for r in rows if r.seeds < MIN_SEEDS]
     if thin:
         notes.append(f"fewer than {MIN_SEEDS} seeds, too few to conclude from: {', '.join(thin)}")
-    preset = loaded.presets.get(AQN_FAMILY)
-    candidates = [r for r in rows if preset and not preset_differences(r.runs[0], preset, ignore=("noise",))]
+    candidates = _aqn_candidates(rows, loaded.presets)
     scored = [r for r in candidates if not math.isnan(r.values["final_reward"].mean)]
     best = max(scored, key=lambda r: r.values["final_reward"].mean) if scored else None
     for r in rows:
         if any(math.isnan(r.values[f"{s}_start"].mean) for s in SPLIT_NAMES):
             notes.append(f"{r.label}: no evaluation before the first update on some split (eval.at_start), so no change")
-    return Section(rows, candidates, best, pairs, notes)
+    if reference not in [r.label for r in rows]:
+        notes.append(f"no row is labelled {reference}: no paired contrasts (--reference names the row to compare with)")
+    return Section(rows, candidates, best, pairs, notes, reference, dict(margins or {}))
 
 
 def _where(run: Run, runs: list[Run]) -> str:
@@ -213,7 +241,8 @@ def _diagnostics_table(rows: list[Row]) -> list[str]:
 
 def _best(section: Section) -> list[str]:
     if section.best is None:
-        return [f"No {AQN_FAMILY} rows (settings equal to the `{AQN_FAMILY}` preset's outside `noise.*`): no AQN setting to choose."]
+        return [f"No two {AQN_FAMILY} rows (settings equal to the `{AQN_FAMILY}` preset's outside `noise.*`) differ "
+                "in `noise.*` alone: no AQN setting to choose."]
     b = section.best
     ranked = sorted(section.candidates, key=lambda r: -r.values["final_reward"].mean)
     rewards = ", ".join(f"{r.label} {r.values['final_reward'].text()}" for r in ranked)
@@ -237,6 +266,14 @@ def _pairs(section: Section) -> list[str]:
         shown = "; ".join(f"{m} {c.diffs[m][0]:.3g}" for m in PAIR_METRICS if m in c.diffs)
         lines.append(f"- {pair}, {c.steps} steps): largest difference {largest:.3g} ({name}, step {step}); {shown}.")
     return lines
+
+
+def _compared(section: Section) -> list[str]:
+    """The paired contrasts against the reference row and, for `task=fork`, the discovery table."""
+    rows = {r.label: r.runs for r in section.rows}
+    lines = compare.contrasts_markdown(rows, CONTRAST_OUTCOMES, section.reference, section.margins)
+    discovered = compare.discovery_markdown(rows)
+    return [*lines, *([""] if lines else []), *discovered, *([""] if discovered else [])]
 
 
 def cut_short(loaded: Loaded) -> list[str]:
@@ -293,6 +330,7 @@ def to_markdown(section: Section, command: str, cut: list[str] | None = None) ->
              "(`quant/kl`, nats a token), reply lengths and how many hit the cap, and how many groups had no "
              "reward spread (`frac_reward_zero_std`):", "",
              *_diagnostics_table(section.rows), "",
+             *_compared(section),
              "**Best AQN setting.** " + "\n".join(_best(section)), "",
              "**Identical runs.**", "", *_pairs(section)]
     if cut:

@@ -45,7 +45,7 @@ these functions; it never builds metric names itself. Token means are over compl
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
 `reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
-`mem/*`, `steps`; for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
+`mem/*`, `steps` (the run loop adds `world_size`, `commit` and `device`, `cpu` or `cuda`); for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
 `warmup/weights` (a digest of the weights: runs that show the same one started from the same model;
 another kind of CPU can warm up another, `models.warmup.weights_digest`); for a two-route task
 (`task=fork`), what its warm-up measured, `warmup/pi0_b` (the base's mean probability of opening

@@ -225,7 +225,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
 
         _save(loop, run_dir / "final", cfg.train.steps)
         summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
-                                         "world_size": distributed.world_size(), "commit": rundir.source_commit()}
+                                         "world_size": distributed.world_size(), "commit": rundir.source_commit(),
+                                         "device": loop.device.type}
                                         if distributed.is_main() else None)
         loop.tracker.finish(summary)
         return summary

@@ -205,7 +205,8 @@ def test_every_included_section_is_the_current_output_of_its_command(page, path,
     argv = shlex.split(command)[3:]
     args = cli._parser().parse_args(argv)
     loaded = R.load([str(ROOT / p) for p in args.paths])
-    assert section.to_markdown(section.build(loaded), command, section.cut_short(loaded)) == text
+    built = section.build(loaded, args.reference, dict(args.margin))
+    assert section.to_markdown(built, command, section.cut_short(loaded)) == text
 
 
 def test_runs_cut_short_are_compared_on_the_steps_all_of_them_logged(tmp_path):
