@@ -2,7 +2,9 @@
 
 Nothing is downloaded: the synthetic model (`models.synthetic`) is trained by supervised learning
 on the task's worked solutions until its greedy accuracy reaches `model.warmup.target_accuracy`
-(so RL starts with clearly non-zero reward and room to improve). A two-route task (`task=fork`)
+(so RL starts with clearly non-zero reward and room to improve). The default base ships with the
+package (`models.shipped`): the warm-up's float sums round by the CPU's vector kernels, so another
+kind of CPU would warm up another model. A two-route task (`task=fork`)
 learns both routes instead, until each answers at that accuracy, with its route prior set to
 `task.route_b_prior` (`models.routes`). `model.warmup.seed` picks the base: its initialization and
 warm-up data. The result is cached under `model.cache_dir`, keyed by a hash of everything that
@@ -30,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
 from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.models import routes
+from qerl_exp.models import routes, shipped
 from qerl_exp.models.synthetic import base_seed, build
 from qerl_exp.models.tokenizers import CharTokenizer
 from qerl_exp.tasks import Problem, reference_completion
@@ -42,18 +44,15 @@ from qerl_exp.tasks.fork import reply
 TINY_RECIPE_VERSION = 2
 
 
-def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
-    """Hash of everything that determines the warmed-up embedded model.
+def tiny_cache_spec(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> dict:
+    """Everything that determines the warmed-up embedded model: what its cache key hashes.
 
     Args:
         cfg: the model config (its fields that do not shape the weights are left out).
         task_fields: the task settings that shape its problems (and a file-backed task's data).
         vocab: the tokenizer's vocabulary.
-
-    Returns:
-        16 hex digits.
     """
-    spec = {
+    return {
         "version": TINY_RECIPE_VERSION,
         # `source` is synthetic for every model warmed up, and `name` only labels it
         "model": {k: v for k, v in asdict(cfg).items()
@@ -61,27 +60,48 @@ def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str
         "task": task_fields,
         "vocab": vocab,
     }
+
+
+def spec_key(spec: dict) -> str:
+    """16 hex digits of the SHA-256 of a warm-up's spec (`tiny_cache_spec`): its cache key."""
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: CharTokenizer):
-    """The warmed-up embedded model (float32, CPU) and facts about its warm-up.
+def tiny_cache_key(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> str:
+    """The cache key of the warmed-up embedded model: `spec_key(tiny_cache_spec(...))`."""
+    return spec_key(tiny_cache_spec(cfg, task_fields, vocab))
+
+
+def base_spec(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: CharTokenizer) -> dict:
+    """The warm-up spec of a run's embedded base, from its model and task configs."""
+    task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
+    if hasattr(task, "routes"):  # the warm-up sets the route prior
+        task_fields["route_b_prior"] = task_cfg.route_b_prior
+    if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path
+        task_fields["data"] = task.fingerprint
+    return tiny_cache_spec(cfg, task_fields, tokenizer.vocab)
+
+
+def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: CharTokenizer, use_shipped: bool = True):
+    """The warmed-up embedded model (float32, CPU) and facts about its warm-up: the base the package
+    ships for this spec when there is one (`models.shipped`), else the cached warm-up, else a new one.
 
     Args:
         cfg: the model config (`source=synthetic`).
         task_cfg: the task config; its fields that shape the problems are part of the cache key.
         task: the built task whose problems the model learns from.
         tokenizer: the embedded tokenizer.
+        use_shipped: take the package's base for this spec when it ships one; False: the cache or
+            a new warm-up (what `ship=true` copies into the package).
 
     Returns:
         `(model, info)`, info holding the cache key, path, warm-up steps and accuracy.
     """
-    task_fields = {"name": task_cfg.name, "difficulty": task_cfg.difficulty, "ops": list(task_cfg.ops), "path": task_cfg.path}
-    if hasattr(task, "routes"):  # the warm-up sets the route prior
-        task_fields["route_b_prior"] = task_cfg.route_b_prior
-    if hasattr(task, "fingerprint"):  # file-backed tasks: the data itself, not only its path
-        task_fields["data"] = task.fingerprint
-    key = tiny_cache_key(cfg, task_fields, tokenizer.vocab)
+    key = spec_key(base_spec(cfg, task_cfg, task, tokenizer))
+    packaged = shipped.find(key) if use_shipped else None
+    loaded = _cached(packaged) if packaged is not None else None
+    if loaded is not None:
+        return loaded[0], {**loaded[1], "cache_key": key, "path": str(packaged), "weights": weights_digest(packaged)}
     root = Path(os.path.expanduser(cfg.cache_dir))
     path = root / f"tiny-{key}"
     root.mkdir(parents=True, exist_ok=True)
@@ -207,3 +227,43 @@ def _warm_up(model, cfg: ModelConfig, task, tokenizer: CharTokenizer, prior: flo
         facts = _progress(model, task, tokenizer, probe, w.target_accuracy, prior)[0]
     model.eval()
     return {"steps": step, **facts, "loss": float(loss.item()), "seconds": time.time() - start}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m qerl_exp.models.warmup [run overrides] [ship=true]`: the embedded base of a run config.
+
+    Warms it up (or takes the shipped or cached one) and prints its key, folder and warm-up facts;
+    `ship=true` takes the cache or a new warm-up, never the shipped copy, and copies it into the
+    package (`models.shipped`) with its record: what made the default base, `ship=true` alone.
+    """
+    from qerl_exp import logs
+    from qerl_exp.cli import compose, fail, tolerate_closed_pipes
+    from qerl_exp.rundir import source_commit
+    from qerl_exp.tasks import build_task
+
+    tolerate_closed_pipes()
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(main.__doc__)
+        return
+    ship = "ship=true" in argv
+    overrides = [a for a in argv if a not in ("ship=true", "ship=false")]
+    try:
+        cfg, _ = compose(overrides)
+    except ValueError as e:
+        fail(str(e).splitlines()[0])
+    if cfg.model.source != "synthetic" or cfg.model.warmup.max_steps == 0:
+        fail("the warm-up command is for the embedded model (model=tiny) with model.warmup.max_steps > 0")
+    task, tokenizer = build_task(cfg.task), CharTokenizer()
+    with logs.quiet(cfg.verbose):
+        _, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer, use_shipped=not ship)
+    if ship:
+        command = " ".join(["python -m qerl_exp.models.warmup", *argv])
+        path = shipped.ship(Path(info["path"]), base_spec(cfg.model, cfg.task, task, tokenizer), info["cache_key"],
+                            source_commit(), command)
+        info = {**info, "path": str(path)}
+    print(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()
