@@ -90,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="an equivalence margin for 'similar' (TOST), in the outcome's units, e.g. discovery=12; "
                         f"outcomes: {', '.join(compare.OUTCOMES)}")
     p.add_argument("--pdf", action="store_true", help="also write each figure as PDF (PNG alone by default)")
-    p.add_argument("--smooth", type=_positive, default=1, metavar="K",
-                   help="moving average over K steps on reward and entropy curves (default 1: none)")
+    p.add_argument("--smooth", type=_positive, default=figures.SMOOTH, metavar="K",
+                   help=f"moving average over K steps of every curve, the unsmoothed means drawn faint beside it "
+                        f"(default {figures.SMOOTH}; 1: none)")
     return p
 
 

@@ -422,26 +422,33 @@ def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monke
             "legend": [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else None,
             "bands": sum(isinstance(c, PolyCollection) for c in ax.collections),
             "curves": sum(1 for line in ax.get_lines() if not line.get_label().startswith("_")),
-        } for ax in fig.axes]
+            "faint": sum(1 for line in ax.get_lines() if line.get_alpha() == 0.3),
+        } for ax in fig.axes if ax.axison]
         return save(fig, out_dir, stem, suptitle, band_note, formats)
 
     monkeypatch.setattr(figures, "_save", capture)
     paths = figures.write_all(loaded.runs, tmp_path, smooth=3, formats=("png", "pdf"))
     assert sorted(drawn) == sorted(FIGURES)
+    others = [s for s in STRATEGIES if s != "full_precision"]
     for stem, axes in drawn.items():
         assert any(a["legend"] for a in axes), stem
         for a in axes:
             assert a["xlabel"] == "RL step" and a["ylabel"], stem
             assert a["curves"] >= 1 and a["bands"] == a["curves"], stem  # every curve (2 seeds) has its band
             assert a["legend"] is None or len(a["legend"]) == a["curves"], stem
+    # fig4: reward per strategy over each one's paired difference from full precision
     assert drawn["fig4_reward"][0]["legend"] == [f"{s} (n=2)" for s in STRATEGIES]  # table order
+    assert drawn["fig4_reward"][2]["legend"] == [f"{s} (n=2)" for s in others]  # below the reward panel
+    assert drawn["fig4_reward"][2]["ylabel"] == "reward - full_precision"
+    assert drawn["fig4_reward"][0]["faint"] == len(STRATEGIES)  # smoothed: the raw means drawn faint
     assert drawn["fig5_entropy"][1]["legend"] == [f"{s} (n=2)" for s in STRATEGIES]
     assert "moving avg. over 3 steps" in drawn["fig5_entropy"][0]["ylabel"]
     assert drawn["fig8_aqn"][0]["legend"] == ["AQN on (exp schedule) (n=2)", "AQN off (n=2)"]
+    assert drawn["fig8_aqn"][2]["legend"] == ["AQN off (n=2)"]  # against the anchor's own setting
     assert sorted(drawn["fig9_15_schedules"][0]["legend"]) == ["schedule=exp (n=2)", "schedule=linear (n=2)",
                                                                "schedule=none (n=2)"]
     assert sorted(drawn["fig10_lora_rank"][0]["legend"]) == ["alpha=16, r=16 (n=2)", "alpha=32, r=32 (n=2)"]
-    assert [len(a["legend"]) for a in drawn["fig16_17_lr"]] == [2, 2]  # around nvfp4_lora and full_precision
+    assert [len(a["legend"]) for a in drawn["fig16_17_lr"][:2]] == [2, 2]  # around nvfp4_lora and full_precision
     import matplotlib.image
 
     for p in paths:
@@ -449,6 +456,31 @@ def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monke
             assert matplotlib.image.imread(p).shape[0] > 100
         else:
             assert p.read_bytes()[:5] == b"%PDF-"
+
+
+def test_a_difference_panel_is_the_mean_paired_difference_with_its_interval(synthetic):
+    root, good, _, _ = synthetic
+    runs = {s: [R.read_run_dir(p) for p in good[s]] for s in ("full_precision", "nvfp4_lora")}
+    d = figures.difference("nvfp4_lora", runs["nvfp4_lora"], runs["full_precision"], "reward")
+    rows = {s: [[r["reward"] for r in _metrics(s, seed)] for seed in (0, 1)] for s in runs}
+    for step in (0, 7, 19):
+        diffs = [rows["nvfp4_lora"][k][step] - rows["full_precision"][k][step] for k in (0, 1)]
+        assert d.mean[step] == pytest.approx(statistics.fmean(diffs))
+        assert d.std[step] == pytest.approx(T975[1] * statistics.stdev(diffs) / math.sqrt(2), rel=1e-4)
+    assert d.n == 2 and d.steps == list(range(20))
+
+
+def test_smoothing_averages_steps_and_curves_that_coincide_are_named():
+    assert figures._smooth([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert figures._smooth([0, 10, 20], [1.0, 3.0, 5.0], 5) == [1.0, 3.0, 5.0]  # logged every 10 steps: untouched
+    a = figures.Curve("a", [0, 1], [0.1, 0.2], [0.0, 0.0], 2)
+    b = figures.Curve("b", [0, 1], [0.1, 0.2], [0.0, 0.0], 2)
+    c = figures.Curve("c", [0, 1], [0.1, 0.3], [0.0, 0.0], 2)
+    assert figures.coinciding([a, c, b]) == {2: "a"}
+    fig, ax = figures._plt().subplots()
+    figures._draw(ax, [a, c, b], "y", "t")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (n=2)", "c (n=2)", "b (n=2) = a"]
+    assert [line.get_linestyle() for line in ax.get_lines()] == ["-", "-", "--"]
 
 
 def test_noise_ablation_labels_name_sigma_only_where_aqn_is_on(synthetic, tmp_path):

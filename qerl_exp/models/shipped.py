@@ -32,9 +32,9 @@ RECORD = "shipped.json"
 FILES = ("config.json", "generation_config.json", "model.safetensors", "warmup.json")
 
 
-def find(key: str, root: Path = BASES) -> Path | None:
-    """The shipped base of a warm-up key, or None."""
-    path = root / f"tiny-{key}"
+def find(key: str, root: Path | None = None) -> Path | None:
+    """The shipped base of a warm-up key (in `root`, the package's `bases/` by default), or None."""
+    path = (root or BASES) / f"tiny-{key}"
     return path if (path / RECORD).is_file() else None
 
 
@@ -60,7 +60,7 @@ def machine() -> str:
     return f"{cpu}; torch {torch.__version__}, CPU kernels {torch.backends.cpu.get_cpu_capability()}; Python {sys.version.split()[0]}"
 
 
-def ship(cached: Path, spec: dict, key: str, commit: str, command: str, root: Path = BASES) -> Path:
+def ship(cached: Path, spec: dict, key: str, commit: str, command: str, root: Path | None = None) -> Path:
     """Copy a warmed-up base (`cached`, a warm-up cache folder) into the package with its record.
 
     Args:
@@ -74,6 +74,7 @@ def ship(cached: Path, spec: dict, key: str, commit: str, command: str, root: Pa
     Returns:
         The shipped folder.
     """
+    root = root or BASES
     out = root / f"tiny-{key}"
     tmp = root / f".tiny-{key}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
