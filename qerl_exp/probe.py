@@ -50,6 +50,7 @@ from qerl_exp.metrics import entropy_from_logits, kl_full, token_mean
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
 from qerl_exp.rollout import make_sampler, row_seeds, sample
+from qerl_exp.rundir import source_commit
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT
 
@@ -258,7 +259,8 @@ def probe(args: ProbeArgs, overrides: list[str]) -> dict:
                 pooled.setdefault(key, {}).setdefault(name, []).extend(values)
         raw += parts
         facts.append(fact)
-    results = {"config": {"overrides": overrides, "bases": args.bases, "temperature": facts[0]["temperature"],
+    results = {"config": {"overrides": overrides, "bases": args.bases, "commit": source_commit(),
+                          "temperature": facts[0]["temperature"],
                           "prompts": sum(f["prompts"] for f in facts), "samples": args.samples,
                           "tokens": sum(f["tokens"] for f in facts), "dtype": facts[0]["dtype"]},
                "rows": [{"quant": q, "sigma": s, "per_prompt": row} for (q, s), row in pooled.items()]}
@@ -281,7 +283,8 @@ def table(results: dict) -> str:
     c = results["config"]
     bases = f" on bases {','.join(map(str, c['bases']))}" if c.get("bases") else ""
     lines += ["", f"{c['prompts']} prompts{bases} x {c['samples']} completions sampled from full precision ({c['dtype']}) "
-              f"at temperature {c['temperature']:g}, {c['tokens']} tokens; mean over prompts [95 % t-interval]"]
+              f"at temperature {c['temperature']:g}, {c['tokens']} tokens; mean over prompts [95 % t-interval]"
+              + (f"; commit `{c['commit'][:7]}`" if c.get("commit") else "")]
     if "match" in results:
         m = results["match"]
         lines.append(f"full precision at temperature {m['temperature']:g} matches {m['format']}'s "
