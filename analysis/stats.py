@@ -114,14 +114,15 @@ def _t_p(t: float, df: float, tail: str) -> float:
 
 
 def _t_stat(values: list[float], null: float = 0.0) -> tuple[float, float]:
-    """The one-sample t statistic against `null` and its degrees of freedom (a constant sample: 0
-    when it equals the null, +-inf otherwise)."""
+    """The one-sample t statistic against `null` and its degrees of freedom. A constant sample
+    (equal pass@1 changes on 100 problems, say) has no spread to test against: 0 when it equals the
+    null, else nan (no p-value), never an infinite t."""
     n, s = len(values), stdev(values)
     if n < 2:
         return math.nan, 0
     diff = mean(values) - null
-    if s == 0:
-        return (0.0 if diff == 0 else math.copysign(math.inf, diff)), n - 1
+    if s <= 1e-12 * max(1.0, abs(mean(values))):  # equal up to float rounding
+        return (0.0 if abs(diff) <= 1e-12 else math.nan), n - 1
     return diff / (s / math.sqrt(n)), n - 1
 
 
@@ -147,8 +148,8 @@ def welch(a: list[float], b: list[float], level: float = LEVEL) -> tuple[Interva
         return Interval(diff, math.nan, math.nan, n), math.nan
     va, vb = stdev(a) ** 2 / len(a), stdev(b) ** 2 / len(b)
     se = math.sqrt(va + vb)
-    if se == 0:
-        return Interval(diff, diff, diff, n), (1.0 if diff == 0 else 0.0)
+    if se <= 1e-12 * max(1.0, abs(diff)):  # two constant samples: no spread to test against
+        return Interval(diff, diff, diff, n), (1.0 if diff == 0 else math.nan)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile((1 + level) / 2, df) * se
     return Interval(diff, diff - half, diff + half, n), _t_p(diff / se, df, "two")
@@ -160,7 +161,7 @@ def tost(values: list[float], margin: float) -> float:
     (-margin, margin)."""
     low = _t_p(*_t_stat(values, -margin), "greater")
     high = _t_p(*_t_stat(values, margin), "less")
-    return max(low, high)
+    return math.nan if math.isnan(low) or math.isnan(high) else max(low, high)
 
 
 def holm(p_values: list[float]) -> list[float]:

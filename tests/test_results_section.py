@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shlex
 import statistics
 from pathlib import Path
@@ -192,7 +193,52 @@ def test_the_section_goes_into_a_page_between_its_markers(made, tmp_path):
 
 
 def _included() -> list[tuple[Path, Path, str]]:
-    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()]
+    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+            if path.name == section.FILE]
+
+
+def _probe_tables() -> list[tuple[Path, Path, str]]:
+    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+            if path.with_suffix(".json").is_file()]
+
+
+@pytest.mark.parametrize("page, path, text", _probe_tables() or [pytest.param(None, None, None, marks=pytest.mark.skip(
+    reason="no docs page includes a probe table yet"))])
+def test_every_included_probe_table_is_the_table_of_its_record(page, path, text):
+    """A probe table a page includes is its file, and the file is `probe.table` of the JSON record
+    `python -m qerl_exp.probe ... out=` wrote beside it."""
+    from qerl_exp import probe
+
+    assert text == path.read_text(), f"{page} is out of date: include {path} again"
+    assert text == probe.table(json.loads(path.with_suffix(".json").read_text())) + "\n"
+
+
+_DECIMAL = re.compile(r"(?<![\d.])[-+]?(\d+\.\d+)(?![\d.])")
+
+
+def _quoted(page: Path) -> tuple[list[str], set[str]]:
+    """The decimal numbers a page's summaries (its `>` blockquotes) quote, and those its tables and
+    included sections hold (without signs: a summary says 'lower by 0.089' of a table's -0.089)."""
+    text = page.read_text()
+    summaries = "\n".join(line for line in text.splitlines() if line.startswith(">"))
+    sources = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    sources += "\n".join(section.blocks(page).values())
+    return _DECIMAL.findall(summaries), set(_DECIMAL.findall(sources))
+
+
+def test_a_summary_number_that_no_table_holds_is_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("> - reward rose from 0.13 to 0.237 [0.126, 0.349], lower by 0.089 (1.50x)\n\n"
+                    "| row | reward | change |\n|---|---|---|\n| a | 0.237 [0.126, 0.349] | -0.089 |\n| b | 1.49x | |\n")
+    quoted, held = _quoted(page)
+    assert [q for q in quoted if q not in held] == ["0.13", "1.50"]
+
+
+@pytest.mark.parametrize("page", [p for p in sorted((ROOT / "docs").glob("*.md")) if _quoted(p)[0]])
+def test_every_number_a_summary_quotes_stands_in_a_table_or_section_of_its_page(page):
+    quoted, held = _quoted(page)
+    missing = [q for q in quoted if q not in held]
+    assert not missing, f"{page.name}'s summaries quote numbers no table or included section of it holds: {missing}"
 
 
 @pytest.mark.parametrize("page, path, text", _included() or [pytest.param(None, None, None, marks=pytest.mark.skip(
