@@ -1,9 +1,12 @@
-"""`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials as run records to keep.
+"""`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials (or a folder's finished runs)
+as run records to keep.
 
 Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.json` and any
 `eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/` (`<config>_b<base>_s<seed>/` on
 an embedded base other than the default), the names docs/results.md
-and `python -m analysis` read; checkpoints and adapters stay behind. A trial without
+and `python -m analysis` read; of a folder of run directories (no `trials/`, e.g. what
+`sweeps/strategies.sh` writes) each run's record goes to the same path under DEST. Checkpoints and
+adapters stay behind. A trial without
 `summary.json` has not finished and is left out, with a line saying so. A record of the same name
 already in DEST is replaced.
 
@@ -40,21 +43,27 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
         ValueError: `sweep_dir` holds no trials, or two trials would get one name.
     """
     configs = sorted((sweep_dir / "trials").glob("*/config.json"))
-    if not configs:
-        raise ValueError(f"{sweep_dir} holds no trials/*/config.json; give the sweep_dir of a python -m qerl_exp.sweep run")
+    named = {path: None for path in configs}
+    if not configs:  # a folder of run directories (sweeps/strategies.sh's OUT/NAME/sSEED): kept by their paths
+        named = {path: path.parent.relative_to(sweep_dir).as_posix() for path in sorted(sweep_dir.rglob("config.json"))
+                 if (path.parent / "metrics.jsonl").is_file()}
+    if not named:
+        raise ValueError(f"{sweep_dir} holds no trials/*/config.json and no run directory; give the sweep_dir of a "
+                         "python -m qerl_exp.sweep run or a folder of runs")
     finished, left_out = {}, []
-    for path in configs:
+    for path, relative in named.items():
         trial = path.parent
         if not (trial / "summary.json").is_file():
             left_out.append(f"{trial}: not finished (no summary.json)")
             continue
-        name = record_name(json.loads(path.read_text()), trial)
+        name = relative or record_name(json.loads(path.read_text()), trial)
         if name in finished:
             raise ValueError(f"{finished[name]} and {trial} would both be kept as {name}; keep them into different DESTs")
         finished[name] = trial
     written = []
     for name, trial in finished.items():
-        out, tmp = dest / name, dest / f".{name}.tmp"
+        out = dest / name
+        tmp = out.parent / f".{out.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:

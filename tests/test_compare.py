@@ -140,3 +140,16 @@ def test_a_grid_runs_every_config_of_a_seed_before_the_next_seed():
     points = grid_points(plan.params)
     assert len(points) == 36
     assert [p["config"] for p in points[:3]] == list(plan.configs) and len({p["seed"] for p in points[:3]}) == 1
+
+
+def test_keep_takes_a_folder_of_runs_by_their_paths(tmp_path):
+    _run(tmp_path / "out" / "full_precision", "s0", "full_precision", 0, 0, [1.0] * 3)
+    _run(tmp_path / "out" / "ablation" / "q_lr", "s1", "q_lr", 0, 1, [1.0] * 3)
+    unfinished = _run(tmp_path / "out" / "nf4_dq", "s0", "nf4_dq", 0, 0, [1.0] * 3)
+    (unfinished / "summary.json").unlink()
+    (tmp_path / "out" / "full_precision" / "s0" / "checkpoints").mkdir()
+    written, left_out = keep.keep(tmp_path / "out", tmp_path / "kept")
+    assert sorted(p.relative_to(tmp_path / "kept").as_posix() for p in written) == ["ablation/q_lr/s1", "full_precision/s0"]
+    assert sorted(f.name for f in (tmp_path / "kept" / "full_precision" / "s0").iterdir()) == [
+        "config.json", "metrics.jsonl", "summary.json"]
+    assert len(left_out) == 1 and "nf4_dq" in left_out[0]
