@@ -46,7 +46,7 @@ from qerl_exp.cli import UsageError, compose, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
 from qerl_exp.learner import chunks, rows
 from qerl_exp.loss import completion_logits
-from qerl_exp.metrics import entropy_from_logits, kl_full, token_mean
+from qerl_exp.metrics import entropy_from_logits, kl_full
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
 from qerl_exp.rollout import make_sampler, row_seeds, sample
