@@ -23,7 +23,7 @@ Runs cut short (a sweep stopped before their last step, each logged step whole) 
 finished runs; `cut_short` compares their training reward over the last quarter of the steps all
 of them logged, beside their pass@1 before the first update.
 
-Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). Then every row
+Per row: the mean over its runs (seeds, or bases x seeds) with its 95 % Student t-interval (`stats.t_interval`). Then every row
 against the reference row (`--reference`, default full_precision): paired differences per (base,
 seed) with intervals, p-values and Holm's adjustment (`analysis.compare`), and for `task=fork` the
 discovery of route B. The best AQN setting is, among the nvfp4_lora rows (settings equal to the
@@ -52,7 +52,7 @@ from qerl_exp.rundir import flatten
 from qerl_exp.tasks.base import HELD_OUT, OOD
 
 FILE = "results_section.md"
-MIN_SEEDS = 5  # fewer seeds per row and the section says the row is too thin to conclude from
+MIN_SEEDS = 5  # fewer runs (seeds, or bases x seeds) per row and the section says the row is too thin to conclude from
 AQN_FAMILY = "nvfp4_lora"
 SPLIT_NAMES = {HELD_OUT: "held-out (in template)", OOD: "out of template"}
 DIAGNOSTICS = {  # column: (header, digits)
@@ -103,7 +103,7 @@ def run_values(run: Run) -> dict[str, float]:
 
 @dataclass
 class Row:
-    """One setting: its runs (one per seed) and each quantity over seeds."""
+    """One setting: its runs (one per base and seed) and each quantity over them."""
 
     label: str
     runs: list[Run]
@@ -182,7 +182,7 @@ def build(loaded: Loaded, reference: str = compare.REFERENCE, margins: dict[str,
     rows.sort(key=lambda r: (rank.get(_family(r.runs[0], loaded.presets), len(rank)), r.label))
     thin = [f"{r.label} ({r.seeds})" for r in rows if r.seeds < MIN_SEEDS]
     if thin:
-        notes.append(f"fewer than {MIN_SEEDS} seeds, too few to conclude from: {', '.join(thin)}")
+        notes.append(f"fewer than {MIN_SEEDS} runs, too few to conclude from: {', '.join(thin)}")
     candidates = _aqn_candidates(rows, loaded.presets)
     scored = [r for r in candidates if not math.isnan(r.values["final_reward"].mean)]
     best = max(scored, key=lambda r: r.values["final_reward"].mean) if scored else None
@@ -218,7 +218,7 @@ def _settings(runs: list[Run]) -> str:
 
 
 def _change_table(rows: list[Row]) -> list[str]:
-    head = ["row", "seeds", "final training reward"]
+    head = ["row", "runs", "final training reward"]
     for name in SPLIT_NAMES.values():
         head += [f"{name}: start", "end", "change"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -247,7 +247,7 @@ def _best(section: Section) -> list[str]:
     ranked = sorted(section.candidates, key=lambda r: -r.values["final_reward"].mean)
     rewards = ", ".join(f"{r.label} {r.values['final_reward'].text()}" for r in ranked)
     lines = [f"Chosen on the final training reward, never on held-out pass@1, among the {AQN_FAMILY} rows "
-             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} seed(s), with 95 % intervals:", ""]
+             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} run(s), with 95 % intervals:", ""]
     lines += [f"- {name}: {b.values[f'{split}_start'].text()} -> {b.values[f'{split}_end'].text()}, "
               f"change {b.values[f'{split}_change'].text()}" for split, name in SPLIT_NAMES.items()]
     return lines
@@ -294,8 +294,8 @@ def cut_short(loaded: Loaded) -> list[str]:
              f"they have no end evaluation and are in no table above. Every run (one a seed, the finished ones "
              f"included) on its training reward over steps {first}-{common - 1}, the last quarter of the steps "
              f"all of them logged, against steps 0-{common - first - 1}, and its pass@1 before the first update; "
-             "mean over seeds [95 % t-interval]:", "",
-             f"| row | seeds | cut short | training reward, steps 0-{common - first - 1} | steps {first}-{common - 1} "
+             "mean over runs [95 % t-interval]:", "",
+             f"| row | runs | cut short | training reward, steps 0-{common - first - 1} | steps {first}-{common - 1} "
              "| held-out start | out of template start |", "|---|---|---|---|---|---|---|"]
     for by_seed in groups.values():
         group = list(by_seed.values())
@@ -322,10 +322,10 @@ def to_markdown(section: Section, command: str, cut: list[str] | None = None) ->
              + f", made at {_commits(runs)}. Shared settings: {_settings(runs)}.", "",
              f"**Made by** `{command}`.", "",
              "Greedy pass@1 on each evaluation split before the first update (start) and after the last "
-             "(end), and the final training reward (mean of the last quarter of the steps); mean over seeds "
+             "(end), and the final training reward (mean of the last quarter of the steps); mean over runs "
              "[95 % t-interval], change = end - start per seed:", "",
              *_change_table(section.rows), "",
-             "Why a strategy does or does not learn (means over seeds [95 % t-interval]; `analysis/section.py` "
+             "Why a strategy does or does not learn (means over runs [95 % t-interval]; `analysis/section.py` "
              "defines each column): the re-quantized base's distance from the full-precision one "
              "(`quant/kl`, nats a token), reply lengths and how many hit the cap, and how many groups had no "
              "reward spread (`frac_reward_zero_std`):", "",

@@ -156,7 +156,7 @@ def test_the_section_names_its_commit_command_and_the_spread_of_identical_runs(s
     assert "`trials/full_precision_s0` and `trials_repeat/fp_s0` (seed 0): identical in every per-step metric " \
            "over 20 steps." in text
     assert "largest difference 0.25 (reward, step 7)" in text
-    assert "fewer than 5 seeds" not in text
+    assert "fewer than 5 runs" not in text
 
 
 def test_determinism_command_compares_two_runs_step_by_step(study, capsys):
