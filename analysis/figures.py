@@ -176,15 +176,18 @@ def coinciding(curves: list[Curve]) -> dict[int, str]:
     return out
 
 
-def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False, zero: bool = False) -> None:
+def _draw(ax, curves: list[Curve], ylabel: str, title: str, log: bool = False, zero: bool = False,
+          colors: dict[str, str] | None = None) -> None:
     """Each curve with its band and, when smoothed, its unsmoothed mean as faint points; a curve
-    that coincides with an earlier one is dashed and says so in the legend."""
+    that coincides with an earlier one is dashed and says so in the legend. `colors`: a colour per
+    label, so that a row keeps its colour from panel to panel."""
     same = coinciding(curves)
     for j, c in enumerate(curves):
         if not c.steps:
             continue
         label = f"{c.label} (n={c.n})" + (f" = {same[j]}" if j in same else "")
-        (line,) = ax.plot(c.steps, c.mean, label=label, lw=1.6, ls="--" if j in same else "-")
+        (line,) = ax.plot(c.steps, c.mean, label=label, lw=1.6, ls="--" if j in same else "-",
+                          color=(colors or {}).get(c.label))
         if c.raw and c.raw != c.mean:
             ax.plot(c.steps, c.raw, ls="none", marker=".", ms=2.5, alpha=0.3, color=line.get_color())
         lo = [m - s for m, s in zip(c.mean, c.std)]
@@ -216,15 +219,18 @@ def _panels(columns: int, width: float = 6.2):
 
 def _draw_pair(top, bottom, groups: dict[str, list[Run]], metric: str, ylabel: str, title: str, reference: str | None,
                smooth: int, log: bool = False, zero: bool = False) -> None:
-    """`metric` per group on `top`; each group's paired difference from the `reference` group below."""
-    _draw(top, [curve(label, members, metric, smooth) for label, members in groups.items()], ylabel, title, log, zero)
+    """`metric` per group on `top`; each group's paired difference from the `reference` group below,
+    in the same colour."""
+    colors = {label: f"C{i % 10}" for i, label in enumerate(groups)}
+    _draw(top, [curve(label, members, metric, smooth) for label, members in groups.items()], ylabel, title, log, zero,
+          colors)
     others = [difference(label, members, groups[reference], metric, smooth) for label, members in groups.items()
               if label != reference] if reference in groups else []
     if not others:  # no reference, or nothing beside it
         bottom.set_axis_off()
         top.tick_params(labelbottom=True)  # the shared axis shows its ticks on the panel left
         return
-    _draw(bottom, others, f"{metric} - {reference}", f"difference from {reference} (paired)", zero=True)
+    _draw(bottom, others, f"{metric} - {reference}", f"difference from {reference} (paired)", zero=True, colors=colors)
 
 
 def _save(fig, out_dir: Path, stem: str, suptitle: str, band_note: bool = True, formats: tuple[str, ...] = PNG) -> list[Path]:
@@ -340,6 +346,7 @@ def fork_figure(runs: list[Run], out_dir: Path, smooth: int = SMOOTH, formats: t
     rows = {label: members for label, members in config_rows(runs).items() if members[0].series("fork/b_share")[0]}
     if not rows:
         return []
+    rows = dict(sorted(rows.items(), key=lambda item: item[0] != REFERENCE))  # the reference first
     reference = REFERENCE if REFERENCE in rows else None
     fig, axes = _panels(2, 7.0)
     _draw_pair(axes[0, 0], axes[1, 0], rows, "fork/b_share", _metric_label("share of completions on route B", smooth),
