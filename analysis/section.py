@@ -4,7 +4,8 @@ docs/results.md includes verbatim (`results_section.md`, written by `python -m a
 
 Rows are the runs grouped by their settings (all but the seed and where and how a run was stored
 and logged, `runs.IGNORED_KEYS`), named by the sweep config that made them (`choices.config`),
-else by their strategy preset. Per run, from `metrics.jsonl`:
+else by the folder holding them as `NAME/s<seed>` (`sweeps/strategies.sh`), else by their strategy
+preset. Per run, from `metrics.jsonl`:
 
 | quantity | per run |
 | --- | --- |
@@ -128,9 +129,14 @@ class Section:
 
 
 def _label(runs: list[Run]) -> str:
+    """The sweep config that made the runs; else the folder holding them as `NAME/s<seed>` (what
+    `sweeps/strategies.sh` writes); else their strategy preset."""
     configs = Counter(r.choices.get("config") for r in runs if r.choices.get("config"))
     if configs:
         return configs.most_common(1)[0][0]
+    folders = {Path(r.source).parent.name for r in runs}
+    if len(folders) == 1 and all(Path(r.source).name == f"s{r.seed}" for r in runs):
+        return folders.pop()
     return runs[0].strategy or f"like {runs[0].name}"
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from scipy import stats as sp
 
 LEVEL = 0.95
+# Runs log float32 metrics: values that agree to this fraction are equal, and a sample that spreads
+# less than this has no spread to test against.
+FLOAT32 = 1e-6
 
 
 @dataclass(frozen=True)
@@ -115,14 +118,14 @@ def _t_p(t: float, df: float, tail: str) -> float:
 
 def _t_stat(values: list[float], null: float = 0.0) -> tuple[float, float]:
     """The one-sample t statistic against `null` and its degrees of freedom. A constant sample
-    (equal pass@1 changes on 100 problems, say) has no spread to test against: 0 when it equals the
-    null, else nan (no p-value), never an infinite t."""
+    (equal pass@1 changes on 100 problems, say, up to float32 rounding) has no spread to test
+    against: 0 when it equals the null, else nan (no p-value), never an infinite t."""
     n, s = len(values), stdev(values)
     if n < 2:
         return math.nan, 0
     diff = mean(values) - null
-    if s <= 1e-12 * max(1.0, abs(mean(values))):  # equal up to float rounding
-        return (0.0 if abs(diff) <= 1e-12 else math.nan), n - 1
+    if s <= FLOAT32 * max(1.0, abs(mean(values))):  # equal up to the metrics' float32 rounding
+        return (0.0 if abs(diff) <= FLOAT32 * max(1.0, abs(null)) else math.nan), n - 1
     return diff / (s / math.sqrt(n)), n - 1
 
 
@@ -148,7 +151,7 @@ def welch(a: list[float], b: list[float], level: float = LEVEL) -> tuple[Interva
         return Interval(diff, math.nan, math.nan, n), math.nan
     va, vb = stdev(a) ** 2 / len(a), stdev(b) ** 2 / len(b)
     se = math.sqrt(va + vb)
-    if se <= 1e-12 * max(1.0, abs(diff)):  # two constant samples: no spread to test against
+    if se <= FLOAT32 * max(1.0, abs(diff)):  # two constant samples: no spread to test against
         return Interval(diff, diff, diff, n), (1.0 if diff == 0 else math.nan)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = t_quantile((1 + level) / 2, df) * se
