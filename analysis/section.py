@@ -329,7 +329,7 @@ def to_markdown(section: Section, command: str, cut: list[str] | None = None) ->
              f"**Made by** `{command}`.", "",
              "Greedy pass@1 on each evaluation split before the first update (start) and after the last "
              "(end), and the final training reward (mean of the last quarter of the steps); mean over runs "
-             "[95 % t-interval], change = end - start per seed:", "",
+             "[95 % t-interval], change = end - start per run:", "",
              *_change_table(section.rows), "",
              "Why a strategy does or does not learn (means over runs [95 % t-interval]; `analysis/section.py` "
              "defines each column): the re-quantized base's distance from the full-precision one "

@@ -197,6 +197,29 @@ def _included() -> list[tuple[Path, Path, str]]:
             if path.name == section.FILE]
 
 
+def _blocks() -> list[tuple[Path, Path, str]]:
+    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()]
+
+
+@pytest.mark.parametrize("page, path, text", _blocks(), ids=[f"{p.name}:{f.parent.name}/{f.name}" for p, f, _ in _blocks()])
+def test_every_block_a_page_includes_is_its_file(page, path, text):
+    assert text == path.read_text(), f"{page} is out of date: include {path} again"
+
+
+def test_an_included_strategy_table_is_what_its_sections_command_makes():
+    """A strategy table beside a results section is made by the section's command from the same runs."""
+    from analysis import table
+
+    tables = [(page, path) for page, path, _ in _blocks() if path.name == "strategy_table.md"]
+    assert tables, "docs/results.md includes the CPU strategy table"
+    for page, path in tables:
+        command = next(x for x in (path.parent / section.FILE).read_text().splitlines()
+                       if x.startswith("**Made by** `")).split("`")[1]
+        args = cli._parser().parse_args(shlex.split(command)[3:])
+        rows, _ = table.build(R.load([str(ROOT / p) for p in args.paths]).runs)
+        assert table.to_markdown(rows) == path.read_text(), f"{path} is out of date: rerun {command}"
+
+
 def _probe_tables() -> list[tuple[Path, Path, str]]:
     return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
             if path.with_suffix(".json").is_file()]
