@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--margin", action="append", default=[], type=_margin, metavar="OUTCOME=VALUE",
                    help="an equivalence margin for 'similar' (TOST), in the outcome's units, e.g. discovery=12; "
                         f"outcomes: {', '.join(compare.OUTCOMES)}")
+    p.add_argument("--no-figures", action="store_true", help="write the tables and the section, no figures")
     p.add_argument("--pdf", action="store_true", help="also write each figure as PDF (PNG alone by default)")
     p.add_argument("--smooth", type=_positive, default=figures.SMOOTH, metavar="K",
                    help=f"moving average over K steps of every curve, the unsmoothed means drawn faint beside it "
@@ -161,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = table.write(rows, args.out)
         formats = ("png", "pdf") if args.pdf else figures.PNG
-        written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth, formats=formats)
-        if args.optuna_storage:
+        if not args.no_figures:
+            written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth, formats=formats)
+        if args.optuna_storage and not args.no_figures:
             paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures",
                                                          formats)
             written += paths
             notes += optuna_notes
-        else:
+        elif not args.optuna_storage:
             notes.append("no --optuna-storage: Optuna figures skipped")
         (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
     except OSError as e:  # a full disk, mostly

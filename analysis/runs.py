@@ -15,6 +15,7 @@ steps, corrupt lines, or missing or non-finite metrics is never averaged with th
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import math
 import struct
@@ -137,8 +138,21 @@ def _read_json(path: Path) -> dict:
         raise RunError(f"no readable {path.name} ({type(e).__name__})") from None
 
 
+def metrics_text(run_dir: Path) -> str | None:
+    """A run directory's `metrics.jsonl`, or the `metrics.jsonl.gz` a kept record holds instead
+    (`python -m analysis keep --gzip`); None when it has neither."""
+    plain, packed = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "metrics.jsonl.gz"
+    if plain.exists():
+        return plain.read_text(errors="replace")
+    if packed.exists():
+        with gzip.open(packed, "rt", errors="replace") as f:
+            return f.read()
+    return None
+
+
 def read_run_dir(path: Path) -> Run:
-    """Read a run directory (`config.json`, `metrics.jsonl`, optional `summary.json` and `error.txt`).
+    """Read a run directory (`config.json`, `metrics.jsonl` or a kept record's `metrics.jsonl.gz`,
+    optional `summary.json` and `error.txt`).
 
     Raises:
         RunError: `config.json` or `summary.json` is missing or unreadable.
@@ -148,9 +162,9 @@ def read_run_dir(path: Path) -> Run:
     summary_file = path / "summary.json"
     summary = _read_json(summary_file) if summary_file.exists() else {}
     rows, bad = [], []
-    metrics = path / "metrics.jsonl"
-    if metrics.exists():
-        for i, line in enumerate(metrics.read_text(errors="replace").splitlines(), start=1):
+    text = metrics_text(path)
+    if text is not None:
+        for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

@@ -153,3 +153,14 @@ def test_keep_takes_a_folder_of_runs_by_their_paths(tmp_path):
     assert sorted(f.name for f in (tmp_path / "kept" / "full_precision" / "s0").iterdir()) == [
         "config.json", "metrics.jsonl", "summary.json"]
     assert len(left_out) == 1 and "nf4_dq" in left_out[0]
+
+
+def test_a_record_kept_packed_reads_as_the_plain_one(tmp_path):
+    _run(tmp_path / "out" / "full_precision", "s0", "full_precision", 0, 0, [1.0, 0.5, 0.25], shares=[0.0, 0.6, 1.0])
+    keep.keep(tmp_path / "out", tmp_path / "plain")
+    keep.keep(tmp_path / "out", tmp_path / "packed", packed=True)
+    plain, packed = (R.read_run_dir(tmp_path / k / "full_precision" / "s0") for k in ("plain", "packed"))
+    assert not (tmp_path / "packed" / "full_precision" / "s0" / "metrics.jsonl").exists()
+    assert packed.history == plain.history and not R.problems(packed)
+    again = keep.keep(tmp_path / "out", tmp_path / "again", packed=True)[0][0] / "metrics.jsonl.gz"
+    assert again.read_bytes() == (tmp_path / "packed" / "full_precision" / "s0" / "metrics.jsonl.gz").read_bytes()
