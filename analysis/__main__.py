@@ -5,12 +5,14 @@ run files (`run-*.wandb`). DIR defaults to `report/` in the folder holding the r
 deepest folder common to the PATHs that is not itself a run), `runs/report` for a W&B project
 alone. Writes into DIR:
   strategy_table.md, .csv, .tex    the strategy table (analysis/table.py)
-  figures/*.png, figures/*.pdf     the figures (analysis/figures.py)
+  figures/*.png                    the figures (analysis/figures.py; --pdf adds a PDF of each)
   strategy_runs.md                 every run used, skipped (with the reason: failed runs with
                                    their error.txt line) or left out
   results_section.md               pass@1 on both evaluation splits (start, end, change), the
-                                   diagnostics, the best AQN setting, the spread between identical
-                                   runs, the commit and this command (analysis/section.py), for
+                                   diagnostics, every row's paired contrasts against --reference
+                                   (analysis/compare.py), route B's discovery (task=fork), the best
+                                   AQN setting, the spread between identical runs, the commit and
+                                   this command (analysis/section.py), for
                                    docs/results.md to include verbatim (--into docs/results.md
                                    puts it there, between its begin and end lines)
 
@@ -21,21 +23,22 @@ Example:
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
     python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
     python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
-    python -m analysis docs/smollm2/study --out docs/smollm2/study --into docs/results.md
+    python -m analysis results/smollm2_study --out results/smollm2_study --into docs/results.md
     python -m analysis determinism RUN_A RUN_B   (two runs of one config and seed, step by step)
-    python -m analysis keep runs/smollm2_study docs/smollm2/study   (a sweep's finished runs, to keep)
+    python -m analysis keep runs/smollm2_study results/smollm2_study   (a sweep's finished runs, to keep)
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from analysis import determinism, figures, keep, section, table
+from analysis import compare, determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
 from qerl_exp.rundir import check_writable, os_error_line
@@ -45,6 +48,19 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps >= 1")
     return int(text)
+
+
+def _margin(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    if name not in compare.OUTCOMES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not an outcome; choose one of: {', '.join(compare.OUTCOMES)}")
+    try:
+        margin = float(value)
+    except ValueError:
+        margin = math.nan
+    if not margin > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the margin must be a number > 0, e.g. {name}=0.05")
+    return name, margin
 
 
 def _check_out(out: Path) -> None:
@@ -68,8 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--into", type=Path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
-    p.add_argument("--smooth", type=_positive, default=1, metavar="K",
-                   help="moving average over K steps on reward and entropy curves (default 1: none)")
+    p.add_argument("--reference", default=compare.REFERENCE, metavar="ROW",
+                   help="the row every other row is compared with in the results section (default: full_precision)")
+    p.add_argument("--margin", action="append", default=[], type=_margin, metavar="OUTCOME=VALUE",
+                   help="an equivalence margin for 'similar' (TOST), in the outcome's units, e.g. discovery=12; "
+                        f"outcomes: {', '.join(compare.OUTCOMES)}")
+    p.add_argument("--no-figures", action="store_true", help="write the tables and the section, no figures")
+    p.add_argument("--pdf", action="store_true", help="also write each figure as PDF (PNG alone by default)")
+    p.add_argument("--smooth", type=_positive, default=figures.SMOOTH, metavar="K",
+                   help=f"moving average over K steps of every curve, the unsmoothed means drawn faint beside it "
+                        f"(default {figures.SMOOTH}; 1: none)")
     return p
 
 
@@ -137,20 +161,23 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(note)
     try:
         written = table.write(rows, args.out)
-        written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth)
-        if args.optuna_storage:
-            paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures")
+        formats = ("png", "pdf") if args.pdf else figures.PNG
+        if not args.no_figures:
+            written += figures.write_all(loaded.runs, args.out / "figures", smooth=args.smooth, formats=formats)
+        if args.optuna_storage and not args.no_figures:
+            paths, optuna_notes = figures.optuna_figures(args.optuna_storage, args.optuna_study, args.out / "figures",
+                                                         formats)
             written += paths
             notes += optuna_notes
-        else:
+        elif not args.optuna_storage:
             notes.append("no --optuna-storage: Optuna figures skipped")
         (args.out / "strategy_runs.md").write_text(_runs_report(loaded, notes))
     except OSError as e:  # a full disk, mostly
         print(f"error: {os_error_line(e, '--out DIR') or f'{type(e).__name__}: {e}'}", file=sys.stderr)
         return 1
     written.append(args.out / "strategy_runs.md")
-    written.append(section.write(section.build(loaded), args.out, shlex.join(["python", "-m", "analysis", *argv]),
-                                 section.cut_short(loaded)))
+    built = section.build(loaded, args.reference, dict(args.margin))
+    written.append(section.write(built, args.out, shlex.join(["python", "-m", "analysis", *argv]), section.cut_short(loaded)))
     if args.into:
         try:
             section.splice(args.into, written[-1])

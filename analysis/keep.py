@@ -1,18 +1,24 @@
-"""`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials as run records to keep.
+"""`python -m analysis keep SWEEP_DIR DEST`: a sweep's finished trials (or a folder's finished runs)
+as run records to keep.
 
 Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.json` and any
-`eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/`, the names docs/results.md
-and `python -m analysis` read; checkpoints and adapters stay behind. A trial without
+`eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/` (`<config>_b<base>_s<seed>/` on
+an embedded base other than the default), the names docs/results.md
+and `python -m analysis` read; of a folder of run directories (no `trials/`, e.g. what
+`sweeps/strategies.sh` writes) each run's record goes to the same path under DEST. Checkpoints and
+adapters stay behind. A trial without
 `summary.json` has not finished and is left out, with a line saying so. A record of the same name
-already in DEST is replaced.
+already in DEST is replaced. `--gzip` keeps `metrics.jsonl` as `metrics.jsonl.gz`, which
+`python -m analysis` reads the same.
 
 Example:
-    python -m analysis keep runs/smollm2_study docs/smollm2/study
+    python -m analysis keep runs/smollm2_study results/smollm2_study
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 import sys
@@ -22,13 +28,20 @@ RECORD = ("config.json", "metrics.jsonl", "summary.json")
 
 
 def record_name(config: dict, trial: Path) -> str:
-    """`<config>_s<seed>` for a trial of a spec's `configs`; the trial folder's name otherwise."""
+    """`<config>_s<seed>` for a trial of a spec's `configs` (`<config>_b<base>_s<seed>` on an embedded
+    base other than the default, `model.warmup.seed`); the trial folder's name otherwise."""
     name = config.get("choices", {}).get("config")
-    return f"{name}_s{config['seed']}" if name else trial.name
+    base = (config.get("model", {}).get("warmup") or {}).get("seed", 0)
+    return f"{name}{f'_b{base}' if base else ''}_s{config['seed']}" if name else trial.name
 
 
-def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
+def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path], list[str]]:
     """Copy the finished trials' records of `sweep_dir` into `dest`.
+
+    Args:
+        sweep_dir: a sweep's directory (its `trials/`), or a folder of run directories.
+        dest: where the records go.
+        packed: keep `metrics.jsonl` as `metrics.jsonl.gz`.
 
     Returns:
         The record folders written, and one line per trial left out.
@@ -37,25 +50,35 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
         ValueError: `sweep_dir` holds no trials, or two trials would get one name.
     """
     configs = sorted((sweep_dir / "trials").glob("*/config.json"))
-    if not configs:
-        raise ValueError(f"{sweep_dir} holds no trials/*/config.json; give the sweep_dir of a python -m qerl_exp.sweep run")
+    named = {path: None for path in configs}
+    if not configs:  # a folder of run directories (sweeps/strategies.sh's OUT/NAME/sSEED): kept by their paths
+        named = {path: path.parent.relative_to(sweep_dir).as_posix() for path in sorted(sweep_dir.rglob("config.json"))
+                 if any((path.parent / n).is_file() for n in ("metrics.jsonl", "metrics.jsonl.gz"))}
+    if not named:
+        raise ValueError(f"{sweep_dir} holds no trials/*/config.json and no run directory; give the sweep_dir of a "
+                         "python -m qerl_exp.sweep run or a folder of runs")
     finished, left_out = {}, []
-    for path in configs:
+    for path, relative in named.items():
         trial = path.parent
         if not (trial / "summary.json").is_file():
             left_out.append(f"{trial}: not finished (no summary.json)")
             continue
-        name = record_name(json.loads(path.read_text()), trial)
+        name = relative or record_name(json.loads(path.read_text()), trial)
         if name in finished:
             raise ValueError(f"{finished[name]} and {trial} would both be kept as {name}; keep them into different DESTs")
         finished[name] = trial
     written = []
     for name, trial in finished.items():
-        out, tmp = dest / name, dest / f".{name}.tmp"
+        out = dest / name
+        tmp = out.parent / f".{out.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
-            shutil.copy2(f, tmp / f.name)
+            if packed and f.name == "metrics.jsonl":  # mtime 0: the same log packs to the same bytes
+                with open(f, "rb") as src, gzip.GzipFile(tmp / "metrics.jsonl.gz", "wb", mtime=0) as out_file:
+                    shutil.copyfileobj(src, out_file)
+            else:
+                shutil.copy2(f, tmp / f.name)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)  # a record is whole or absent
         written.append(out)
@@ -66,9 +89,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", type=Path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
     p.add_argument("dest", type=Path, help="where the records go, one folder per trial")
+    p.add_argument("--gzip", action="store_true", help="keep each metrics.jsonl as metrics.jsonl.gz (about a sixth of the bytes)")
     args = p.parse_args(argv)
     try:
-        written, left_out = keep(args.sweep_dir, args.dest)
+        written, left_out = keep(args.sweep_dir, args.dest, packed=args.gzip)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ steps, corrupt lines, or missing or non-finite metrics is never averaged with th
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import math
 import struct
@@ -38,9 +39,11 @@ REQUIRED = (
 # Metrics of the noise monitor: present on every step k with k % monitor.every == 0.
 MONITORED = ("entropy_gain",)
 
-# Config keys that say nothing about the experiment (where it ran and was stored, how it was logged).
-IGNORED_KEYS = ("seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb", "model.cache_dir",
-                "world_size", "train.dist_timeout_s", "commit")
+# Config keys that say nothing about the experiment (where it ran and was stored, how it was logged),
+# and its replication units: the run seed and the embedded base (`model.warmup.seed`); runs that
+# differ in these alone are one row's replicates.
+IGNORED_KEYS = ("seed", "model.warmup.seed", "run_dir", "resume", "checkpoint", "choices", "base", "tracker", "_wandb",
+                "model.cache_dir", "world_size", "train.dist_timeout_s", "commit")
 # Config keys a strategy preset sets (conf/strategy/*.yaml).
 STRATEGY_KEYS = ("quant", "lora", "noise", "rollout.quant", "algo.tis_cap")
 
@@ -135,8 +138,21 @@ def _read_json(path: Path) -> dict:
         raise RunError(f"no readable {path.name} ({type(e).__name__})") from None
 
 
+def metrics_text(run_dir: Path) -> str | None:
+    """A run directory's `metrics.jsonl`, or the `metrics.jsonl.gz` a kept record holds instead
+    (`python -m analysis keep --gzip`); None when it has neither."""
+    plain, packed = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "metrics.jsonl.gz"
+    if plain.exists():
+        return plain.read_text(errors="replace")
+    if packed.exists():
+        with gzip.open(packed, "rt", errors="replace") as f:
+            return f.read()
+    return None
+
+
 def read_run_dir(path: Path) -> Run:
-    """Read a run directory (`config.json`, `metrics.jsonl`, optional `summary.json` and `error.txt`).
+    """Read a run directory (`config.json`, `metrics.jsonl` or a kept record's `metrics.jsonl.gz`,
+    optional `summary.json` and `error.txt`).
 
     Raises:
         RunError: `config.json` or `summary.json` is missing or unreadable.
@@ -146,9 +162,9 @@ def read_run_dir(path: Path) -> Run:
     summary_file = path / "summary.json"
     summary = _read_json(summary_file) if summary_file.exists() else {}
     rows, bad = [], []
-    metrics = path / "metrics.jsonl"
-    if metrics.exists():
-        for i, line in enumerate(metrics.read_text(errors="replace").splitlines(), start=1):
+    text = metrics_text(path)
+    if text is not None:
+        for i, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -407,9 +423,16 @@ def strategy_presets(conf_dir: Path | None = None) -> tuple[dict[str, dict], lis
     return presets, failed
 
 
+# The adaptive controller's settings act only under noise.schedule=adaptive (their defaults have
+# changed since older records were made).
+_ADAPTIVE_ONLY = ("noise.target", "noise.target_value", "noise.target_relative", "noise.gain")
+
+
 def preset_differences(run: Run, preset: dict, ignore: Iterable[str] = ()) -> list[str]:
     """The keys of a strategy preset (outside `ignore`) on which the run's config differs from it."""
     flat = flatten(run.config)
+    if preset.get("noise.schedule") != "adaptive" and flat.get("noise.schedule") != "adaptive":
+        ignore = (*ignore, *_ADAPTIVE_ONLY)
     # A key missing from an older run's config (e.g. rollout.quant) had its default: none / 0.
     return [k for k, v in preset.items() if not _covered(k, ignore)
             and ((k in flat and flat[k] != v) or (k not in flat and v not in ("none", 0, 0.0, False)))]

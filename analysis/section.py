@@ -4,7 +4,8 @@ docs/results.md includes verbatim (`results_section.md`, written by `python -m a
 
 Rows are the runs grouped by their settings (all but the seed and where and how a run was stored
 and logged, `runs.IGNORED_KEYS`), named by the sweep config that made them (`choices.config`),
-else by their strategy preset. Per run, from `metrics.jsonl`:
+else by the folder holding them as `NAME/s<seed>` (`sweeps/strategies.sh`), else by their strategy
+preset. Per run, from `metrics.jsonl`:
 
 | quantity | per run |
 | --- | --- |
@@ -23,12 +24,16 @@ Runs cut short (a sweep stopped before their last step, each logged step whole) 
 finished runs; `cut_short` compares their training reward over the last quarter of the steps all
 of them logged, beside their pass@1 before the first update.
 
-Per row: the mean over seeds with its 95 % Student t-interval (`stats.t_interval`). The best AQN
-setting is, among the nvfp4_lora rows (settings equal to the `nvfp4_lora` preset's outside
-`noise.*`; AQN off is one of them), the one with the highest mean final training reward: chosen
-on training reward, never on held-out pass@1. Two runs of one row with one seed are a determinism
-pair: the first, in the order of the command's PATHs (so a study named before its repeats keeps its
-own runs), enters the row, and the section states their spread (`analysis.determinism`).
+Per row: the mean over its runs (seeds, or bases x seeds) with its 95 % Student t-interval (`stats.t_interval`). Then every row
+against the reference row (`--reference`, default full_precision): paired differences per (base,
+seed) with intervals, p-values and Holm's adjustment (`analysis.compare`), and for `task=fork` the
+discovery of route B. The best AQN setting is, among the nvfp4_lora rows (settings equal to the
+`nvfp4_lora` preset's outside `noise.*`; AQN off is one of them) that differ from each other in
+`noise.*` alone, the one with the highest mean final training reward: chosen on training reward,
+never on held-out pass@1; rows that also differ in another setting (a learning rate, a task) are
+not candidates. Two runs of one row with one (base, seed) are a determinism pair: the first, in the
+order of the command's PATHs (so a study named before its repeats keeps its own runs), enters the
+row, and the section states their spread (`analysis.determinism`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis import determinism
+from analysis import compare, determinism
 from analysis.runs import Loaded, Run, preset_differences, settings
 from analysis.stats import Interval, mean, t_interval
 from analysis.table import order
@@ -48,7 +53,7 @@ from qerl_exp.rundir import flatten
 from qerl_exp.tasks.base import HELD_OUT, OOD
 
 FILE = "results_section.md"
-MIN_SEEDS = 5  # fewer seeds per row and the section says the row is too thin to conclude from
+MIN_SEEDS = 5  # fewer runs (seeds, or bases x seeds) per row and the section says the row is too thin to conclude from
 AQN_FAMILY = "nvfp4_lora"
 SPLIT_NAMES = {HELD_OUT: "held-out (in template)", OOD: "out of template"}
 DIAGNOSTICS = {  # column: (header, digits)
@@ -56,6 +61,9 @@ DIAGNOSTICS = {  # column: (header, digits)
     "clipped": ("replies cut", 2), "eval_clipped": ("held-out replies cut (end)", 2),
     "zero_std": ("no reward spread", 2), "logp_gap": ("sampler-learner gap", 3),
 }
+# The outcomes whose paired contrasts against the reference row the section shows (those the runs logged).
+CONTRAST_OUTCOMES = ("final_reward", "heldout_pass1", "ood_pass1", "entropy_gain_0", "entropy_gain", "discovery",
+                     "first_b", "b_share_end")
 # Metrics a determinism pair reports besides its largest difference.
 PAIR_METRICS = ("reward", "entropy", "kl", "loss", "grad_norm", "eval/pass@1", "eval/ood/pass@1")
 # Settings the section names when every run shares them.
@@ -96,7 +104,7 @@ def run_values(run: Run) -> dict[str, float]:
 
 @dataclass
 class Row:
-    """One setting: its runs (one per seed) and each quantity over seeds."""
+    """One setting: its runs (one per base and seed) and each quantity over them."""
 
     label: str
     runs: list[Run]
@@ -116,12 +124,19 @@ class Section:
     best: Row | None
     pairs: list[determinism.Comparison]
     notes: list[str]
+    reference: str = compare.REFERENCE
+    margins: dict[str, float] = field(default_factory=dict)
 
 
 def _label(runs: list[Run]) -> str:
+    """The sweep config that made the runs; else the folder holding them as `NAME/s<seed>` (what
+    `sweeps/strategies.sh` writes); else their strategy preset."""
     configs = Counter(r.choices.get("config") for r in runs if r.choices.get("config"))
     if configs:
         return configs.most_common(1)[0][0]
+    folders = {Path(r.source).parent.name for r in runs}
+    if len(folders) == 1 and all(Path(r.source).name == f"s{r.seed}" for r in runs):
+        return folders.pop()
     return runs[0].strategy or f"like {runs[0].name}"
 
 
@@ -130,8 +145,26 @@ def _family(run: Run, presets: dict[str, dict]) -> str | None:
     return run.strategy or next((p for p in order(presets) if not preset_differences(run, presets[p], ignore=("noise",))), None)
 
 
-def build(loaded: Loaded) -> Section:
-    """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats."""
+def _aqn_candidates(rows: list[Row], presets: dict) -> list[Row]:
+    """The nvfp4_lora-family rows that differ from each other in `noise.*` alone: the largest group
+    of them sharing every other setting (the first such group in row order); none when no two do."""
+    preset = presets.get(AQN_FAMILY)
+    family = [r for r in rows if preset and not preset_differences(r.runs[0], preset, ignore=("noise",))]
+    groups: dict[tuple, list[Row]] = {}
+    for r in family:
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in settings(r.runs[0], ("noise",)).items())), []).append(r)
+    largest = max(groups.values(), key=len, default=[])
+    return largest if len(largest) >= 2 else []
+
+
+def build(loaded: Loaded, reference: str = compare.REFERENCE, margins: dict[str, float] | None = None) -> Section:
+    """Group the runs into rows, compute every quantity, pick the best AQN setting, pair repeats.
+
+    Args:
+        loaded: the runs.
+        reference: the label of the row every other row is compared with.
+        margins: equivalence margins by outcome (`compare.OUTCOMES`), for "similar" verdicts.
+    """
     groups: dict[tuple, list[Run]] = {}
     for run in loaded.runs:  # in PATH order: the first run of a row and seed is the row's
         key = tuple(sorted((k, repr(v)) for k, v in settings(run).items()))
@@ -140,10 +173,10 @@ def build(loaded: Loaded) -> Section:
     for runs in groups.values():
         by_seed: dict = {}
         for run in runs:
-            if run.seed in by_seed:
-                pairs.append(determinism.compare(by_seed[run.seed], run))
+            if compare.unit(run) in by_seed:
+                pairs.append(determinism.compare(by_seed[compare.unit(run)], run))
             else:
-                by_seed[run.seed] = run
+                by_seed[compare.unit(run)] = run
         label = _label(runs)
         seen[label] += 1
         row = Row(label if seen[label] == 1 else f"{label} ({seen[label]})", list(by_seed.values()))
@@ -155,15 +188,16 @@ def build(loaded: Loaded) -> Section:
     rows.sort(key=lambda r: (rank.get(_family(r.runs[0], loaded.presets), len(rank)), r.label))
     thin = [f"{r.label} ({r.seeds})" for r in rows if r.seeds < MIN_SEEDS]
     if thin:
-        notes.append(f"fewer than {MIN_SEEDS} seeds, too few to conclude from: {', '.join(thin)}")
-    preset = loaded.presets.get(AQN_FAMILY)
-    candidates = [r for r in rows if preset and not preset_differences(r.runs[0], preset, ignore=("noise",))]
+        notes.append(f"fewer than {MIN_SEEDS} runs, too few to conclude from: {', '.join(thin)}")
+    candidates = _aqn_candidates(rows, loaded.presets)
     scored = [r for r in candidates if not math.isnan(r.values["final_reward"].mean)]
     best = max(scored, key=lambda r: r.values["final_reward"].mean) if scored else None
     for r in rows:
         if any(math.isnan(r.values[f"{s}_start"].mean) for s in SPLIT_NAMES):
             notes.append(f"{r.label}: no evaluation before the first update on some split (eval.at_start), so no change")
-    return Section(rows, candidates, best, pairs, notes)
+    if reference not in [r.label for r in rows]:
+        notes.append(f"no row is labelled {reference}: no paired contrasts (--reference names the row to compare with)")
+    return Section(rows, candidates, best, pairs, notes, reference, dict(margins or {}))
 
 
 def _where(run: Run, runs: list[Run]) -> str:
@@ -190,7 +224,7 @@ def _settings(runs: list[Run]) -> str:
 
 
 def _change_table(rows: list[Row]) -> list[str]:
-    head = ["row", "seeds", "final training reward"]
+    head = ["row", "runs", "final training reward"]
     for name in SPLIT_NAMES.values():
         head += [f"{name}: start", "end", "change"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -213,12 +247,13 @@ def _diagnostics_table(rows: list[Row]) -> list[str]:
 
 def _best(section: Section) -> list[str]:
     if section.best is None:
-        return [f"No {AQN_FAMILY} rows (settings equal to the `{AQN_FAMILY}` preset's outside `noise.*`): no AQN setting to choose."]
+        return [f"No two {AQN_FAMILY} rows (settings equal to the `{AQN_FAMILY}` preset's outside `noise.*`) differ "
+                "in `noise.*` alone: no AQN setting to choose."]
     b = section.best
     ranked = sorted(section.candidates, key=lambda r: -r.values["final_reward"].mean)
     rewards = ", ".join(f"{r.label} {r.values['final_reward'].text()}" for r in ranked)
     lines = [f"Chosen on the final training reward, never on held-out pass@1, among the {AQN_FAMILY} rows "
-             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} seed(s), with 95 % intervals:", ""]
+             f"({rewards}): **{b.label}**. Its change in greedy pass@1 over {b.seeds} run(s), with 95 % intervals:", ""]
     lines += [f"- {name}: {b.values[f'{split}_start'].text()} -> {b.values[f'{split}_end'].text()}, "
               f"change {b.values[f'{split}_change'].text()}" for split, name in SPLIT_NAMES.items()]
     return lines
@@ -239,6 +274,14 @@ def _pairs(section: Section) -> list[str]:
     return lines
 
 
+def _compared(section: Section) -> list[str]:
+    """The paired contrasts against the reference row and, for `task=fork`, the discovery table."""
+    rows = {r.label: r.runs for r in section.rows}
+    lines = compare.contrasts_markdown(rows, CONTRAST_OUTCOMES, section.reference, section.margins)
+    discovered = compare.discovery_markdown(rows)
+    return [*lines, *([""] if lines else []), *discovered, *([""] if discovered else [])]
+
+
 def cut_short(loaded: Loaded) -> list[str]:
     """When some runs stopped before their last step: every run (finished or cut short; one a seed)
     grouped by settings, compared on the training reward over the last quarter of the steps that
@@ -257,8 +300,8 @@ def cut_short(loaded: Loaded) -> list[str]:
              f"they have no end evaluation and are in no table above. Every run (one a seed, the finished ones "
              f"included) on its training reward over steps {first}-{common - 1}, the last quarter of the steps "
              f"all of them logged, against steps 0-{common - first - 1}, and its pass@1 before the first update; "
-             "mean over seeds [95 % t-interval]:", "",
-             f"| row | seeds | cut short | training reward, steps 0-{common - first - 1} | steps {first}-{common - 1} "
+             "mean over runs [95 % t-interval]:", "",
+             f"| row | runs | cut short | training reward, steps 0-{common - first - 1} | steps {first}-{common - 1} "
              "| held-out start | out of template start |", "|---|---|---|---|---|---|---|"]
     for by_seed in groups.values():
         group = list(by_seed.values())
@@ -285,14 +328,15 @@ def to_markdown(section: Section, command: str, cut: list[str] | None = None) ->
              + f", made at {_commits(runs)}. Shared settings: {_settings(runs)}.", "",
              f"**Made by** `{command}`.", "",
              "Greedy pass@1 on each evaluation split before the first update (start) and after the last "
-             "(end), and the final training reward (mean of the last quarter of the steps); mean over seeds "
-             "[95 % t-interval], change = end - start per seed:", "",
+             "(end), and the final training reward (mean of the last quarter of the steps); mean over runs "
+             "[95 % t-interval], change = end - start per run:", "",
              *_change_table(section.rows), "",
-             "Why a strategy does or does not learn (means over seeds [95 % t-interval]; `analysis/section.py` "
+             "Why a strategy does or does not learn (means over runs [95 % t-interval]; `analysis/section.py` "
              "defines each column): the re-quantized base's distance from the full-precision one "
              "(`quant/kl`, nats a token), reply lengths and how many hit the cap, and how many groups had no "
              "reward spread (`frac_reward_zero_std`):", "",
              *_diagnostics_table(section.rows), "",
+             *_compared(section),
              "**Best AQN setting.** " + "\n".join(_best(section)), "",
              "**Identical runs.**", "", *_pairs(section)]
     if cut:

@@ -1,7 +1,16 @@
-"""Across-seed statistics: the mean, the sample standard deviation and Student's t-interval.
+"""The statistics of the tables: means with Student t-intervals, and the tests that compare rows.
 
-Written with the standard library alone (no scipy): the t quantile comes from integrating the t
-density numerically and inverting the resulting CDF by bisection, accurate to ~1e-9.
+Distributions come from scipy. Every test here is two-sided unless its name says otherwise, and
+returns a p-value; `holm` adjusts a family of them.
+
+| function | what |
+| --- | --- |
+| `t_interval(values)` | the mean with its two-sided t-interval over seeds (or pairs, or bases) |
+| `t_test(values)` | the one-sample t-test of mean 0 (on paired differences: the paired t-test) |
+| `one_sided(values)` | the one-sample t-test of mean 0 against mean > 0 |
+| `welch(a, b)` | Welch's t-test of mean(a) - mean(b) = 0 (unequal variances) with its interval |
+| `tost(values, margin)` | equivalence: the larger p of the two one-sided tests of mean <= -margin and >= margin |
+| `holm(p_values)` | Holm's step-down adjustment of a family of p-values |
 """
 
 from __future__ import annotations
@@ -9,10 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scipy import stats as sp
+
+LEVEL = 0.95
+# Runs log float32 metrics: values that agree to this fraction are equal, and a sample that spreads
+# less than this has no spread to test against.
+FLOAT32 = 1e-6
+
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean over seeds with its two-sided t-interval.
+    """A mean with its two-sided t-interval.
 
     Args:
         mean: the sample mean.
@@ -58,27 +74,6 @@ def stdev(values: list[float]) -> float:
     return math.sqrt(math.fsum((v - m) ** 2 for v in values) / (n - 1))
 
 
-def _t_pdf(x: float, df: float) -> float:
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def _t_cdf_upper(x: float, df: float) -> float:
-    """P(T <= x) for x >= 0: 1/2 plus the density integrated over [0, x] by Simpson's rule."""
-    # Integrate in theta = atan(u) (du = (1 + u^2) dtheta), which maps the heavy tails of small
-    # df onto a bounded interval where the integrand is smooth.
-    theta_max = math.atan(x)
-    n = 2000  # even; the integrand is smooth in theta
-    h = theta_max / n
-    total = 0.0
-    for i in range(n + 1):
-        theta = i * h
-        u = math.tan(theta)
-        f = _t_pdf(u, df) * (1 + u * u)
-        total += f if i in (0, n) else (4 * f if i % 2 else 2 * f)
-    return 0.5 + total * h / 3
-
-
 def t_quantile(p: float, df: float) -> float:
     """The `p` quantile (p in [0.5, 1)) of Student's t distribution with `df` degrees of freedom.
 
@@ -89,23 +84,14 @@ def t_quantile(p: float, df: float) -> float:
         raise ValueError(f"p must be in [0.5, 1), got {p}")
     if df <= 0:
         raise ValueError(f"df must be > 0, got {df}")
-    lo, hi = 0.0, 1.0
-    while _t_cdf_upper(hi, df) < p:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if _t_cdf_upper(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    return float(sp.t.ppf(p, df))
 
 
-def t_interval(values: list[float], level: float = 0.95) -> Interval:
-    """Mean and two-sided t-interval `mean +- t_{(1+level)/2, n-1} * s / sqrt(n)` over seeds.
+def t_interval(values: list[float], level: float = LEVEL) -> Interval:
+    """Mean and two-sided t-interval `mean +- t_{(1+level)/2, n-1} * s / sqrt(n)`.
 
     Args:
-        values: one value per seed.
+        values: one value per seed (or pair, or base).
         level: the confidence level.
 
     Returns:
@@ -117,3 +103,79 @@ def t_interval(values: list[float], level: float = 0.95) -> Interval:
         return Interval(m, math.nan, math.nan, n)
     half = t_quantile((1 + level) / 2, n - 1) * stdev(values) / math.sqrt(n)
     return Interval(m, m - half, m + half, n)
+
+
+def _t_p(t: float, df: float, tail: str) -> float:
+    """The p-value of a t statistic: `two` sided, or of the alternative `greater` / `less`."""
+    if math.isnan(t) or df <= 0:
+        return math.nan
+    if tail == "greater":
+        return float(sp.t.sf(t, df))
+    if tail == "less":
+        return float(sp.t.cdf(t, df))
+    return float(2 * sp.t.sf(abs(t), df))
+
+
+def _t_stat(values: list[float], null: float = 0.0) -> tuple[float, float]:
+    """The one-sample t statistic against `null` and its degrees of freedom. A constant sample
+    (equal pass@1 changes on 100 problems, say, up to float32 rounding) has no spread to test
+    against: 0 when it equals the null, else nan (no p-value), never an infinite t."""
+    n, s = len(values), stdev(values)
+    if n < 2:
+        return math.nan, 0
+    diff = mean(values) - null
+    if s <= FLOAT32 * max(1.0, abs(mean(values))):  # equal up to the metrics' float32 rounding
+        return (0.0 if abs(diff) <= FLOAT32 * max(1.0, abs(null)) else math.nan), n - 1
+    return diff / (s / math.sqrt(n)), n - 1
+
+
+def t_test(values: list[float]) -> float:
+    """Two-sided p-value of the one-sample t-test of mean 0 (nan below two values)."""
+    return _t_p(*_t_stat(values), "two")
+
+
+def one_sided(values: list[float]) -> float:
+    """p-value of the one-sample t-test of mean 0 against the alternative mean > 0."""
+    return _t_p(*_t_stat(values), "greater")
+
+
+def welch(a: list[float], b: list[float], level: float = LEVEL) -> tuple[Interval, float]:
+    """Welch's two-sample comparison of unpaired values.
+
+    Returns:
+        The interval of mean(a) - mean(b) (Welch-Satterthwaite degrees of freedom; n is len(a) +
+        len(b)) and its two-sided p-value; nan ends and p with fewer than two values on a side.
+    """
+    diff, n = mean(a) - mean(b), len(a) + len(b)
+    if len(a) < 2 or len(b) < 2:
+        return Interval(diff, math.nan, math.nan, n), math.nan
+    va, vb = stdev(a) ** 2 / len(a), stdev(b) ** 2 / len(b)
+    se = math.sqrt(va + vb)
+    if se <= FLOAT32 * max(1.0, abs(diff)):  # two constant samples: no spread to test against
+        return Interval(diff, diff, diff, n), (1.0 if diff == 0 else math.nan)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = t_quantile((1 + level) / 2, df) * se
+    return Interval(diff, diff - half, diff + half, n), _t_p(diff / se, df, "two")
+
+
+def tost(values: list[float], margin: float) -> float:
+    """Equivalence of a mean to 0 within `+-margin` (two one-sided t-tests): the larger of the
+    p-values of mean > -margin and of mean < margin. Below 0.05, the 90 % interval lies inside
+    (-margin, margin)."""
+    low = _t_p(*_t_stat(values, -margin), "greater")
+    high = _t_p(*_t_stat(values, margin), "less")
+    return math.nan if math.isnan(low) or math.isnan(high) else max(low, high)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order (nan entries stay nan and do not count).
+
+    Example:
+        `holm([0.01, 0.04, 0.03])` is `[0.03, 0.06, 0.06]`.
+    """
+    ranked = sorted((p, i) for i, p in enumerate(p_values) if not math.isnan(p))
+    out, running, m = [math.nan] * len(p_values), 0.0, len(ranked)
+    for k, (p, i) in enumerate(ranked):
+        running = max(running, min(1.0, (m - k) * p))
+        out[i] = running
+    return out

@@ -10,13 +10,24 @@ One row per strategy preset (`conf/strategy/`), averaged over seeds. Per run (de
 | step time | mean of `perf/step_s` over steps 1.. (same rule) |
 | sampler entropy | mean of `sampler/entropy` over all steps |
 | entropy gain | mean of `entropy_gain` over the steps that logged it (monitor steps) |
+| entropy gain at step 0 | `entropy_gain` at step 0: the quantization error (and stage 0's noise, none for decaying schedules) before any update |
 | final reward | mean of `reward` over the last quarter of the steps (`metrics.final_window`: `reward/final` of `summary.json`) |
 | held-out pass@1 | the last `eval/pass@1` logged (`eval.every`; n/a for runs without one) |
 
 Per strategy: the mean over seeds; memory, tokens/s and step time also as the ratio of that mean
 to the full_precision mean; sampler entropy, entropy gain, final reward and held-out pass@1 with a
 95% Student t-interval across seeds. Only runs whose settings, apart from the strategy's own keys
-(`runs.STRATEGY_KEYS`), equal those of the full_precision runs enter the table.
+(`runs.STRATEGY_KEYS`), equal those of the full_precision runs enter the table, one run per
+(base, seed) and strategy: the first in the order of the command's PATHs.
+
+Claims are judged by tests, not by where a mean falls: "slight" needs a one-sided t-test of the
+runs' entropy gains above 0 (p < 0.05), "significant" a 95 % interval above 0, "similar to X" an
+equivalence test (TOST, p < 0.05) of the paired differences from X's runs within +-`SIMILAR_MARGIN`
+of X's mean gain. Speed claims are judged only on fixed-length workloads (`rollout.ignore_eos=true`:
+tokens/s over replies of different lengths compares lengths), memory claims only on runs that ran on
+CUDA (on the CPU the embedded model's weights are mostly its embedding and adapters, and the process
+peak is the runtime's); otherwise the claim reads "not testable here". `compare.contrasts` gives
+every row's paired difference from full_precision (`contrasts_markdown`).
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from analysis import compare
 from analysis.runs import STRATEGY_KEYS, Run, differences, settings
-from analysis.stats import Interval, mean, t_interval
+from analysis.stats import Interval, mean, one_sided, t_interval, tost
 from qerl_exp.metrics import final_window
 
 BASELINE = "full_precision"
@@ -40,6 +52,12 @@ EXTRAS = ("nf4_lora", "mxfp4_lora", "nvfp4_lora_noaqn", "bf16_aqn")
 # within 5% below it.
 MEMORY_TOLERANCE = 0.05
 SPEED_TOLERANCE = 0.05
+# "Similar to X": the paired differences of entropy gain from X's runs lie within +-25 % of X's mean gain (TOST).
+SIMILAR_MARGIN = 0.25
+ALPHA = 0.05
+NOT_TESTABLE = "not testable here"
+# the outcomes whose paired contrasts against full_precision follow the table
+TABLE_OUTCOMES = ("final_reward", "entropy_gain_0", "entropy_gain", "heldout_pass1")
 
 
 @dataclass(frozen=True)
@@ -82,9 +100,10 @@ CLAIMS_SOURCE = (
     "docs/method.md): weights 15.2 GB bf16, 5.9 GB NVFP4, 5.7 GB NF4; rollout tokens/s at batch 8: 1641 "
     "BF16 LoRA, 2092 QeRL, 1362 QLoRA. A memory claim holds when the measured weight-memory reduction is "
     "at most 5 points below it, a speed claim when rollout tokens/s over full precision is at most 5% "
-    "below it; 'slight' holds when the mean entropy gain is above 0, 'significant' when its 95% "
-    "t-interval across seeds lies above 0, 'similar to X' when the mean entropy gain lies within X's "
-    "95% t-interval."
+    "below it, judged only on fixed-length workloads (rollout.ignore_eos=true) and, for memory, on CUDA runs "
+    "(else 'not testable here'); 'slight' holds when a one-sided t-test puts the entropy gain above 0 (p < 0.05), "
+    "'significant' when its 95% t-interval across seeds lies above 0, 'similar to X' when an equivalence test "
+    "(TOST, p < 0.05) puts the paired differences from X's entropy gains within +-25% of X's mean gain."
 )
 
 
@@ -107,32 +126,48 @@ class Row:
     tok_s_ratio: float = math.nan
     step_s_ratio: float = math.nan
     claim: Claim = field(default_factory=Claim)
-    # the entropy gain of the strategy a "similar" claim names (`build` fills it in when present)
-    peer_gain: Interval | None = None
+    entropy_gain_0: Interval = field(default_factory=lambda: Interval(math.nan, math.nan, math.nan, 0))
+    # each run's entropy gain by (base, seed), and those of the strategy a "similar" claim names
+    gains: dict = field(default_factory=dict)
+    peer_gains: dict | None = None
+    # whether the runs can test a speed claim (fixed-length replies) and a memory claim (CUDA)
+    speed_testable: bool = True
+    memory_testable: bool = True
+    runs: list[Run] = field(default_factory=list, repr=False)
 
     @property
     def memory_holds(self) -> bool | None:
-        if self.claim.memory_reduction is None or math.isnan(self.weights_ratio):
+        if self.claim.memory_reduction is None or math.isnan(self.weights_ratio) or not self.memory_testable:
             return None
         return 1 - self.weights_ratio >= self.claim.memory_reduction - MEMORY_TOLERANCE
 
     @property
     def speed_holds(self) -> bool | None:
-        if self.claim.speedup is None or math.isnan(self.tok_s_ratio):
+        if self.claim.speedup is None or math.isnan(self.tok_s_ratio) or not self.speed_testable:
             return None
         return self.tok_s_ratio >= self.claim.speedup * (1 - SPEED_TOLERANCE)
+
+    @property
+    def similar_p(self) -> float:
+        """TOST p-value of the paired differences from the peer's entropy gains (nan: no pairs)."""
+        if not self.peer_gains:
+            return math.nan
+        common = [u for u in self.gains if u in self.peer_gains]
+        if len(common) < 2:
+            return math.nan
+        margin = SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values())))
+        return tost([self.gains[u] - self.peer_gains[u] for u in common], margin)
 
     @property
     def exploration_holds(self) -> bool | None:
         if self.claim.exploration is None or math.isnan(self.entropy_gain.mean):
             return None
         if self.claim.exploration == "slight":
-            return self.entropy_gain.mean > 0
+            p = one_sided(list(self.gains.values()))
+            return None if math.isnan(p) else p < ALPHA
         if self.claim.exploration == "similar":
-            peer = self.peer_gain
-            if peer is None or math.isnan(peer.low):  # no interval to be within (absent, or one seed)
-                return None
-            return peer.low <= self.entropy_gain.mean <= peer.high
+            p = self.similar_p
+            return None if math.isnan(p) else p < ALPHA
         return not math.isnan(self.entropy_gain.low) and self.entropy_gain.low > 0
 
 
@@ -150,6 +185,7 @@ def run_values(run: Run) -> dict[str, float]:
         "step_s": mean([r["perf/step_s"] for r in timed]),
         "sampler_entropy": mean([r["sampler/entropy"] for r in h]),
         "entropy_gain": mean(gains),
+        "entropy_gain_0": compare.outcome_values(run)["entropy_gain_0"],
         "final_reward": mean(rewards[-final_window(len(rewards)):]),
         "heldout_pass1": evals[-1] if evals else math.nan,
     }
@@ -160,7 +196,8 @@ def select(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
 
     The table compares strategies under equal settings: the reference settings are those of a
     full_precision run (when their settings differ, the ones most other runs share), or the most
-    common settings when no full_precision run exists. One run per (strategy, seed) is kept.
+    common settings when no full_precision run exists. One run per strategy and (base, seed) is
+    kept: the first in the order given (the command's PATHs), never the one whose folder sorts first.
     """
     notes = []
     labelled = [r for r in runs if r.strategy is not None]
@@ -175,15 +212,15 @@ def select(runs: list[Run]) -> tuple[dict[str, list[Run]], list[str]]:
     reference = dict(max(candidates, key=lambda c: (counts[c], candidates.count(c))))
     groups: dict[str, list[Run]] = {}
     seen = set()
-    for r in sorted(labelled, key=lambda r: r.source):
+    for r in labelled:
         mine = {k: repr(v) for k, v in settings(r, STRATEGY_KEYS).items()}
         diffs = differences(mine, reference)
         if diffs:
             notes.append(f"{r.source}: settings differ from the {BASELINE} runs ({'; '.join(diffs[:3])}); not in the table")
-        elif (r.strategy, r.seed) in seen:
+        elif (r.strategy, compare.unit(r)) in seen:
             notes.append(f"{r.source}: a second run of {r.strategy} with seed {r.seed}; only the first is used")
         else:
-            seen.add((r.strategy, r.seed))
+            seen.add((r.strategy, compare.unit(r)))
             groups.setdefault(r.strategy, []).append(r)
     return groups, notes
 
@@ -220,6 +257,11 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
             final_reward=t_interval(col["final_reward"]),
             heldout_pass1=t_interval(col["heldout_pass1"]),
             claim=CLAIMS.get(name, Claim()),
+            entropy_gain_0=t_interval(col["entropy_gain_0"]),
+            gains={compare.unit(r): v["entropy_gain"] for r, v in zip(groups[name], values)},
+            speed_testable=all(r.get("rollout.ignore_eos") is True for r in groups[name]),
+            memory_testable=all(r.summary.get("device") == "cuda" for r in groups[name]),
+            runs=groups[name],
         ))
     base = next((r for r in rows if r.strategy == BASELINE), None)
     if base is None:
@@ -233,23 +275,27 @@ def build(runs: list[Run]) -> tuple[list[Row], list[str]]:
     by_name = {r.strategy: r for r in rows}
     for r in rows:
         if r.claim.similar_to in by_name:
-            r.peer_gain = by_name[r.claim.similar_to].entropy_gain
+            r.peer_gains = by_name[r.claim.similar_to].gains
     return rows, notes
 
 
 def base_notes(runs: list[Run]) -> list[str]:
-    """A note when the runs started from more than one warmed-up embedded model (their summaries'
-    `warmup/weights` differ): the rows then compare bases as well as strategies."""
-    bases: dict[str, list[str]] = {}
+    """A note when runs of one embedded base (`model.warmup.seed`) started from more than one
+    warmed-up model (their summaries' `warmup/weights` differ): the rows then compare models as
+    well as strategies. Runs of different bases differ on purpose (a study's replication)."""
+    by_base: dict = {}
     for r in runs:
         if "warmup/weights" in r.summary:
-            bases.setdefault(r.summary["warmup/weights"], []).append(r.name)
-    if len(bases) < 2:
-        return []
-    listed = "; ".join(f"{digest} ({len(names)} runs, e.g. {names[0]})" for digest, names in bases.items())
-    return [f"the runs started from {len(bases)} different warmed-up models (warmup/weights: {listed}): "
-            "another kind of CPU warms up another model; copy one machine's model.cache_dir to the others "
-            "to compare strategies alone"]
+            by_base.setdefault(r.get("model.warmup.seed", 0) or 0, {}).setdefault(r.summary["warmup/weights"], []).append(r.name)
+    notes = []
+    for base, digests in by_base.items():
+        if len(digests) < 2:
+            continue
+        listed = "; ".join(f"{digest} ({len(names)} runs, e.g. {names[0]})" for digest, names in digests.items())
+        notes.append(f"the runs{f' of base {base}' if len(by_base) > 1 else ''} started from {len(digests)} different "
+                     f"warmed-up models (warmup/weights: {listed}): another kind of CPU warms up another model; "
+                     "copy one machine's model.cache_dir to the others to compare strategies alone")
+    return notes
 
 
 # --------------------------------------------------------------------------- formatting
@@ -261,6 +307,7 @@ COLUMNS = [
     "rollout_tok_s", "tok_s_ratio", "speed_claim", "speed_holds", "paper_7b_speedup",
     "step_s", "step_s_ratio",
     "sampler_entropy", "sampler_entropy_ci_low", "sampler_entropy_ci_high",
+    "entropy_gain_0", "entropy_gain_0_ci_low", "entropy_gain_0_ci_high",
     "entropy_gain", "entropy_gain_ci_low", "entropy_gain_ci_high", "exploration_claim", "exploration_holds",
     "final_reward", "final_reward_ci_low", "final_reward_ci_high",
     "heldout_pass1", "heldout_pass1_ci_low", "heldout_pass1_ci_high",
@@ -280,6 +327,8 @@ def _record(r: Row) -> dict:
         "step_s": r.step_s, "step_s_ratio": r.step_s_ratio,
         "sampler_entropy": r.sampler_entropy.mean, "sampler_entropy_ci_low": r.sampler_entropy.low,
         "sampler_entropy_ci_high": r.sampler_entropy.high,
+        "entropy_gain_0": r.entropy_gain_0.mean, "entropy_gain_0_ci_low": r.entropy_gain_0.low,
+        "entropy_gain_0_ci_high": r.entropy_gain_0.high,
         "entropy_gain": r.entropy_gain.mean, "entropy_gain_ci_low": r.entropy_gain.low,
         "entropy_gain_ci_high": r.entropy_gain.high,
         "exploration_claim": _exploration(c), "exploration_holds": r.exploration_holds,
@@ -321,14 +370,17 @@ def _x(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.2f}{_TIMES}"
 
 
-def _verdict(holds: bool | None) -> str:
+def _verdict(holds: bool | None, testable: bool = True) -> str:
+    if not testable:
+        return f": {NOT_TESTABLE}"
     return "" if holds is None else (": holds" if holds else ": fails")
 
 
 def _cells(r: Row) -> list[str]:
     c = r.claim
-    memory = "" if c.memory_reduction is None else f"{_MINUS}{c.memory_reduction:.0%}{_verdict(r.memory_holds)}"
-    speed = "" if c.speedup is None else f"{c.speedup:g}{_TIMES}{_verdict(r.speed_holds)}"
+    memory = "" if c.memory_reduction is None else \
+        f"{_MINUS}{c.memory_reduction:.0%}{_verdict(r.memory_holds, r.memory_testable)}"
+    speed = "" if c.speedup is None else f"{c.speedup:g}{_TIMES}{_verdict(r.speed_holds, r.speed_testable)}"
     explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}"
     paper = "; ".join(x for x in (
         "" if c.paper_weights_ratio is None else f"weights {c.paper_weights_ratio:.2f}{_TIMES}",
@@ -337,13 +389,15 @@ def _cells(r: Row) -> list[str]:
         r.strategy, str(r.seeds),
         _x(r.weights_ratio), memory, _x(r.peak_ratio),
         _x(r.tok_s_ratio), speed, _x(r.step_s_ratio),
-        r.sampler_entropy.text(), r.entropy_gain.text(4), explore, r.final_reward.text(), r.heldout_pass1.text(), paper,
+        r.sampler_entropy.text(), r.entropy_gain_0.text(4), r.entropy_gain.text(4), explore, r.final_reward.text(),
+        r.heldout_pass1.text(), paper,
     ]
 
 
 HEADERS = [
     "strategy", "seeds", "weight mem. / FP", "claimed", "peak mem. / FP", "rollout tok/s / FP", "claimed",
-    "step time / FP", "sampler entropy [95% CI]", "entropy gain [95% CI]", "claimed", "final reward [95% CI]",
+    "step time / FP", "sampler entropy [95% CI]", "entropy gain at step 0 [95% CI]", "entropy gain [95% CI]",
+    "claimed", "final reward [95% CI]",
     "held-out pass@1 [95% CI]", "paper 7B",
 ]
 
@@ -355,6 +409,9 @@ def to_markdown(rows: list[Row]) -> str:
         cells = [c.replace(_TIMES, "x").replace(_MINUS, "-") for c in _cells(r)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", CLAIMS_SOURCE, "", _absolute_markdown(rows)]
+    contrasts = compare.contrasts_markdown({r.strategy: r.runs for r in rows}, TABLE_OUTCOMES)
+    if contrasts:
+        lines += ["", *contrasts]
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,7 @@ WORKLOADS = {
     "wide": dict(prompts=8, group=8, prompt=256, new=512, checkpointing="auto", micro_tokens=16384),
     "real": dict(prompts=8, group=8, prompt=256, new=512, checkpointing="false", micro_tokens=16384),
 }
-REAL_RUN = ROOT / "docs/smollm2/runs/full_precision_s0/metrics.jsonl"
+REAL_RUN = ROOT / "results/smollm2_100steps/full_precision_s0/metrics.jsonl"
 GIB = 2**30
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16, datasheet
 

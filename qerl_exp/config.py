@@ -38,6 +38,7 @@ class WarmupConfig:
         target_accuracy: stop once greedy exact-answer accuracy on a probe set reaches this; kept
             well below 1 so that RL has something left to learn.
         eval_every: warm-up steps between probe evaluations.
+        seed: which embedded base: the seed of its initialization and warm-up data (bases of other seeds replicate a run).
     """
 
     max_steps: int = 3000
@@ -45,9 +46,10 @@ class WarmupConfig:
     lr: float = 3e-3
     target_accuracy: float = 0.3
     eval_every: int = 100
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 0, f"model.warmup.max_steps must be >= 0, got {self.max_steps}")
+        _check(self.max_steps >= 0 and self.seed >= 0, f"model.warmup.max_steps and .seed must be >= 0, got {self.max_steps}, {self.seed}")
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
 
 

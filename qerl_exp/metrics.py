@@ -36,8 +36,11 @@ these functions; it never builds metric names itself. Token means are over compl
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
 | noise/target_error | `noise=adaptive` only: the controller's set point minus the measured entropy (or entropy gain) |
 | noise/target | `noise=adaptive` only: the controller's set point in nats (`noise.target_value`, or with `noise.target_relative` that multiple of the learner's entropy on the first step's rollout) |
+| fork/b_share | `task=fork` only: the share of the step's completions that take route B (`tasks.fork`) |
+| fork/route_entropy | `task=fork` only: the sampler's entropy at each completion's route token (its first token), mean over the step's completions |
 | eval/pass@1, eval/pass@k, eval/mean@n, eval/format, eval/reward, eval/clipped_ratio, eval/solution_logp, eval/problems, eval/seconds | held-out evaluation (`eval.every`, `python -m qerl_exp.eval`): greedy exact-answer accuracy, unbiased pass@k over n samples, their mean accuracy, greedy format rate, reward, truncation rate, mean log-prob of the reference solutions, problem count, wall time |
 | eval/ood/pass@1, eval/ood/pass@k, eval/ood/mean@n, eval/ood/format, eval/ood/reward, eval/ood/clipped_ratio, eval/ood/solution_logp, eval/ood/problems, eval/ood/seconds | the same on the task's out-of-template split (`wordprob`'s `ood`), logged beside the held-out ones by every evaluation of a task that has one |
+| eval/fork/b_share, eval/start/fork/b_share | `task=fork` only: the share of an evaluation's greedy replies that take route B (before the first update: `start/`) |
 | eval/start/pass@1, eval/start/pass@k, eval/start/mean@n, eval/start/format, eval/start/reward, eval/start/clipped_ratio, eval/start/solution_logp, eval/start/problems, eval/start/seconds, eval/ood/start/pass@1, eval/ood/start/pass@k, eval/ood/start/mean@n, eval/ood/start/format, eval/ood/start/reward, eval/ood/start/clipped_ratio, eval/ood/start/solution_logp, eval/ood/start/problems, eval/ood/start/seconds | `eval.at_start`: the same, of the policy before its first update (the base: LoRA starts as the identity), logged at step 0 |
 
 Every `tracker.completions_every` steps, `completions.jsonl` (beside `metrics.jsonl`) gets one JSON
@@ -48,9 +51,13 @@ where it returned None), `reward` (their weighted sum; null when none applies) a
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
 `reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
-`mem/*`, `steps`; for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
+`mem/*`, `steps` (the run loop adds `world_size`, `commit` and `device`, `cpu` or `cuda`); for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
 `warmup/weights` (a digest of the weights: runs that show the same one started from the same model;
-another kind of CPU can warm up another, `models.warmup.weights_digest`).
+another kind of CPU can warm up another, `models.warmup.weights_digest`); for a two-route task
+(`task=fork`), what its warm-up measured, `warmup/pi0_b` (the base's mean probability of opening
+with route B), `warmup/pi0_b_max` (its largest over the probe's prompts), `warmup/accuracy_a` and
+`warmup/accuracy_b` (each route's greedy accuracy with the route given), and `fork/first_b_step`,
+the first step that sampled route B (-1: none did).
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ import numpy as np
 import torch
 
 from qerl_exp.splits import HELD_OUT, OOD
+
+# What a two-route task's warm-up measured (`models.routes.route_facts`), kept in summary.json as `warmup/<fact>`.
+ROUTE_FACTS = ("pi0_b", "pi0_b_max", "accuracy_a", "accuracy_b")
 
 # A run's final score is the mean of a metric over the last quarter of its steps: in summary.json
 # (`reward/final`), on the console line, and as the sweep's default objective.
@@ -448,4 +458,8 @@ def run_summary(history: list[dict[str, float]], base: dict) -> dict[str, float 
     out["warmup/greedy_accuracy"] = base.get("greedy_accuracy", float("nan"))
     if "weights" in base:
         out["warmup/steps"], out["warmup/weights"] = base["steps"], base["weights"]
+    out.update({f"warmup/{k}": base[k] for k in ROUTE_FACTS if k in base})
+    shares = [(h["step"], h["fork/b_share"]) for h in history if h.get("fork/b_share") is not None]
+    if shares:
+        out["fork/first_b_step"] = next((step for step, share in shares if share > 0), -1)
     return out

@@ -46,8 +46,9 @@ class TaskConfig:
     """The problems the policy learns to solve and how they are scored.
 
     Args:
-        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `gsm8k`
-            or `math` (local data or, for GSM8K, the hub), `dataset` (your own data: any source
+        name: `arith` (synthetic, seeded), `wordprob` (synthetic word problems, seeded), `fork`
+            (arith's questions by two routes, one worth more: `tasks.fork`), `gsm8k` or `math`
+            (local data or, for GSM8K, the hub), `dataset` (your own data: any source
             of `path` in TRL's standard or conversational format, docs/own_task.md).
         path: the data of a file-backed task (gsm8k, math, dataset), read through Hugging Face
             `datasets`: a JSONL, JSON, CSV or Parquet file, a folder written by `save_to_disk`, or
@@ -89,6 +90,8 @@ class TaskConfig:
             checkpoint's own. The embedded model has none (its prompts are plain text).
         chat_template_kwargs: extra variables the chat template is rendered with, e.g.
             `{enable_thinking: false}` for Qwen3.
+        route_b_prior: fork: the embedded base's probability of opening a reply with route B, set
+            by its warm-up.
     """
 
     name: str = "arith"
@@ -109,9 +112,11 @@ class TaskConfig:
     system_prompt: str = SYSTEM_PROMPT
     chat_template: str = ""
     chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
+    route_b_prior: float = 0.01
 
     def __post_init__(self) -> None:
-        _choice("task.name", self.name, ("arith", "wordprob", *FILE_TASKS))
+        _choice("task.name", self.name, ("arith", "fork", "wordprob", *FILE_TASKS))
+        _check(0 < self.route_b_prior <= 0.5, f"task.route_b_prior must be in (0, 0.5], got {self.route_b_prior}")
         _choice("task.answer_from", self.answer_from, ("tags", "text"))
         _choice("task.templates", self.templates, ("base", "wide"))
         _check(self.templates == "base" or self.name == "wordprob",

@@ -271,7 +271,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
 
         _save(loop, run_dir / "final", cfg.train.steps)
         summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
-                                         "world_size": distributed.world_size(), "commit": rundir.source_commit()}
+                                         "world_size": distributed.world_size(), "commit": rundir.source_commit(),
+                                         "device": loop.device.type}
                                         if distributed.is_main() else None)
         loop.tracker.finish(summary)
         return summary
@@ -448,6 +449,9 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         memory=distributed.maximum(M.memory_metrics(loop.weights, device, rollout_bytes, loop.load_peak, peaks)),
         step_s=phases.pop("step"), phases=phases,
     ))
+    if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
+        metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
+                                              gather(rollout.sampler_entropy[:, 0]).tolist()))
     metrics.update(loop.schedule.observe(metrics))
     if distributed.is_main() and (warning := loop.schedule.pinned_warning()):
         print(warning, file=sys.stderr)

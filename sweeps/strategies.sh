@@ -2,6 +2,9 @@
 # The strategy comparison: every strategy preset (conf/strategy/) over several seeds,
 # plus the one-factor ablations the figures need, then `python -m analysis` on the lot.
 #
+# Every run evaluates greedy pass@1 on the task's held-out problems after its last step (eval.every
+# set to the run's length, eval.k=0: the table's held-out pass@1 column; EVAL=0 skips it).
+#
 # Each run is its own process, so that a run's peak memory (mem/peak_bytes: the process's peak
 # RSS on CPU, CUDA's max allocated on GPU) is its own; a Hydra multirun (-m) runs every job in
 # one process. A run whose directory already holds summary.json is not run again, so the script
@@ -14,6 +17,7 @@
 #   SEEDS       seeds of every configuration (default "0 1")
 #   STRATEGIES  the presets to run (default: all eight)
 #   ABLATIONS   1 (default) also runs the ablations of Figs. 9/15, 10 and 16-17; 0 skips them
+#   EVAL        1 (default) evaluates held-out pass@1 after each run's last step; 0 skips it
 #   PYTHON      the interpreter (default python3: machines without a venv may have no `python`)
 #   OMP_NUM_THREADS  torch CPU threads per run (default 1: on a shared CPU, more threads than
 #               free cores make OpenMP spin and steps 10-50x slower, which swamps the timings)
@@ -23,7 +27,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
@@ -52,6 +56,11 @@ run() {
   done
 }
 overrides=("$@")
+if [ "${EVAL:-1}" = 1 ]; then
+  # the run length the overrides set (the last train.steps=N wins, as in Hydra), else the default's
+  steps=$(printf '%s\n' "$@" | sed -n 's/^train\.steps=//p' | tail -n 1)
+  overrides=("eval.every=${steps:-60}" "eval.k=0" "${overrides[@]}")  # the command line's own eval.* still win
+fi
 
 for s in $strategies; do
   run "$s" strategy="$s"

@@ -91,13 +91,11 @@ def test_flat_yaml_is_generated_from_the_schemas():
     assert yaml.safe_load(committed) == as_dict(Config())
 
 
-def test_a_saved_config_reads_back_and_retired_keys_are_dropped():
+def test_a_saved_config_reads_back_and_an_unknown_key_is_refused():
     cfg, _ = compose(["train.steps=7", "train.fused_ops=false"])
     saved = as_dict(cfg)
     assert from_dict(saved) == cfg
-    saved["train"]["compile"] = True  # what earlier versions saved (the docs/smollm2 runs have it)
-    assert from_dict(saved) == cfg
-    saved["train"]["compiled"] = True  # not retired: still an error
+    saved["train"]["compiled"] = True
     with pytest.raises(Exception, match="compiled"):
         from_dict(saved)
 

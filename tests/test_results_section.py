@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import shlex
 import statistics
 from pathlib import Path
@@ -155,7 +156,7 @@ def test_the_section_names_its_commit_command_and_the_spread_of_identical_runs(s
     assert "`trials/full_precision_s0` and `trials_repeat/fp_s0` (seed 0): identical in every per-step metric " \
            "over 20 steps." in text
     assert "largest difference 0.25 (reward, step 7)" in text
-    assert "fewer than 5 seeds" not in text
+    assert "fewer than 5 runs" not in text
 
 
 def test_determinism_command_compares_two_runs_step_by_step(study, capsys):
@@ -192,7 +193,75 @@ def test_the_section_goes_into_a_page_between_its_markers(made, tmp_path):
 
 
 def _included() -> list[tuple[Path, Path, str]]:
+    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+            if path.name == section.FILE]
+
+
+def _blocks() -> list[tuple[Path, Path, str]]:
     return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()]
+
+
+@pytest.mark.parametrize("page, path, text", _blocks(), ids=[f"{p.name}:{f.parent.name}/{f.name}" for p, f, _ in _blocks()])
+def test_every_block_a_page_includes_is_its_file(page, path, text):
+    assert text == path.read_text(), f"{page} is out of date: include {path} again"
+
+
+def test_an_included_strategy_table_is_what_its_sections_command_makes():
+    """A strategy table beside a results section is made by the section's command from the same runs."""
+    from analysis import table
+
+    tables = [(page, path) for page, path, _ in _blocks() if path.name == "strategy_table.md"]
+    assert tables, "docs/results.md includes the CPU strategy table"
+    for page, path in tables:
+        command = next(x for x in (path.parent / section.FILE).read_text().splitlines()
+                       if x.startswith("**Made by** `")).split("`")[1]
+        args = cli._parser().parse_args(shlex.split(command)[3:])
+        rows, _ = table.build(R.load([str(ROOT / p) for p in args.paths]).runs)
+        assert table.to_markdown(rows) == path.read_text(), f"{path} is out of date: rerun {command}"
+
+
+def _probe_tables() -> list[tuple[Path, Path, str]]:
+    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+            if path.with_suffix(".json").is_file()]
+
+
+@pytest.mark.parametrize("page, path, text", _probe_tables() or [pytest.param(None, None, None, marks=pytest.mark.skip(
+    reason="no docs page includes a probe table yet"))])
+def test_every_included_probe_table_is_the_table_of_its_record(page, path, text):
+    """A probe table a page includes is its file, and the file is `probe.table` of the JSON record
+    `python -m qerl_exp.probe ... out=` wrote beside it."""
+    from qerl_exp import probe
+
+    assert text == path.read_text(), f"{page} is out of date: include {path} again"
+    assert text == probe.table(json.loads(path.with_suffix(".json").read_text())) + "\n"
+
+
+_DECIMAL = re.compile(r"(?<![\d.])[-+]?(\d+\.\d+)(?![\d.])")
+
+
+def _quoted(page: Path) -> tuple[list[str], set[str]]:
+    """The decimal numbers a page's summaries (its `>` blockquotes) quote, and those its tables and
+    included sections hold (without signs: a summary says 'lower by 0.089' of a table's -0.089)."""
+    text = page.read_text()
+    summaries = "\n".join(line for line in text.splitlines() if line.startswith(">"))
+    sources = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    sources += "\n".join(section.blocks(page).values())
+    return _DECIMAL.findall(summaries), set(_DECIMAL.findall(sources))
+
+
+def test_a_summary_number_that_no_table_holds_is_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("> - reward rose from 0.13 to 0.237 [0.126, 0.349], lower by 0.089 (1.50x)\n\n"
+                    "| row | reward | change |\n|---|---|---|\n| a | 0.237 [0.126, 0.349] | -0.089 |\n| b | 1.49x | |\n")
+    quoted, held = _quoted(page)
+    assert [q for q in quoted if q not in held] == ["0.13", "1.50"]
+
+
+@pytest.mark.parametrize("page", [p for p in sorted((ROOT / "docs").glob("*.md")) if _quoted(p)[0]])
+def test_every_number_a_summary_quotes_stands_in_a_table_or_section_of_its_page(page):
+    quoted, held = _quoted(page)
+    missing = [q for q in quoted if q not in held]
+    assert not missing, f"{page.name}'s summaries quote numbers no table or included section of it holds: {missing}"
 
 
 @pytest.mark.parametrize("page, path, text", _included() or [pytest.param(None, None, None, marks=pytest.mark.skip(
@@ -205,7 +274,8 @@ def test_every_included_section_is_the_current_output_of_its_command(page, path,
     argv = shlex.split(command)[3:]
     args = cli._parser().parse_args(argv)
     loaded = R.load([str(ROOT / p) for p in args.paths])
-    assert section.to_markdown(section.build(loaded), command, section.cut_short(loaded)) == text
+    built = section.build(loaded, args.reference, dict(args.margin))
+    assert section.to_markdown(built, command, section.cut_short(loaded)) == text
 
 
 def test_runs_cut_short_are_compared_on_the_steps_all_of_them_logged(tmp_path):

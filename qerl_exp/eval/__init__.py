@@ -37,6 +37,7 @@ those of the evaluation before the first update `eval/start/...` and `eval/ood/s
 | `eval/solution_logp`  | mean per-token log-prob of each problem's reference completion (teacher-forced) |
 | `eval/problems`       | number of problems scored                                                  |
 | `eval/seconds`        | wall time of the evaluation                                               |
+| `eval/fork/b_share`   | `task=fork`: fraction of greedy replies that take route B                 |
 """
 
 from __future__ import annotations
@@ -186,6 +187,8 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
         row["samples_correct"] = f"{c}/{n}"
     metrics = M.eval_metrics(is_correct, in_format, rewards, terminated, logp, counts, n, k, time.perf_counter() - t0,
                              prefix=M.eval_prefix(split, start))
+    if hasattr(task, "eval_metrics"):  # a task's own (task=fork: the route of the greedy replies)
+        metrics.update(task.eval_metrics(greedy, M.eval_prefix(split, start)))
     return metrics, rows
 
 

@@ -18,6 +18,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from qerl_exp.config import ModelConfig
 
 SEED = 1234  # a synthetic model is a fixed artifact, independent of the run's seed (its warm-up draws from it too)
+SEED_STRIDE = 1000  # base k (`model.warmup.seed`) draws from SEED + 1000 k: its init, warm-up data and probe
+
+
+def base_seed(cfg: ModelConfig) -> int:
+    """The seed of a synthetic model's initialization and of its warm-up's draws."""
+    return SEED + SEED_STRIDE * cfg.warmup.seed
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | Qwen3Config | LlamaConfig:
@@ -63,7 +69,7 @@ def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu",
     device = torch.device(device)
     config = hf_config(cfg, cfg.vocab_size or vocab_size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(SEED)
+        torch.manual_seed(base_seed(cfg))
         if on_block is None:
             with device:
                 return AutoModelForCausalLM.from_config(config, dtype=dtype)

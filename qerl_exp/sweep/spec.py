@@ -382,8 +382,12 @@ def grid_axes(params: list[Param]) -> dict[str, list]:
 
 
 def grid_points(params: list[Param]) -> list[dict[str, Any]]:
-    """Every point of a grid over `params`, the last parameter varying fastest."""
+    """Every point of a grid over `params`, the last parameter varying fastest and a spec's `configs`
+    fastest of all: every row runs a seed before any row runs the next, so that a study cut short
+    holds whole sets of rows to pair."""
     axes = grid_axes(params)
+    if CONFIG in axes:
+        axes = {**{k: v for k, v in axes.items() if k != CONFIG}, CONFIG: axes[CONFIG]}
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 

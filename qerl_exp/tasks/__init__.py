@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
-from qerl_exp.tasks import arith, datasets, wordprob
+from qerl_exp.tasks import arith, datasets, fork, wordprob
 from qerl_exp.tasks.base import Problem, Task, reference_completion
 from qerl_exp.tasks.datasets import file_digests
 from qerl_exp.tasks.reward_funcs import source_files
@@ -26,7 +26,8 @@ def build_task(cfg: TaskConfig) -> Task:
         ValueError: one line: data that cannot be read, malformed rows, a reward function that
             does not import or cannot take the rows' columns (`reward_funcs.load`).
     """
-    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "wordprob": wordprob.WordProblemTask,
+    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "fork": fork.ForkTask,
+                                                      "wordprob": wordprob.WordProblemTask,
                                                       **datasets.TASKS}
     if cfg.name not in tasks:
         raise ValueError(f"task.name={cfg.name!r} is not available; choose one of: {', '.join(sorted(tasks))}")

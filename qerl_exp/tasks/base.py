@@ -26,6 +26,8 @@ class Problem:
             evaluation files show, and what tells problems apart with `messages`).
         answer: the reference answer, as text.
         solution: a worked solution (the embedded model's warm-up imitates it); may be empty.
+        completion: the whole reference reply of a task whose replies are not in the paper's
+            format (`tasks.fork`); empty: `reference_completion` writes it from `solution`.
         messages: a conversational prompt's messages, rendered by the chat template as they are;
             empty for a text prompt.
         columns: the row's other columns (neither the prompt nor the answer), which reward
@@ -35,6 +37,7 @@ class Problem:
     question: str
     answer: str
     solution: str = ""
+    completion: str = ""
     messages: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     columns: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -47,12 +50,18 @@ class Problem:
 
 
 def reference_completion(problem: Problem) -> str:
-    """The problem's worked solution and answer in the paper's format: what the embedded model's
-    warm-up imitates and what evaluation's `eval/solution_logp` scores."""
-    return f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
+    """The problem's reference reply (its worked solution and answer in the paper's format, unless
+    the task gives its own): what the embedded model's warm-up imitates and what evaluation's
+    `eval/solution_logp` scores."""
+    return problem.completion or f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
 
 
 class Task(Protocol):
+    """A task. Optional, for a task with metrics of its own (named in `qerl_exp.metrics`):
+    `step_metrics(texts, route_entropy)` on each step's completions and the sampler's entropy at
+    their first token, and `eval_metrics(greedy, prefix)` on an evaluation's greedy replies
+    (`tasks.fork`)."""
+
     name: str
     rewards: Rewards  # the run's reward functions (`task.reward_funcs`)
     splits: tuple[str, ...]  # its evaluation splits, HELD_OUT first

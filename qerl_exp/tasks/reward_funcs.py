@@ -129,13 +129,16 @@ def source_files(cfg: TaskConfig) -> dict[str, dict[str, str]]:
     return out
 
 
-def load(cfg: TaskConfig, columns: Sequence[str] | None = None) -> Rewards:
+def load(cfg: TaskConfig, columns: Sequence[str] | None = None,
+         builtins: Callable[[str, TaskConfig], Callable] = builtin) -> Rewards:
     """The run's reward functions, imported and checked.
 
     Args:
         cfg: the task config (`reward_funcs`, `reward_weights`, the built-ins' amounts).
         columns: the keyword lists the task's rows give (`Task.columns`); None skips the checks
             that need them (a hub data set not read yet).
+        builtins: what `format` and `correct` are for this task (`rewards.builtin`; a task whose
+            replies are not in the paper's format gives its own, as `tasks.fork` does).
 
     Returns:
         The `Rewards`, in the order of `task.reward_funcs`.
@@ -148,7 +151,7 @@ def load(cfg: TaskConfig, columns: Sequence[str] | None = None) -> Rewards:
     funcs = []
     for spec, weight in zip(specs(cfg), weights):
         name = spec.rpartition(":")[2]
-        fn = builtin(name, cfg) if spec in BUILTIN_REWARDS else _import(spec)
+        fn = builtins(name, cfg) if spec in BUILTIN_REWARDS else _import(spec)
         func = RewardFunc(name, spec, fn, float(weight), source_file(spec))
         _check_signature(func, columns)
         funcs.append(func)
