@@ -38,7 +38,7 @@ from pathlib import Path
 from analysis import determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
-from qerl_exp.rundir import check_writable, os_error_line
+from qerl_exp.files import check_writable, os_error_line
 
 
 def _positive(text: str) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from qerl_exp.rundir import flatten
+from qerl_exp.record import flatten
 
 # Metrics every step of a complete run carries.
 REQUIRED = (

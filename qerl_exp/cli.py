@@ -18,15 +18,23 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
+from qerl_exp import rundir
 from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.logs import quiet
-from qerl_exp.rundir import RunDirError, check_writable, flatten, os_error_line, read_config
+from qerl_exp.record import RecordError, current, flatten, read_config
+from qerl_exp.rundir import RunDirError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 class UsageError(ValueError):
     """Bad input from the command line or a spec file; the message is the whole report."""
+
+
+class Refused(UsageError):
+    """A run directory the run cannot use (a finished run, another config, other runs in it): refused
+    before Hydra starts, with the exit status the run's own refusal has (1)."""
 
 
 def group_options(group: str) -> list[str]:
@@ -88,9 +96,16 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
     """
     cfg = _compose_hydra([o for o in overrides if not _is_hydra(o)])
     picked = cfg.hydra.runtime.choices
-    choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     with open_dict(cfg):
         del cfg["hydra"]
+    return config_of(cfg, picked)
+
+
+def config_of(cfg: DictConfig, picked) -> tuple[Config, dict[str, str]]:
+    """The validated run config of a Hydra composition (without its `hydra` node) and its group
+    choices, from `picked` (`hydra.runtime.choices`): what `compose` returns, and what Hydra's
+    entry point makes of the composition Hydra hands it."""
+    choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
     return to_config(cfg), choices
 
 
@@ -116,22 +131,50 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
 
 
 def validate(overrides: list[str], multirun: bool) -> list[Config]:
-    """Compose and validate every job's config; raise `UsageError` with one line on the first bad one."""
-    try:
-        jobs = expand_sweep(overrides) if multirun else [overrides]
-    except Exception as e:  # noqa: BLE001 - the parser's errors are user errors
-        raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
+    """Compose and validate every job's config, before any job runs.
+
+    Raises:
+        UsageError: one line on the first bad override or value, or several jobs naming one run_dir.
+        Refused: a job's run_dir cannot be used (a finished run, other runs in it, ...).
+    """
+    jobs = _parse(overrides, multirun)
     configs = []
     for job in jobs:
         try:
             check_hydra_overrides(job)
             configs.append(compose(job)[0])
             preflight(configs[-1])
-        except (ConfigError, RunDirError) as e:
+        except ConfigError as e:
             raise UsageError(str(e)) from None
+        except (RecordError, RunDirError) as e:
+            raise Refused(str(e)) from None
         except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad overrides
             raise UsageError(_explain(e)) from None
+    named = [c.resume or c.run_dir for c in configs if c.resume or c.run_dir]
+    shared = next((d for d in named if named.count(d) > 1), None)
+    if shared:
+        key = "resume" if any(c.resume == shared for c in configs) else "run_dir"
+        raise UsageError(f"{key}={shared} names one directory for {named.count(shared)} jobs of the multirun; "
+                         f"drop {key}= (each job gets its own under hydra.sweep.dir) or give each job its own ({key}=A,B)")
     return configs
+
+
+def _parse(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The jobs of a command line (one without -m); a bad override is named in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except Exception as e:  # noqa: BLE001 - the parser's errors are user errors
+            detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"cannot parse the override {o!r} ({detail}); a value holding = , [ ] {{ }} ( ) or "
+                             f"spaces needs Hydra's quotes inside the shell's: \"key='value'\"") from None
+    try:
+        return expand_sweep(overrides) if multirun else [overrides]
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
 
 
 def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
@@ -206,6 +249,9 @@ def preflight(cfg: Config) -> None:
     for key, path in (("run_dir", cfg.run_dir), ("resume", cfg.resume)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
+    if cfg.resume or cfg.run_dir:  # what the run's claim would refuse, before Hydra starts
+        saved = read_config(cfg.resume) if cfg.resume else None
+        rundir.check(cfg.resume or cfg.run_dir, current(saved) if saved else as_dict(cfg))
     _check_writable(Path(cfg.resume or cfg.run_dir or "runs"), "run_dir")
     if (cfg.model.source == "synthetic" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
         _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached

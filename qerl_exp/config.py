@@ -12,10 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from qerl_exp.schema import ConfigError, schema
+from qerl_exp.schema import check as _check
+from qerl_exp.schema import choice as _choice
+from qerl_exp.schema_history import upgrade
 
 # The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
 SYSTEM_PROMPT = (
@@ -25,40 +30,6 @@ SYSTEM_PROMPT = (
     "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
 )
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message says which field and what to change."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
-    _check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
-
-
-def schema(cls):
-    """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
-    verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
-    cls = dataclass(cls)
-    validate = cls.__dict__.get("__post_init__")
-
-    def __post_init__(self) -> None:
-        if validate is not None:
-            validate(self)
-        object.__setattr__(self, "_frozen", True)
-
-    def __setattr__(self, name, value) -> None:
-        if getattr(self, "_frozen", False):
-            raise dataclasses.FrozenInstanceError(
-                f"{type(self).__name__}.{name} is read-only; make a new config with dataclasses.replace")
-        object.__setattr__(self, name, value)
-
-    cls.__post_init__, cls.__setattr__ = __post_init__, __setattr__
-    return cls
 
 
 @schema
@@ -85,6 +56,8 @@ class WarmupConfig:
     def __post_init__(self) -> None:
         _check(self.max_steps >= 0, f"model.warmup.max_steps must be >= 0, got {self.max_steps}")
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
+        _check(self.lr > 0 and self.batch_size >= 1 and self.eval_every >= 1,
+               "model.warmup.lr must be > 0, model.warmup.batch_size and model.warmup.eval_every >= 1")
 
 
 @schema
@@ -151,6 +124,8 @@ class ModelConfig:
             for f in ("hidden_size", "intermediate_size"):
                 v = getattr(self, f)
                 _check(v > 0 and v % 64 == 0, f"model.{f} must be a positive multiple of 64, got {v}")
+            for f in ("num_layers", "num_heads", "num_kv_heads"):
+                _check(getattr(self, f) >= 1, f"model.{f} must be >= 1, got {getattr(self, f)}")
             _check(self.hidden_size % self.num_heads == 0, "model.hidden_size must divide by model.num_heads")
             _check(self.num_heads % self.num_kv_heads == 0, "model.num_heads must divide by model.num_kv_heads")
             _check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: the tokenizer's), got {self.vocab_size}")
@@ -200,6 +175,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        _check(self.alpha > 0, f"lora.alpha must be > 0 (the update is scaled by alpha / r), got {self.alpha}")
         _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         _check(len(self.targets) > 0, "lora.targets must name at least one module")
 
@@ -265,12 +241,13 @@ class NoiseConfig:
         _choice("noise.target", self.target, ("entropy", "entropy_gain"))
         for f in ("sigma", "sigma_start", "sigma_end", "sigma_min", "sigma_max"):
             v = getattr(self, f)
-            _check(math.isfinite(v) and v >= 0, f"noise.{f} must be a finite number >= 0, got {v}")
+            _check(v >= 0, f"noise.{f} must be a finite number >= 0, got {v}")
         if self.schedule in ("exp", "log"):
             _check(self.sigma_start > 0 and self.sigma_end > 0, f"noise.schedule={self.schedule} needs sigma_start and sigma_end > 0")
         _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
         _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
+        _check(self.gain >= 0 and self.target_value >= 0, "noise.gain and noise.target_value must be >= 0")
 
 
 @schema
@@ -389,6 +366,7 @@ class AlgoConfig:
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
         _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        _check(self.entropy_coef >= 0, f"algo.entropy_coef must be >= 0 (a bonus; 0 turns it off), got {self.entropy_coef}")
         _check(self.temperature > 0, f"algo.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"algo.top_p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -454,7 +432,8 @@ class TrainConfig:
         _choice("train.gradient_checkpointing", self.gradient_checkpointing, ("auto", "true", "false"))
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0, got {self.lr}")
+        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
@@ -687,13 +666,9 @@ def as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-RETIRED_KEYS = {("train", "compile")}  # saved by earlier versions, set nothing now: dropped on reading
-
-
 def from_dict(data: dict) -> Config:
-    """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`)."""
+    """A validated `Config` from `as_dict` output: a run's saved `config.json`, perhaps written by an
+    older version (read through `schema_history.upgrade`: fields it lacks take the value the run used)."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    data = {k: ({kk: vv for kk, vv in v.items() if (k, kk) not in RETIRED_KEYS} if isinstance(v, dict) else v)
-            for k, v in data.items() if k in fields}
-    merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+    merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in upgrade(data).items() if k in fields})
     return to_config(merged)

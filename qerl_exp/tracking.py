@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qerl_exp.config import TrackerConfig
-from qerl_exp.rundir import write_atomic
+from qerl_exp.files import write_atomic
 
 RESOLVE_TIMEOUT_S = 3.0
 

@@ -25,7 +25,8 @@ from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.rundir import DATA_KEY, check_writable, os_error_line, read_config, write_atomic
+from qerl_exp.files import check_writable, os_error_line, write_atomic
+from qerl_exp.record import DATA_KEY, read_config
 from qerl_exp.tasks import build_task, file_digests
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags

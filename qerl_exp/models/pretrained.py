@@ -40,10 +40,13 @@ import torch
 from torch import nn
 
 from qerl_exp.config import ModelConfig
+from qerl_exp.models.digest import file_digest
 from qerl_exp.models.shards import load_blockwise
 from qerl_exp.models.tokenizers import HFTokenizer
 
 HUB_TIMEOUT_S = 3.0
+# What a checkpoint folder is loaded from: weights, configs, tokenizer files (not READMEs or licences).
+_MODEL_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken")
 
 
 def _first_line(text: str) -> str:
@@ -109,14 +112,6 @@ def fetch_gguf(cfg: ModelConfig) -> Path:
     return target
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     """A Hugging Face folder (config, tokenizer, chat template, safetensors) made from a GGUF file.
 
@@ -134,7 +129,7 @@ def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype_name = str(dtype).removeprefix("torch.")
-    folder = Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{_digest(path)}-{dtype_name}"
+    folder = Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{file_digest(path, cache_dir)[:16]}-{dtype_name}"
     if (folder / "config.json").is_file():
         return folder
     try:
@@ -237,3 +232,42 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
             "local checkpoint folder, or model.gguf_file to a .gguf file"
         ) from None
     return model, tokenizer, {"source": cfg.name}
+
+
+def base_files(cfg: ModelConfig) -> list[Path] | None:
+    """The files a pretrained base is loaded from, where they are on this machine: the GGUF file,
+    or the model files of a local checkpoint folder; None for a synthetic model, a hub id, and a
+    GGUF file not fetched yet."""
+    if cfg.source != "pretrained":
+        return None
+    if cfg.gguf_file:
+        path = package_dir(cfg) / cfg.gguf_file if cfg.package else Path(cfg.gguf_file).expanduser()
+        return [path] if path.is_file() else None
+    folder = Path(cfg.name).expanduser()
+    if not folder.is_dir():
+        return None
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILES and not p.name.startswith("."))
+
+
+def base_digest(cfg: ModelConfig) -> str | None:
+    """The identity of a pretrained base: the sha256 (16 hex digits) of its files' names and
+    digests; a hub id's, the commit of the snapshot in the local hub cache. None where there is
+    nothing on this machine to identify (a synthetic model, a hub id not cached, a GGUF file not
+    fetched yet)."""
+    files = base_files(cfg)
+    if files is None:
+        return _hub_commit(cfg) if cfg.source == "pretrained" and not cfg.gguf_file else None
+    h = hashlib.sha256()
+    for path in files:
+        h.update(f"{path.name}\0{file_digest(path, cfg.cache_dir)}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _hub_commit(cfg: ModelConfig) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(cfg.name, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id, or no cache: nothing to identify
+        return None
+    return f"hub:{Path(found).parent.name}" if isinstance(found, str) else None

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
-from qerl_exp.rundir import check_writable, os_error_line
+from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
