@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shlex
 import sys
@@ -39,6 +40,7 @@ from analysis import determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
 from qerl_exp.files import check_writable, os_error_line
+from qerl_exp.record import is_run_record
 
 
 def _positive(text: str) -> int:
@@ -47,10 +49,22 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _is_run(folder: Path) -> bool:
+    try:
+        return is_run_record(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _check_out(out: Path) -> None:
-    """Refuse an output directory that cannot be made or written, before any run is read."""
+    """Refuse an output directory that cannot be made or written, or lies in a run directory (its
+    files would mix with the run's), before any run is read."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory; give a directory (created if needed)")
+    run = next((p for p in (out.resolve(), *out.resolve().parents) if _is_run(p)), None)
+    if run is not None:
+        raise ValueError(f"--out {out} is in the run directory {run}: the report would mix with the run's files; "
+                         "give a folder outside it (by default: report/ beside the runs)")
     try:
         check_writable(out)
     except OSError as e:

@@ -17,7 +17,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from analysis.runs import Run, RunError, differences, read_run_dir, settings
+from analysis.runs import Run, RunError, differences, read_run_dir, same_run, settings
 from qerl_exp.metrics import MACHINE_METRICS
 
 
@@ -64,8 +64,12 @@ def compare(a: Run, b: Run) -> Comparison:
     """The largest difference per metric between two runs over the steps both logged.
 
     Raises:
-        ValueError: the runs differ in config or seed, so they are no determinism pair.
+        ValueError: the runs differ in config or seed, so they are no determinism pair; or they
+            are one run read twice (a copy or another path to it), which would show as identical.
     """
+    if same_run(a, b):
+        raise ValueError(f"{a.source} and {b.source} are one run (a copy or another path to it: their wall times "
+                         "are equal at every step); give two runs of one config and seed")
     diffs = differences(settings(a), settings(b))
     if diffs or a.seed != b.seed:
         why = "; ".join(diffs[:3]) if diffs else f"seed {a.seed} != {b.seed}"

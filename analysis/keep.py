@@ -4,7 +4,9 @@ Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.js
 `eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/`, the names docs/results.md
 and `python -m analysis` read; checkpoints and adapters stay behind. A trial without
 `summary.json` has not finished and is left out, with a line saying so. A record of the same name
-already in DEST is replaced.
+already in DEST is replaced; anything else there is never touched: a folder of that name holding
+other files (a run's `final/` or `checkpoints/`), or a DEST inside SWEEP_DIR, is refused before
+anything is copied.
 
 Example:
     python -m analysis keep runs/smollm2_study docs/smollm2/study
@@ -16,6 +18,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
@@ -27,6 +30,12 @@ def record_name(config: dict, trial: Path) -> str:
     return f"{name}_s{config['seed']}" if name else trial.name
 
 
+def _is_record(folder: Path) -> bool:
+    """Whether `folder` holds a kept record and nothing else (files this command writes)."""
+    return all(p.is_file() and (p.name in RECORD or (p.name.startswith("eval") and p.suffix == ".json"))
+               for p in folder.iterdir())
+
+
 def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
     """Copy the finished trials' records of `sweep_dir` into `dest`.
 
@@ -34,8 +43,12 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
         The record folders written, and one line per trial left out.
 
     Raises:
-        ValueError: `sweep_dir` holds no trials, or two trials would get one name.
+        ValueError: `sweep_dir` holds no trials, two trials would get one name, `dest` lies inside
+            `sweep_dir`, or a folder in `dest` that a record would replace holds other files.
     """
+    if dest.resolve().is_relative_to(sweep_dir.resolve()):
+        raise ValueError(f"DEST {dest} is inside SWEEP_DIR {sweep_dir}: the records would replace or mix with "
+                         "the trials they are copied from; give a DEST outside it")
     configs = sorted((sweep_dir / "trials").glob("*/config.json"))
     if not configs:
         raise ValueError(f"{sweep_dir} holds no trials/*/config.json; give the sweep_dir of a python -m qerl_exp.sweep run")
@@ -48,16 +61,24 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
         name = record_name(json.loads(path.read_text()), trial)
         if name in finished:
             raise ValueError(f"{finished[name]} and {trial} would both be kept as {name}; keep them into different DESTs")
+        out = dest / name
+        if out.is_symlink() or out.exists() and not (out.is_dir() and _is_record(out)):
+            raise ValueError(f"{out} holds other files than a record this command keeps (a run's final/ or checkpoints/?); "
+                             "it is left as it is: choose another DEST")
         finished[name] = trial
     written = []
     for name, trial in finished.items():
-        out, tmp = dest / name, dest / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
-            shutil.copy2(f, tmp / f.name)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # a record is whole or absent
+        out = dest / name
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest, prefix=f".{name}-"))
+        try:
+            for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
+                shutil.copy2(f, tmp / f.name)
+            if out.exists():  # a record, checked above: files this command wrote
+                shutil.rmtree(out)
+            tmp.rename(out)  # a record is whole or absent
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         written.append(out)
     return written, left_out
 

@@ -12,6 +12,7 @@ import itertools
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -19,10 +20,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
 from qerl_exp import rundir
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, from_dict, register_configs, to_config
 from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.logs import quiet
-from qerl_exp.record import RecordError, current, flatten, read_config
+from qerl_exp.record import RecordError, current, flatten, read_config, with_digests
 from qerl_exp.rundir import RunDirError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -241,22 +242,26 @@ def preflight(cfg: Config) -> None:
             raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
-    if cfg.resume:
-        read_config(cfg.resume)  # one line naming the file when it is not JSON
-        if cfg.run_dir and Path(cfg.run_dir).absolute() != Path(cfg.resume).absolute():
-            raise ConfigError(f"resume={cfg.resume} continues that run in its own directory, but run_dir={cfg.run_dir} "
-                              "names another; drop run_dir=")
+    if cfg.resume and cfg.run_dir and Path(cfg.run_dir).absolute() != Path(cfg.resume).absolute():
+        raise ConfigError(f"resume={cfg.resume} continues that run in its own directory, but run_dir={cfg.run_dir} "
+                          "names another; drop run_dir=")
     for key, path in (("run_dir", cfg.run_dir), ("resume", cfg.resume)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
+    # a resume runs its saved config (one line naming config.json when it is not JSON or does not fit)
+    run_cfg = from_dict(current(read_config(cfg.resume), Path(cfg.resume) / "config.json")) if cfg.resume else cfg
     if cfg.resume or cfg.run_dir:  # what the run's claim would refuse, before Hydra starts
-        saved = read_config(cfg.resume) if cfg.resume else None
-        rundir.check(cfg.resume or cfg.run_dir, current(saved) if saved else as_dict(cfg))
+        from qerl_exp.models.pretrained import base_digest
+        from qerl_exp.tasks import file_digests
+
+        rundir.check(cfg.resume or cfg.run_dir,
+                     with_digests(as_dict(run_cfg), file_digests(run_cfg.task), base_digest(run_cfg.model)))
     _check_writable(Path(cfg.resume or cfg.run_dir or "runs"), "run_dir")
     if (cfg.model.source == "synthetic" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
         _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached
     if cfg.model.source == "pretrained" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
         raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
+    check_problems(run_cfg)
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
         import torch
 
@@ -270,6 +275,83 @@ def preflight(cfg: Config) -> None:
         if cfg.rollout.engine == "fast" or auto_fast:
             raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
+
+
+def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None) -> None:
+    """The task's problems, whole, before a run starts: its data files parse (every bad line named),
+    each problem is written in characters the embedded model's tokenizer has, and the longest
+    prompt plus the completion cap fits the model's positions (where the tokenizer and positions
+    are known without loading the model: the embedded model, a local checkpoint folder).
+
+    Args:
+        cfg: the run's config.
+        new_tokens: the completion cap and the key that sets it; default the larger of
+            `algo.max_new_tokens` and `eval.max_new_tokens`.
+
+    Raises:
+        ConfigError: one line naming the file and line, or the keys, and what to change.
+    """
+    import numpy as np
+
+    from qerl_exp.tasks import build_task, reference_completion
+
+    try:
+        with warnings.catch_warnings():  # the run says them; a refusal is one line
+            warnings.simplefilter("ignore")
+            task = build_task(cfg.task)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
+    tokenizer, positions = _tokenizer(cfg)
+    if tokenizer is None:
+        return
+    if new_tokens is None:
+        new_tokens = max(("algo.max_new_tokens", cfg.algo.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens),
+                         key=lambda kv: kv[1])
+    # a file's problems are all there; a generated task's: its evaluation splits and a fixed sample of its draws
+    problems = list(getattr(task, "train", [])) or task.sample(256, np.random.default_rng(0))
+    problems += [p for split in task.splits for p in task.eval_problems(split)]
+    longest = (0, "")
+    for p in problems:
+        where = p.source or f"task={cfg.task.name} ({p.question[:40]!r})"
+        try:
+            n = 1 + len(tokenizer.encode(tokenizer.render_prompt(p.question, cfg.task.system_prompt)))
+            if cfg.model.source == "synthetic":  # its warm-up learns the worked answer too
+                tokenizer.encode(reference_completion(p))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}; remove or rewrite that problem, or use a pretrained model "
+                              "(model.name=...)") from None
+        longest = max(longest, (n, where))
+    key, cap = new_tokens
+    more = "raise model.max_positions" if cfg.model.source == "synthetic" else "use a model with more positions"
+    if positions and longest[0] >= positions:
+        raise ConfigError(f"the task's longest prompt ({longest[0]} tokens with task.system_prompt, {longest[1]}) "
+                          f"leaves no room in the model's {positions} positions; shorten task.system_prompt "
+                          f"(task.system_prompt='' sends none) or {more}")
+    if positions and longest[0] + cap > positions:
+        raise ConfigError(f"{key}={cap} and the task's longest prompt ({longest[0]} tokens, {longest[1]}) exceed the "
+                          f"model's {positions} positions; lower {key} to at most {positions - longest[0]} or {more}")
+
+
+def _tokenizer(cfg: Config):
+    """The run's tokenizer and its model's positions, where they are known before the model loads:
+    the embedded model's; a local checkpoint folder's (checked whole: `pretrained.check_folder`).
+    `(None, None)` otherwise (a hub id, a GGUF file)."""
+    if cfg.model.source == "synthetic":
+        from qerl_exp.models.tokenizers import CharTokenizer
+
+        return CharTokenizer(), cfg.model.max_positions
+    folder = Path(cfg.model.name).expanduser()
+    if cfg.model.gguf_file or not folder.is_dir():
+        return None, None
+    from qerl_exp.models.pretrained import check_folder
+    from qerl_exp.models.tokenizers import HFTokenizer
+
+    try:
+        positions = check_folder(folder)
+        with quiet(cfg.verbose):
+            return HFTokenizer(folder, local_files_only=True), positions
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
 
 
 def _check_writable(path: Path, key: str) -> None:

@@ -114,6 +114,11 @@ def current(saved: dict, where: str | Path = "config.json") -> dict:
                           "evaluate or resume it with the version that wrote it (its commit is in the file)") from None
 
 
+def with_digests(config: dict, data: dict[str, str], base: str | None) -> dict:
+    """`config` with the digests of the task's data files and of the base (those there are)."""
+    return {**config, **({DATA_KEY: data} if data else {}), **({BASE_KEY: base} if base else {})}
+
+
 def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
@@ -122,8 +127,9 @@ def changes(saved: dict, new: dict, keys: set[str] | None = None) -> list[str]:
     """`key: old -> new` for each key (of `keys`, default all) where `new` differs from `saved`.
 
     Keys in `RESUMABLE_KEYS` are left out: they may change when a run is continued; so are the
-    digests `saved` did not record (`DIGEST_KEYS`).
+    digests (`DIGEST_KEYS`) one side has not recorded.
     """
+    saved = {k: v for k, v in saved.items() if k not in DIGEST_KEYS or k in new}
     new = {k: v for k, v in new.items() if k not in DIGEST_KEYS or k in saved}
     a, b = flatten(saved), flatten(new)
     keys = (set(a) | set(b)) if keys is None else keys

@@ -155,9 +155,8 @@ def _resume_and_train(cfg: Config, run_dir: Path, config: dict, choices: dict[st
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
     """What `config.json` records: the config, the Hydra choices, the data-parallel world size, the
     code's commit, and the digests of the task's data files and of the base model's files."""
-    digests, base = file_digests(cfg.task), base_digest(cfg.model)
-    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": record.source_commit(),
-            **({record.DATA_KEY: digests} if digests else {}), **({record.BASE_KEY: base} if base else {})}
+    return record.with_digests({**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(),
+                                "commit": record.source_commit()}, file_digests(cfg.task), base_digest(cfg.model))
 
 
 @dataclass

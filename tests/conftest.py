@@ -159,3 +159,20 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
 def tiny_policy():
     """The embedded model (warmed up once, cached) as a bf16-config policy with LoRA, on CPU."""
     return tiny_models("monitor.every=1")
+
+
+def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A local Hugging Face checkpoint folder (`save_pretrained`): `tiny_qwen2(seed)` and a character
+    tokenizer over the embedded model's characters, with an EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from qerl_exp.models.tokenizers import CHARS
+
+    vocab = {c: i for i, c in enumerate(["<eos>", *dict.fromkeys(CHARS)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    tiny_qwen2(seed, vocab=len(vocab) + 32, max_positions=512).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -41,10 +42,12 @@ from torch import nn
 
 from qerl_exp.config import ModelConfig
 from qerl_exp.models.digest import file_digest
-from qerl_exp.models.shards import load_blockwise
+from qerl_exp.models.shards import load_blockwise, shard_files
 from qerl_exp.models.tokenizers import HFTokenizer
 
 HUB_TIMEOUT_S = 3.0
+# Files a checkpoint folder's tokenizer is read from (one of them at least).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # What a checkpoint folder is loaded from: weights, configs, tokenizer files (not READMEs or licences).
 _MODEL_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken")
 
@@ -179,10 +182,52 @@ def hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
     return True
 
 
+def check_folder(folder: str | Path, key: str = "model.name") -> int | None:
+    """A local checkpoint folder, checked before a run loads it: a config, tokenizer files, and
+    weight files whose headers read (a truncated `model.safetensors` fails here, by name).
+
+    Args:
+        folder: the folder.
+        key: the setting that named it, for the message.
+
+    Returns:
+        The model's positions (`max_position_embeddings`), when its config says.
+
+    Raises:
+        ValueError: one line naming the file and `key`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder).expanduser()
+    config = folder / "config.json"
+    try:
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{key}={folder}: {config} is missing or unreadable ({type(e).__name__}); "
+                         "give the folder of a Hugging Face checkpoint (save_pretrained)") from None
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}={folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save the checkpoint's "
+                         "tokenizer into it (tokenizer.save_pretrained)")
+    try:
+        weights = shard_files(folder)
+    except FileNotFoundError as e:
+        raise ValueError(f"{key}={folder}: {e}") from None
+    for path in weights:
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{key}={folder}: {path.name} is not a readable safetensors file "
+                             f"({_first_line(str(e))}): truncated or overwritten; restore it") from None
+    return positions if isinstance(positions, int) else None
+
+
 def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool, device: torch.device | str = "cpu",
                  on_block: Callable[[nn.Module], None] | None = None):
     from transformers import AutoModelForCausalLM
 
+    if Path(source).is_dir():
+        check_folder(source)
     tokenizer = HFTokenizer(source, local_files_only=local_only)
     if on_block is not None and Path(source).is_dir():  # a local checkpoint: shard by shard, block by block
         return load_blockwise(source, dtype, device, on_block), tokenizer

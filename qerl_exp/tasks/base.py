@@ -4,7 +4,7 @@ so that the package (`qerl_exp.tasks`) can import the task modules at its top.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -12,11 +12,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: the question shown to the model and the reference answer."""
+    """One problem: the question shown to the model and the reference answer; `source` names where
+    a file-backed one was read (`FILE line N`), for messages about it."""
 
     question: str
     answer: str
     solution: str = ""
+    source: str = field(default="", compare=False)
 
 
 RewardFn = Callable[[str, Problem], float]

@@ -18,6 +18,7 @@ This module imports only the standard library and numpy at import time: the opti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -166,7 +167,7 @@ def load_problems(path: str | Path, parse_row: Callable[[dict], Problem]) -> lis
         try:
             if isinstance(row, _RowError):
                 raise row
-            problems.append(parse_row(row))
+            problems.append(dataclasses.replace(parse_row(row), source=f"{path} {where}"))
         except _RowError as e:
             errors.append(f"{where}: {e}")
     if errors:
@@ -188,13 +189,14 @@ def _unique(problems: list[Problem]) -> list[Problem]:
     return out
 
 
-def split(problems: list[Problem], eval_size: int) -> tuple[list[Problem], list[Problem]]:
+def split(problems: list[Problem], eval_size: int, where: str = "the file") -> tuple[list[Problem], list[Problem]]:
     """Deterministic train/held-out split of one problem list.
 
     Args:
         problems: all problems (duplicates already removed).
         eval_size: held-out problems wanted; capped at a quarter of the list (with a warning) so
             that a small file still leaves most of it for training.
+        where: the file, for the message when it is too small.
 
     Returns:
         `(train, held_out)`, disjoint, each in file order. The held-out set for a smaller
@@ -203,7 +205,8 @@ def split(problems: list[Problem], eval_size: int) -> tuple[list[Problem], list[
     n = len(problems)
     n_eval = min(eval_size, int(n * _MAX_EVAL_FRACTION))
     if n_eval < 1 or n - n_eval < 1:
-        raise ValueError(f"{n} problems are too few to hold any out for evaluation; use a file with at least 4")
+        raise ValueError(f"{where} holds {n} distinct problem{'s' * (n != 1)}, too few to hold any out for evaluation; "
+                         "use a file with at least 4, or give the held-out ones in task.eval_path")
     if n_eval < eval_size:
         warnings.warn(f"task.eval_size={eval_size} is more than a quarter of the {n} problems; holding out {n_eval}")
     order = np.random.default_rng(_SPLIT_SEED).permutation(n)
@@ -271,7 +274,7 @@ def _from_files(name: str, cfg: TaskConfig, parse_row: Callable[[dict], Problem]
         held_out = _subset([p for p in _unique(load_problems(eval_path, parse_row)) if p.question not in questions], cfg.eval_size)
         digest = (_file_digest(cfg.path), _file_digest(eval_path))
     else:
-        train, held_out = split(problems, cfg.eval_size)
+        train, held_out = split(problems, cfg.eval_size, f"task.path={cfg.path}")
         digest = (_file_digest(cfg.path),)
     return FileTask(name, cfg, train, held_out, _fingerprint(name, *digest, len(held_out)))
 
