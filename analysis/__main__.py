@@ -41,6 +41,7 @@ from analysis.runs import load
 from qerl_exp.cli import tolerate_closed_pipes
 from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.record import is_run_record
+from qerl_exp.sweep.storage import expand_sqlite
 
 
 def _positive(text: str) -> int:
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # what can be checked before the runs are read
         _check_out(args.out)
         if args.optuna_storage:
+            args.optuna_storage = expand_sqlite(args.optuna_storage, "--optuna-storage")
             figures.check_storage(args.optuna_storage, args.optuna_study)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

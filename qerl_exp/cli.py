@@ -277,7 +277,7 @@ def preflight(cfg: Config) -> None:
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
 
 
-def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None) -> None:
+def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None, model_fixed: bool = False) -> None:
     """The task's problems, whole, before a run starts: its data files parse (every bad line named),
     each problem is written in characters the embedded model's tokenizer has, and the longest
     prompt plus the completion cap fits the model's positions (where the tokenizer and positions
@@ -287,6 +287,7 @@ def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None) -> No
         cfg: the run's config.
         new_tokens: the completion cap and the key that sets it; default the larger of
             `algo.max_new_tokens` and `eval.max_new_tokens`.
+        model_fixed: the model is a finished run's (an evaluation): no advice to change it.
 
     Raises:
         ConfigError: one line naming the file and line, or the keys, and what to change.
@@ -322,14 +323,15 @@ def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None) -> No
                               "(model.name=...)") from None
         longest = max(longest, (n, where))
     key, cap = new_tokens
-    more = "raise model.max_positions" if cfg.model.source == "synthetic" else "use a model with more positions"
+    more = "" if model_fixed else " or raise model.max_positions" if cfg.model.source == "synthetic" else \
+        " or use a model with more positions"
     if positions and longest[0] >= positions:
         raise ConfigError(f"the task's longest prompt ({longest[0]} tokens with task.system_prompt, {longest[1]}) "
                           f"leaves no room in the model's {positions} positions; shorten task.system_prompt "
-                          f"(task.system_prompt='' sends none) or {more}")
+                          f"(task.system_prompt='' sends none){more}")
     if positions and longest[0] + cap > positions:
         raise ConfigError(f"{key}={cap} and the task's longest prompt ({longest[0]} tokens, {longest[1]}) exceed the "
-                          f"model's {positions} positions; lower {key} to at most {positions - longest[0]} or {more}")
+                          f"model's {positions} positions; lower {key} to at most {positions - longest[0]}{more}")
 
 
 def _tokenizer(cfg: Config):

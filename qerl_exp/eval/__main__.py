@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import warnings
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from qerl_exp import logs, progress
 from qerl_exp.checkpoint import adapter_file, load_adapter
-from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.cli import UsageError, check_problems, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
@@ -75,7 +76,7 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True)
     # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.
     cfg = replace(cfg, monitor=replace(cfg.monitor, every=0), rollout=replace(cfg.rollout, quant="none"))
     task = build_task(cfg.task)
-    models = build_models(cfg, task, resolve_device(device))
+    models = build_models(cfg, task, resolve_device(device, key="device"))
     if adapter:
         load_adapter(models.policy, Path(run_dir) / "final" / "adapter")
     models.policy.eval()
@@ -129,9 +130,12 @@ class EvalCommand:
                 raise UsageError(message)
 
         check(bool(self.run_dir), "run_dir=<a run directory> is required")
+        for name in ("temperature", "top_p"):
+            check(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("limit", "temperature", "top_p"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
         check(self.top_p <= 1, "top_p must be <= 1")
+        check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         check(self.split in SPLITS, f"split={self.split!r} is not valid; choose one of: {', '.join(SPLITS)}")
         check(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
         check(self.tracker in ("run", "offline", "online", "disabled"),
@@ -164,7 +168,7 @@ def parse_args(argv: list[str]) -> EvalCommand:
             else:
                 values[key] = {"int": int, "float": float, "str": str}[kind](raw)
         except ValueError:
-            raise UsageError(f"bad value for {key!r}: {raw!r} is not a {kind}") from None
+            raise UsageError(f"bad value for {key!r}: {raw!r} is not {'an' if kind == 'int' else 'a'} {kind}") from None
     try:
         settings = EvalConfig(**{k: values.pop(k) for k in _EVAL_KEYS if k in values})
     except ConfigError as e:  # its messages name eval.KEY; here the key is KEY
@@ -207,7 +211,9 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
         if not folder.is_dir():
             raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
         check_writable(folder)
-    check_split(build_task(run_config(run_dir).task), args.split)  # before the model is built
+    cfg = run_config(run_dir)
+    check_split(build_task(cfg.task), args.split)  # before the model is built
+    check_problems(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
     algo = cfg.algo
@@ -256,12 +262,11 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
             config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+        run.log({"step": cfg.train.steps, **metrics})
+        run.summary.update(metrics)
+        run.finish()
     except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
-        warnings.warn(f"W&B could not start ({_first_line(e)}); the results are in the evaluation file only")
-        return
-    run.log({"step": cfg.train.steps, **metrics})
-    run.summary.update(metrics)
-    run.finish()
+        warnings.warn(f"W&B failed ({_first_line(e)}); the results are in the evaluation file only")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -273,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         args = parse_args(argv)
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("device=cuda needs a CUDA device and none is visible; use device=cpu (or auto)")
     except UsageError as e:
         fail(str(e))
     try:
@@ -283,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         line = os_error_line(e, "path (out=...)")
         fail(line or f"{type(e).__name__}: {_first_line(e)}", code=1)
+    except ConfigError as e:  # the run's data or model cannot serve this evaluation (one line)
+        fail(_first_line(e), code=1)
     except (ValueError, RuntimeError) as e:
         fail(f"{type(e).__name__}: {_first_line(e)}", code=1)
     shown = "  ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("seconds"))

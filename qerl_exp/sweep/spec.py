@@ -298,9 +298,12 @@ def _int(value: Any, name: str, low: int) -> int:
 
 def _num(value: Any, where: str) -> float:
     try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise UsageError(f"{where}: {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise UsageError(f"{where}: {value!r} is not a finite number")
+    return number
 
 
 def _params(raw: Any, where: str) -> list[Param]:
