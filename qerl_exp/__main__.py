@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qerl_exp import distributed, record, rundir
 from qerl_exp.cli import (CONF_DIR, Refused, UsageError, config_of, fail, hydra_overrides, set_keys,
-                          tolerate_closed_pipes, validate)
+                          split_command_line, tolerate_closed_pipes, validate)
 from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs
 from qerl_exp.files import os_error_line, write_atomic
 
@@ -137,15 +137,20 @@ def main(cfg: DictConfig) -> float:
 def cli() -> None:
     tolerate_closed_pipes()
     register_configs()
-    args = sys.argv[1:]
-    multirun = "-m" in args or "--multirun" in args
-    overrides = [a for a in args if not a.startswith("-")]
-    if not any(a in args for a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help")):
-        try:
+    try:
+        options, overrides = split_command_line(sys.argv[1:])
+        multirun = any(a in options for a in ("-m", "--multirun"))
+        if any(a in options for a in ("--help", "-h", "--hydra-help", "--version", "--shell-completion", "-sc")):
+            configs = None  # Hydra answers these itself
+        elif any(a in options for a in ("--cfg", "-c", "--info", "-i", "--resolve")):
+            configs = validate(overrides, multirun, check_machine=False)  # the config is shown, not run
+        else:
             configs = validate(overrides, multirun)
             distributed.check(configs[0], distributed.launched_world_size(), multirun)
-        except (UsageError, ConfigError) as e:  # on every rank of a torchrun command, printed once
-            distributed.refuse(str(e), code=1 if isinstance(e, Refused) else 2)
+    except (UsageError, ConfigError) as e:  # on every rank of a torchrun command, printed once
+        distributed.refuse(str(e), code=1 if isinstance(e, Refused) else 2)
+    sys.argv = [sys.argv[0], *options, *overrides]
+    if configs is not None and not any(a in options for a in ("--cfg", "-c", "--info", "-i", "--resolve")):
         distributed.init(configs[0].train.dist_timeout_s, configs[0].train.device)
         sys.argv += hydra_overrides(configs[0], overrides, multirun, main=distributed.is_main())
     if not multirun:

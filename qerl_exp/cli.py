@@ -131,8 +131,9 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(job) for job in itertools.product(*axes)]
 
 
-def validate(overrides: list[str], multirun: bool) -> list[Config]:
-    """Compose and validate every job's config, before any job runs.
+def validate(overrides: list[str], multirun: bool, check_machine: bool = True) -> list[Config]:
+    """Compose and validate every job's config, before any job runs; with `check_machine`, check
+    also what each job needs of the machine and its files (`preflight`).
 
     Raises:
         UsageError: one line on the first bad override or value, or several jobs naming one run_dir.
@@ -144,7 +145,8 @@ def validate(overrides: list[str], multirun: bool) -> list[Config]:
         try:
             check_hydra_overrides(job)
             configs.append(compose(job)[0])
-            preflight(configs[-1])
+            if check_machine:
+                preflight(configs[-1])
         except ConfigError as e:
             raise UsageError(str(e)) from None
         except (RecordError, RunDirError) as e:
@@ -176,6 +178,49 @@ def _parse(overrides: list[str], multirun: bool) -> list[list[str]]:
         return expand_sweep(overrides) if multirun else [overrides]
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}") from None
+
+
+# Hydra's options that take a value (`--info` takes one of its choices, or none).
+_VALUED = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+           "--experimental-rerun")
+_INFO = ("--info", "-i")
+_INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def split_command_line(args: list[str]) -> tuple[list[str], list[str]]:
+    """Hydra's options and the overrides of a command line, in the order Hydra's parser needs
+    (argparse takes the overrides in one piece: `train.steps=2 -m seed=0,1` would leave `seed=0,1`
+    unrecognized); the options checked by that parser, a bad one named in one line.
+
+    Returns:
+        `(options, overrides)`.
+
+    Raises:
+        UsageError: an option Hydra does not know, or without its value.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    options, overrides, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        takes = arg in _VALUED or (arg in _INFO and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES)
+        if arg.startswith("-") and takes and i + 1 < len(args):
+            options += args[i:i + 2]
+            i += 2
+            continue
+        (options if arg.startswith("-") else overrides).append(arg)
+        i += 1
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise UsageError(f"{message}; see python -m qerl_exp --help")
+
+    parser.error = refuse  # argparse prints its usage and exits; the whole report is one line
+    parsed = parser.parse_args(options)
+    if parsed.config_name or parsed.config_path:
+        refuse("--config-name and --config-path are not taken: a run is composed from conf/config.yaml and the "
+               "presets of its groups; choose presets and overrides instead")
+    return options, overrides
 
 
 def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
@@ -261,6 +306,13 @@ def preflight(cfg: Config) -> None:
         _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached
     if cfg.model.source == "pretrained" and cfg.model.name.startswith(("/", ".", "~")) and not Path(cfg.model.name).expanduser().is_dir():
         raise ConfigError(f"model.name={cfg.model.name} is not a directory; give a checkpoint directory or a hub id")
+    if cfg.model.source == "pretrained" and not cfg.model.gguf_file and not Path(cfg.model.name).expanduser().is_dir():
+        from qerl_exp.models.pretrained import check_hub_id
+
+        try:
+            check_hub_id(cfg.model.name)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     check_problems(run_cfg)
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
         import torch

@@ -222,6 +222,17 @@ def check_folder(folder: str | Path, key: str = "model.name") -> int | None:
     return positions if isinstance(positions, int) else None
 
 
+def check_hub_id(name: str) -> None:
+    """Refuse, before a run, a hub id that is neither in the local hub cache nor reachable.
+
+    Raises:
+        ValueError: one line naming `model.name` and what to set instead.
+    """
+    if _hub_commit(name) is None and not hub_reachable():
+        raise ValueError(f"model.name={name!r} could not be loaded (the hub is unreachable and it is not in the local "
+                         "hub cache); set model.name to a local checkpoint folder, or model.gguf_file to a .gguf file")
+
+
 def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool, device: torch.device | str = "cpu",
                  on_block: Callable[[nn.Module], None] | None = None):
     from transformers import AutoModelForCausalLM
@@ -301,18 +312,19 @@ def base_digest(cfg: ModelConfig) -> str | None:
     fetched yet)."""
     files = base_files(cfg)
     if files is None:
-        return _hub_commit(cfg) if cfg.source == "pretrained" and not cfg.gguf_file else None
+        return _hub_commit(cfg.name) if cfg.source == "pretrained" and not cfg.gguf_file else None
     h = hashlib.sha256()
     for path in files:
         h.update(f"{path.name}\0{file_digest(path, cfg.cache_dir)}\0".encode())
     return h.hexdigest()[:16]
 
 
-def _hub_commit(cfg: ModelConfig) -> str | None:
+def _hub_commit(name: str) -> str | None:
+    """`hub:<commit>` of the snapshot of hub id `name` in the local hub cache; None when not cached."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(cfg.name, "config.json")
+        found = try_to_load_from_cache(name, "config.json")
     except Exception:  # noqa: BLE001 - not a valid repo id, or no cache: nothing to identify
         return None
     return f"hub:{Path(found).parent.name}" if isinstance(found, str) else None
