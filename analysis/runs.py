@@ -12,7 +12,7 @@ ones with the reason: a run that failed (its `error.txt` line), was cut short, o
 steps, corrupt lines, or missing or non-finite metrics is never averaged with the others. Each run
 is read once, whatever names it: paths are compared resolved (a symlink, `a/../a`), a run's offline
 W&B file is not read beside its directory, and a copy of a run (its wall times, which no two
-processes repeat, equal at every step) is left out as the same run (`same_run`).
+processes repeat, equal at every step, with its config and seed) is left out as the same run (`same_run`).
 """
 
 from __future__ import annotations
@@ -521,12 +521,15 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
 
 
 def _wall_times(run: Run) -> tuple:
-    """What tells one run from another with the same config and seed: its per-step wall times."""
-    return tuple(run.series("perf/step_s")[1])
+    """What tells one run from another with the same config and seed, its per-step wall times, with
+    that config and seed; empty when it logged none."""
+    times = tuple(run.series("perf/step_s")[1])
+    return (json.dumps(settings(run), sort_keys=True, default=str), run.seed, times) if times else ()
 
 
 def same_run(a: Run, b: Run) -> bool:
-    """Whether two runs are one run read twice (a copy, a link): equal wall times at every step."""
+    """Whether two runs are one run read twice (a copy, a link): one config and seed, and equal
+    wall times at every step."""
     return bool(_wall_times(a)) and _wall_times(a) == _wall_times(b)
 
 

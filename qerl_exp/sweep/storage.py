@@ -66,8 +66,9 @@ def storage_url(plan: Plan) -> str:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    expanded = expand_sqlite(plan.storage)
     try:
-        url = make_url(expand_sqlite(plan.storage))
+        url = make_url(expanded)
     except (ArgumentError, ValueError):
         raise UsageError(f"storage={plan.storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST:PORT/DB") from None
     backend = url.get_backend_name()

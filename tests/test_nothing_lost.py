@@ -1,0 +1,149 @@
+"""Nothing destroyed, mixed or stranded by a tool: `analysis keep` removes only what it wrote and
+refuses a destination inside its source; analysis reads each run once whatever names it (a link, a
+copy, its W&B file) and writes no report into a run; a tracker fault never ends a run; a multirun
+ends in one line per failed job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN
+from qerl_exp.config import Config, TrackerConfig, as_dict
+
+
+def _run(path: Path, seed: int = 0, wall: float = 1.0) -> Path:
+    """A finished 2-step run record; `wall` sets its wall times (what tells two processes apart)."""
+    path.mkdir(parents=True)
+    config = {**as_dict(Config(seed=seed)), "choices": {"config": "fp"}}
+    config["train"]["steps"] = 2
+    config["monitor"]["every"] = 0
+    (path / "config.json").write_text(json.dumps(config))
+    rows = [{"step": s, "reward": 1.0, "entropy": 0.1, "sampler/entropy": 0.1, "noise/sigma": 0.0,
+             "perf/rollout_tok_s": 100.0, "perf/step_s": wall + s, "mem/weights_bytes": 1.0, "mem/peak_bytes": 1.0}
+            for s in range(2)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "summary.json").write_text("{}")
+    return path
+
+
+def _tree(path: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+def test_keep_never_removes_what_it_did_not_write(tmp_path, capsys):
+    from analysis.__main__ import main
+
+    sweep = tmp_path / "sweep"
+    trial = _run(sweep / "trials" / "trial0000_s0")
+    (trial / "final" / "adapter").mkdir(parents=True)
+    (trial / "final" / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    (trial / "checkpoints" / "step_000001").mkdir(parents=True)
+    before = _tree(sweep)
+    for dest in (sweep / "trials", sweep / "kept", sweep):  # inside the source: refused, whatever the depth
+        assert main(["keep", str(sweep), str(dest)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: DEST {dest} is inside SWEEP_DIR {sweep}: the records would replace or mix with the trials "
+                       "they are copied from; give a DEST outside it"]
+    link = tmp_path / "link"
+    link.symlink_to(sweep / "trials")
+    assert main(["keep", str(sweep), str(link)]) == 1  # a link into it too
+    capsys.readouterr()
+    dest = tmp_path / "dest"
+    (dest / "fp_s0" / "final").mkdir(parents=True)  # a run (not a kept record) under the record's name
+    assert main(["keep", str(sweep), str(dest)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {dest / 'fp_s0'} holds other files than a record")
+    assert (dest / "fp_s0" / "final").is_dir() and _tree(sweep) == before
+    (dest / "fp_s0" / "final").rmdir()
+    assert main(["keep", str(sweep), str(dest)]) == 0 and main(["keep", str(sweep), str(dest)]) == 0  # a record: replaced
+    assert sorted(p.name for p in dest.iterdir()) == ["fp_s0"]
+    assert _tree(sweep) == before
+
+
+def test_analysis_reads_each_run_once_whatever_names_it(tmp_path):
+    import shutil
+
+    from analysis import determinism
+    from analysis.runs import load, read_run_dir
+
+    a, b = _run(tmp_path / "runs" / "a", wall=1.0), _run(tmp_path / "runs" / "b", wall=1.5)
+    (tmp_path / "runs" / "alias_of_a").symlink_to(a)
+    shutil.copytree(a, tmp_path / "copy_of_a")
+    loaded = load([str(a), str(tmp_path / "runs" / "alias_of_a"), str(b), str(tmp_path / "runs"),
+                   str(tmp_path / "runs" / ".." / "runs" / "a"), str(tmp_path / "copy_of_a")], presets={})
+    assert sorted(r.source for r in loaded.runs) == [str(a), str(b)]
+    assert dict(loaded.skipped)[str(tmp_path / "copy_of_a")].startswith(f"the same run as {a} (a copy or another path")
+    with pytest.raises(ValueError, match="are one run"):  # no false "identical in every metric"
+        determinism.compare(read_run_dir(a), read_run_dir(tmp_path / "copy_of_a"))
+    assert determinism.compare(read_run_dir(a), read_run_dir(b)).steps == 2  # two processes: other wall times
+
+
+def test_analysis_writes_no_report_into_a_run(tmp_path, capsys):
+    from analysis.__main__ import main
+
+    run = _run(tmp_path / "runs" / "a")
+    before = _tree(run)
+    assert main([str(run), "--out", str(run / "report")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {run / 'report'} is in the run directory {run}: the report "
+                                               "would mix with the run's files; give a folder outside it (by default: "
+                                               "report/ beside the runs)")
+    assert _tree(run) == before
+
+
+def test_wandb_that_cannot_stage_a_table_or_write_its_home_folders_never_ends_a_run(tmp_path, monkeypatch):
+    from qerl_exp.tracking import Tracker
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for folder in (".local", ".cache", ".config"):  # files where W&B's folders belong: nothing writable there
+        (home / folder).write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "XDG_CACHE_HOME", "XDG_DATA_HOME",
+                "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback needed: W&B's folders moved into the run
+        tracker = Tracker(run_dir, TrackerConfig(mode="offline"), {"seed": 0}, name="t", group="g", job_type="train", tags=[])
+        tracker.log(0, {"reward": 1.0})
+        tracker.log_completions(0, [("1+1=", "<answer>2</answer>", 2.2)])  # W&B stages the table in its data folder
+    assert os.environ["WANDB_DATA_DIR"].startswith(str(run_dir / "wandb"))
+
+    def broken(*args, **kwargs):
+        raise PermissionError("Unable to write staging files")
+
+    monkeypatch.setattr(tracker.wandb, "log", broken)
+    with pytest.warns(UserWarning, match="W&B failed .*; logging to metrics.jsonl only from here on"):
+        tracker.log(1, {"reward": 2.0})
+    tracker.log(2, {"reward": 3.0})
+    tracker.finish({"reward/final": 3.0})
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert (run_dir / "summary.json").exists()
+
+
+def test_a_multirun_ends_with_one_line_per_failed_job_and_no_traceback(tmp_path):
+    from qerl_exp import rundir
+    from qerl_exp.cli import compose
+    from qerl_exp.train import run_config
+
+    job = [*TINY_RUN, "train.steps=1"]
+    held = rundir.claim(tmp_path / "b", run_config(*compose([*job, f"run_dir={tmp_path / 'b'}"])))  # job 1's, in use
+    try:
+        out = subprocess.run([sys.executable, "-m", "qerl_exp", *job, f"run_dir={tmp_path / 'a'},{tmp_path / 'b'}", "-m"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
+    finally:
+        held.release()
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "Error executing job" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: job 1 refused: {tmp_path / 'b'} is in use by process {os.getpid()} (another run writes "
+                      "there); wait for it to end or choose another run_dir"]
+    assert out.stderr.strip().splitlines()[-1] == errors[0]
+    assert (tmp_path / "a" / "summary.json").exists()
