@@ -179,12 +179,13 @@ def test_tracker_whose_online_init_raises_falls_back_to_offline(tmp_path, monkey
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
-def test_failed_job_in_a_multirun_keeps_its_siblings(tmp_path):
-    # job 1 asks for a checkpoint the hub cannot give (no weights here): it fails, job 0 finishes
-    out = qerl("-m", "model.name=tiny,no-such-org/no-such-model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}")
-    assert out.returncode != 0
-    assert (tmp_path / "0_bf16_none_s0" / "summary.json").exists()
-    assert "could not be loaded" in out.stderr
+def test_a_job_that_cannot_load_its_model_refuses_the_multirun_before_the_first_job(tmp_path):
+    # job 1 asks for a checkpoint the hub cannot give (no weights here): known before any job runs
+    out = qerl("-m", "model.name=tiny,no-such-org/no-such-model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}",
+               env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "model.name='no-such-org/no-such-model' could not be loaded (the hub is unreachable" in out.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------------- signals, ownership, refusals
