@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shlex
 import sys
@@ -38,9 +37,9 @@ from pathlib import Path
 
 from analysis import determinism, figures, keep, section, table
 from analysis.runs import load
-from qerl_exp.cli import tolerate_closed_pipes
+from qerl_exp.cli import one_line_errors, tolerate_closed_pipes
 from qerl_exp.files import check_writable, os_error_line
-from qerl_exp.record import is_run_record
+from qerl_exp.record import run_holding
 from qerl_exp.sweep.storage import expand_sqlite
 
 
@@ -50,19 +49,12 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _is_run(folder: Path) -> bool:
-    try:
-        return is_run_record(json.loads((folder / "config.json").read_text()))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _check_out(out: Path) -> None:
     """Refuse an output directory that cannot be made or written, or lies in a run directory (its
     files would mix with the run's), before any run is read."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory; give a directory (created if needed)")
-    run = next((p for p in (out.resolve(), *out.resolve().parents) if _is_run(p)), None)
+    run = run_holding(out)
     if run is not None:
         raise ValueError(f"--out {out} is in the run directory {run}: the report would mix with the run's files; "
                          "give a folder outside it (by default: report/ beside the runs)")
@@ -73,8 +65,9 @@ def _check_out(out: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
+                                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                epilog=__doc__.split("\n", 2)[2]))
     p.add_argument("paths", nargs="*", help="run directories, their parents, globs, or run-*.wandb files")
     p.add_argument("--out", type=Path, help="output directory (created if needed); default: report/ beside the runs")
     p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
@@ -138,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.optuna_storage:
             args.optuna_storage = expand_sqlite(args.optuna_storage, "--optuna-storage")
             figures.check_storage(args.optuna_storage, args.optuna_study)
+        if args.into:
+            section.check_page(args.into, args.out / section.FILE)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

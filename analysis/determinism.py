@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from analysis.runs import Run, RunError, differences, read_run_dir, same_run, settings
+from qerl_exp.cli import one_line_errors
 from qerl_exp.metrics import MACHINE_METRICS
 
 
@@ -115,7 +116,7 @@ def to_markdown(c: Comparison, metrics: tuple[str, ...] = ()) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m analysis determinism RUN_A RUN_B`."""
-    p = argparse.ArgumentParser(prog="python -m analysis determinism", description=__doc__.split("\n\n")[0])
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m analysis determinism", description=__doc__.split("\n\n")[0]))
     p.add_argument("runs", nargs=2, metavar="RUN", help="two run directories of one config and seed")
     args = p.parse_args(argv)
     pair = []

@@ -21,6 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qerl_exp.cli import one_line_errors
+from qerl_exp.record import run_holding
+
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
 
 
@@ -49,6 +52,12 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
     if dest.resolve().is_relative_to(sweep_dir.resolve()):
         raise ValueError(f"DEST {dest} is inside SWEEP_DIR {sweep_dir}: the records would replace or mix with "
                          "the trials they are copied from; give a DEST outside it")
+    run = run_holding(dest)
+    if run is not None:
+        raise ValueError(f"DEST {dest} is in the run directory {run}: the records would mix with its files; "
+                         "give a DEST outside it")
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"DEST {dest} is a file, not a directory; give a directory (created if needed)")
     configs = sorted((sweep_dir / "trials").glob("*/config.json"))
     if not configs:
         raise ValueError(f"{sweep_dir} holds no trials/*/config.json; give the sweep_dir of a python -m qerl_exp.sweep run")
@@ -84,7 +93,7 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0])
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0]))
     p.add_argument("sweep_dir", type=Path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
     p.add_argument("dest", type=Path, help="where the records go, one folder per trial")
     args = p.parse_args(argv)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import wandb_workspaces.reports.v2 as wr
 
+from qerl_exp.cli import one_line_errors
+
 STRATEGY = wr.Config("choices.strategy")
 SCHEDULE = wr.Config("choices.noise")
 TRIAL = wr.Config("choices.trial")
@@ -121,8 +123,9 @@ def spec_json(report: wr.Report) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis wandb-report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m analysis wandb-report", description=__doc__.split("\n\n")[0],
+                                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                epilog=__doc__.split("\n", 2)[2]))
     p.add_argument("--project", required=True, metavar="ENTITY/PROJECT", help="the W&B project the runs were synced to")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--group", help="a strategy comparison: the runs' W&B group (the task, e.g. arith)")

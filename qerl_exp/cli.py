@@ -174,6 +174,12 @@ def _parse(overrides: list[str], multirun: bool) -> list[list[str]]:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"cannot parse the override {o!r} ({detail}); a value holding = , [ ] {{ }} ( ) or "
                              f"spaces needs Hydra's quotes inside the shell's: \"key='value'\"") from None
+    seen: dict[str, str] = {}
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in seen:  # Hydra would take the last one silently
+            raise UsageError(f"{key} is set twice ({seen[key]} and {o}); give it once")
+        seen[key] = o
     try:
         return expand_sweep(overrides) if multirun else [overrides]
     except Exception as e:  # noqa: BLE001
@@ -393,7 +399,11 @@ def _tokenizer(cfg: Config):
     if cfg.model.source == "synthetic":
         from qerl_exp.models.tokenizers import CharTokenizer
 
-        return CharTokenizer(), cfg.model.max_positions
+        tokenizer = CharTokenizer()
+        if 0 < cfg.model.vocab_size < len(tokenizer):
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is below the embedded tokenizer's {len(tokenizer)} "
+                              "tokens; give at least that many, or 0 (the tokenizer's)")
+        return tokenizer, cfg.model.max_positions
     folder = Path(cfg.model.name).expanduser()
     if cfg.model.gguf_file or not folder.is_dir():
         return None, None
@@ -451,6 +461,16 @@ def tolerate_closed_pipes() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Unread):
             setattr(sys, name, _Unread(stream))
+
+
+def one_line_errors(parser):
+    """`parser` (argparse) whose errors end in one `error:` line, exit status 2 (argparse prints its
+    usage before the error)."""
+    def error(message: str) -> None:
+        fail(f"{message}; see {parser.prog} --help")
+
+    parser.error = error
+    return parser
 
 
 def fail(message: str, code: int = 2) -> None:

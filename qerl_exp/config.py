@@ -114,6 +114,7 @@ class ModelConfig:
         _choice("model.source", self.source, ("auto", "synthetic", "pretrained"))
         _choice("model.family", self.family, ("qwen2", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check(bool(self.cache_dir.strip()), "model.cache_dir must name a folder (default ~/.cache/qerl_exp)")
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
         _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
         _check(not self.gguf_file or self.source != "synthetic", "model.gguf_file needs model.source=pretrained; a synthetic model is built from its dims")
@@ -155,6 +156,8 @@ class QuantConfig:
         _check(not self.double_quant or self.format == "nf4", "quant.double_quant applies only to quant.format=nf4")
         for t in self.targets:
             _choice("quant.targets entry", t, DECODER_LINEARS)
+        _check(self.format == "none" or len(self.targets) > 0,
+               f"quant.targets must name at least one linear for quant.format={self.format} (else nothing is quantized)")
 
 
 @schema
@@ -178,6 +181,8 @@ class LoraConfig:
         _check(self.alpha > 0, f"lora.alpha must be > 0 (the update is scaled by alpha / r), got {self.alpha}")
         _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         _check(len(self.targets) > 0, "lora.targets must name at least one module")
+        for t in self.targets:
+            _choice("lora.targets entry", t, DECODER_LINEARS)
 
 
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")

@@ -99,6 +99,18 @@ def is_run_record(saved: dict) -> bool:
     return isinstance(saved.get("train"), dict) and isinstance(saved.get("model"), dict)
 
 
+def run_holding(path: str | Path) -> Path | None:
+    """The run directory `path` is or lies in, if any: a folder that another command's files
+    would mix with."""
+    for folder in (Path(path).resolve(), *Path(path).resolve().parents):
+        try:
+            if is_run_record(json.loads((folder / "config.json").read_text())):
+                return folder
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 def current(saved: dict, where: str | Path = "config.json") -> dict:
     """`saved` as today's schema reads it: its config through `config.from_dict` (fields it lacks
     take the values the run used; see `qerl_exp.schema_history`), its other keys as they are.

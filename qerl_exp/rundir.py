@@ -85,9 +85,10 @@ def saved_config(run_dir: str | Path) -> dict | None:
         raise RunDirError(str(e)) from None
 
 
-def other_runs(path: str | Path) -> Path | None:
-    """A run directory below `path` (not `path` itself), or None: a run_dir that holds other runs
-    would make them parts of one run, and `python -m analysis` would then see one run there."""
+def other_runs(path: str | Path, skip: tuple[str, ...] = ()) -> Path | None:
+    """A run directory below `path` (not `path` itself, nor in its subfolders `skip`), or None: a
+    run_dir that holds other runs would make them parts of one run, and `python -m analysis` would
+    then see one run there."""
     root = Path(path)
     if not root.is_dir() or (root / "config.json").exists():
         return None
@@ -100,7 +101,8 @@ def other_runs(path: str | Path) -> Path | None:
             except (OSError, ValueError):
                 pass
         depth = len(here.relative_to(root).parts)
-        dirs[:] = [] if depth >= _RUNS_DEPTH or "config.json" in files else sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = [] if depth >= _RUNS_DEPTH or "config.json" in files else sorted(
+            d for d in dirs if not d.startswith(".") and not (here == root and d in skip))
     return None
 
 
@@ -161,7 +163,13 @@ def claim(run_dir: str | Path, config: dict, fresh: bool = False) -> RunDir:
 
 def check(run_dir: str | Path, config: dict) -> None:
     """What `claim` would refuse, read-only: a command checks its run_dir before it starts."""
-    _check(Path(run_dir).absolute(), config, fresh=False)
+    run_dir = Path(run_dir).absolute()
+    lock = _lock(run_dir, create=False) if run_dir.is_dir() else None  # refused when another process holds it
+    try:
+        _check(run_dir, config, fresh=False)
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def _take(run_dir: Path, config: dict, fresh: bool) -> RunDir:

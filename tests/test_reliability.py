@@ -295,7 +295,7 @@ def test_rerun_or_resume_with_another_config_or_length_is_refused_then_resumed(f
 
 
 def _commit(env: dict) -> str:
-    code = "from qerl_exp.rundir import source_commit; print(source_commit())"
+    code = "from qerl_exp.record import source_commit; print(source_commit())"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
 
@@ -326,7 +326,7 @@ def test_each_eval_writes_its_own_file(finished, tmp_path):
     first, second = (json.loads((run_dir / n).read_text()) for n in ("eval.json", "eval-2.json"))
     assert first["args"]["eval"]["k"] == 2 and len(first["problems"]) == 3
     assert second["args"]["eval"]["k"] == 0 and len(second["problems"]) == 2
-    with pytest.raises(ValueError, match="holds another evaluation's results"):
+    with pytest.raises(ValueError, match="exists, and an evaluation writes only a new file"):
         evaluate_run(EvalCommand(run_dir=str(run_dir), out="eval.json", **settings[1]))
 
 

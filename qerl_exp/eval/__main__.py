@@ -152,13 +152,16 @@ def parse_args(argv: list[str]) -> EvalCommand:
     eval_types = {f.name: f.type for f in fields(EvalConfig) if f.name in _EVAL_KEYS}
     own_types = {f.name: f.type for f in fields(EvalCommand) if f.name != "eval"}
     types = {"run_dir": "str", **eval_types, **own_types}
-    values = {}
+    values, given = {}, {}
     for arg in argv:
         key, sep, raw = arg.partition("=")
         if not sep:
             raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
         if key not in types:
             raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
+        if key in given:
+            raise UsageError(f"{key} is given twice ({given[key]} and {arg}); give it once")
+        given[key] = arg
         kind = types[key]
         try:
             if kind == "bool":
@@ -186,7 +189,7 @@ def _new_output(run_dir: Path, out: str, adapter: bool, split: str) -> Path:
             return run_dir / name
         except FileExistsError:
             continue
-    raise ValueError(f"out={out}: {run_dir / out} holds another evaluation's results; choose another name")
+    raise ValueError(f"out={out}: {run_dir / out} exists, and an evaluation writes only a new file; choose another name")
 
 
 def evaluate_run(args: EvalCommand) -> dict[str, float]:
@@ -205,7 +208,8 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     """
     run_dir = Path(args.run_dir)
     if args.out and (run_dir / args.out).exists():
-        raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
+        raise ValueError(f"out={args.out}: {run_dir / args.out} exists, and an evaluation writes only a new file; "
+                         "choose another name")
     if run_dir.is_dir():  # the results must have somewhere to go before the evaluation is paid for
         folder = (run_dir / (args.out or "eval.json")).parent
         if not folder.is_dir():
