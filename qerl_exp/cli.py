@@ -381,12 +381,13 @@ def check_problems(cfg: Config, new_tokens: tuple[str, int] | None = None, model
                               "(model.name=...)") from None
         longest = max(longest, (n, where))
     key, cap = new_tokens
-    more = "" if model_fixed else " or raise model.max_positions" if cfg.model.source == "synthetic" else \
-        " or use a model with more positions"
+    synthetic = cfg.model.source == "synthetic"  # its prompts are the questions alone
+    more = "" if model_fixed else " or raise model.max_positions" if synthetic else " or use a model with more positions"
     if positions and longest[0] >= positions:
-        raise ConfigError(f"the task's longest prompt ({longest[0]} tokens with task.system_prompt, {longest[1]}) "
-                          f"leaves no room in the model's {positions} positions; shorten task.system_prompt "
-                          f"(task.system_prompt='' sends none){more}")
+        raise ConfigError(f"the task's longest prompt ({longest[0]} tokens{'' if synthetic else ' with task.system_prompt'}, "
+                          f"{longest[1]}) leaves no room in the model's {positions} positions; "
+                          + ("raise model.max_positions" if synthetic else
+                             f"shorten task.system_prompt (task.system_prompt='' sends none){more}"))
     if positions and longest[0] + cap > positions:
         raise ConfigError(f"{key}={cap} and the task's longest prompt ({longest[0]} tokens, {longest[1]}) exceed the "
                           f"model's {positions} positions; lower {key} to at most {positions - longest[0]}{more}")
