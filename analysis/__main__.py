@@ -38,7 +38,7 @@ from pathlib import Path
 from analysis import determinism, figures, keep, section, table
 from analysis.runs import load
 from qerl_exp.cli import one_line_errors, tolerate_closed_pipes
-from qerl_exp.files import check_writable, os_error_line
+from qerl_exp.files import check_writable, os_error_line, user_path
 from qerl_exp.record import run_holding
 from qerl_exp.sweep.storage import expand_sqlite
 
@@ -69,11 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                                 epilog=__doc__.split("\n", 2)[2]))
     p.add_argument("paths", nargs="*", help="run directories, their parents, globs, or run-*.wandb files")
-    p.add_argument("--out", type=Path, help="output directory (created if needed); default: report/ beside the runs")
+    p.add_argument("--out", type=user_path, help="output directory (created if needed); default: report/ beside the runs")
     p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
     p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
     p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
-    p.add_argument("--into", type=Path, metavar="PAGE",
+    p.add_argument("--into", type=user_path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
     p.add_argument("--smooth", type=_positive, default=1, metavar="K",

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from qerl_exp.cli import one_line_errors
+from qerl_exp.files import user_path
 from qerl_exp.record import run_holding
 
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
@@ -94,8 +95,8 @@ def keep(sweep_dir: Path, dest: Path) -> tuple[list[Path], list[str]]:
 
 def main(argv: list[str]) -> int:
     p = one_line_errors(argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0]))
-    p.add_argument("sweep_dir", type=Path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
-    p.add_argument("dest", type=Path, help="where the records go, one folder per trial")
+    p.add_argument("sweep_dir", type=user_path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
+    p.add_argument("dest", type=user_path, help="where the records go, one folder per trial")
     args = p.parse_args(argv)
     try:
         written, left_out = keep(args.sweep_dir, args.dest)

@@ -30,6 +30,7 @@ from pathlib import Path
 import wandb_workspaces.reports.v2 as wr
 
 from qerl_exp.cli import one_line_errors
+from qerl_exp.files import user_path
 
 STRATEGY = wr.Config("choices.strategy")
 SCHEDULE = wr.Config("choices.noise")
@@ -131,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--group", help="a strategy comparison: the runs' W&B group (the task, e.g. arith)")
     which.add_argument("--sweep", metavar="STUDY", help="an Optuna study: its name (the W&B group of its trials)")
     p.add_argument("--title", default="", help="the report's title (default: from the group)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the report's spec here (no server needed)")
+    p.add_argument("--json", type=user_path, metavar="FILE", help="write the report's spec here (no server needed)")
     p.add_argument("--save", action="store_true", help="upload the report to W&B and print its address")
     return p
 

@@ -84,16 +84,16 @@ def main(cfg: DictConfig) -> float:
     from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
-    run_dir = Path(cfg.resume or cfg.run_dir or hc.runtime.output_dir)
-    named = bool(cfg.resume or cfg.run_dir) or any(o.split("=")[0].lstrip("+~") in _DIR_KEYS for o in hc.overrides.hydra)
+    # the run's config is Hydra's composition of its overrides (also recorded in .hydra/), validated
+    conf, choices = config_of(cfg, hc.runtime.choices)
+    run_dir = Path(conf.resume or conf.run_dir or hc.runtime.output_dir)
+    named = bool(conf.resume or conf.run_dir) or any(o.split("=")[0].lstrip("+~") in _DIR_KEYS for o in hc.overrides.hydra)
     multirun = hc.mode == RunMode.MULTIRUN
     group = Path(hc.sweep.dir).name if multirun else ""
     try:
         # under torchrun, rank 0's: the other ranks' Hydra has no output dir of its own (cli.hydra_overrides)
         run_dir = distributed.broadcast(run_dir)
-        # the run's config is Hydra's composition of its overrides (also recorded in .hydra/)
-        conf, choices = config_of(cfg, hc.runtime.choices)
-        if cfg.resume:  # continue with the config the run was started with; overrides may only extend it
+        if conf.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.saved_config(run_dir)
             keys = set_keys(list(hc.overrides.task), record.flatten(as_dict(conf)))
             conf, choices = from_dict(rundir.resumed(run_dir, saved, as_dict(conf), keys)), saved.get("choices", {})
@@ -122,7 +122,7 @@ def main(cfg: DictConfig) -> float:
             print(f"error: {e.line()}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept on disk
-        message = _error_line(e, run_dir, cfg.model.cache_dir)
+        message = _error_line(e, run_dir, conf.model.cache_dir)
         if multirun:
             return _job_failed(hc, f"failed: {message}")
         if isinstance(e, NonFiniteError):  # every rank reaches it at the same step

@@ -172,7 +172,7 @@ def _parse(overrides: list[str], multirun: bool) -> list[list[str]]:
             parser.parse_overrides([o])
         except Exception as e:  # noqa: BLE001 - the parser's errors are user errors
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"cannot parse the override {o!r} ({detail}); a value holding = , [ ] {{ }} ( ) or "
+            raise UsageError(f"cannot parse the override {o!r} ({detail}); a value holding = , [ ] {{ }} ( ) ~ or "
                              f"spaces needs Hydra's quotes inside the shell's: \"key='value'\"") from None
     seen: dict[str, str] = {}
     for o in overrides:
@@ -289,7 +289,7 @@ def preflight(cfg: Config) -> None:
                 raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
                                   "pip install bitsandbytes, or choose quant=nvfp4") from None
     for key, path in (("task.path", cfg.task.path), ("task.eval_path", cfg.task.eval_path)):
-        if path and not Path(path).is_file():
+        if path and not Path(path).expanduser().is_file():
             raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import field
 
@@ -612,6 +613,8 @@ class Config:
     def __post_init__(self) -> None:
         # numpy's global seed takes 0 .. 2**32 - 1
         _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
+        # `run_dir=~/x` reaches us unexpanded from shells other than bash; Hydra would make a folder named ~
+        self.run_dir, self.resume = os.path.expanduser(self.run_dir), os.path.expanduser(self.resume)
         _check(not (self.train.padding_free and self.noise.apply_to == "both" and self.noise.resample == "forward"),
                "noise.resample=forward with apply_to=both needs train.padding_free=false (it redraws per HF forward)")
         batch = self.train.prompts_per_step * self.algo.group_size

@@ -74,6 +74,12 @@ def os_error_line(e: OSError, key: str = "run_dir") -> str | None:
     return f"cannot write {e.filename or 'the run directory'}: {cause}; {fix.format(key=key)}"
 
 
+def user_path(text: str) -> Path:
+    """A path as typed on a command line, `~` expanded: shells expand none after `=` (`--out=~/x`),
+    and a folder named `~` would be made instead."""
+    return Path(text).expanduser()
+
+
 def check_writable(path: str | Path) -> None:
     """Raise the OSError that creating `path` (or writing into it) would meet, when its nearest
     existing folder is read-only, not ours to write, or a file: checked before any work."""

@@ -26,7 +26,7 @@ from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.files import check_writable, os_error_line, write_atomic
+from qerl_exp.files import check_writable, os_error_line, user_path, write_atomic
 from qerl_exp.record import DATA_KEY, read_config
 from qerl_exp.tasks import build_task, file_digests
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
@@ -130,6 +130,7 @@ class EvalCommand:
                 raise UsageError(message)
 
         check(bool(self.run_dir), "run_dir=<a run directory> is required")
+        self.run_dir, self.out = str(user_path(self.run_dir)), str(user_path(self.out)) if self.out else ""
         for name in ("temperature", "top_p"):
             check(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("limit", "temperature", "top_p"):

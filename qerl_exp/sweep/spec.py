@@ -249,7 +249,7 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
             raise UsageError(f"n_trials={n_trials} exceeds the grid's {size} points; leave n_trials out to run each once")
     if n_trials is None:
         raise UsageError(f"{where}: set n_trials in the spec or on the command line (n_trials=20)")
-    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).resolve()
+    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).expanduser().resolve()
     plan = Plan(
         spec_path=spec_path.resolve(), spec=spec, study_name=study_name, overrides=merge_overrides(base, cli_overrides),
         params=params, space=space, objectives=objectives, seeds=seeds, sampler=sampler, pruner=pruner,
