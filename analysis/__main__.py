@@ -109,7 +109,15 @@ def _runs_report(loaded, notes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of `python -m analysis`; Ctrl-C ends it in one line."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("error: interrupted (a report being written may be partial: rerun the command)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     tolerate_closed_pipes()
     if argv[:1] == ["wandb-report"]:  # python -m analysis wandb-report --help
         try:

@@ -14,16 +14,27 @@ import sys
 import traceback
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp import distributed, record, rundir
-from qerl_exp.cli import (CONF_DIR, Refused, UsageError, config_of, fail, hydra_overrides, set_keys,
-                          split_command_line, tolerate_closed_pipes, validate)
-from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs
-from qerl_exp.files import os_error_line, write_atomic
+def _interrupted_at_start(signum, frame) -> None:
+    print("error: interrupted before the run started; nothing was written", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+# Ctrl-C while the imports below take their seconds ends in one line, not importlib's traceback;
+# `cli` hands SIGINT back once they are done (a SIGINT ignored by the shell stays ignored).
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from qerl_exp import distributed, record, rundir  # noqa: E402
+from qerl_exp.cli import (CONF_DIR, Refused, UsageError, config_of, fail, hydra_overrides,  # noqa: E402
+                          set_keys, split_command_line, tolerate_closed_pipes, validate)
+from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs  # noqa: E402
+from qerl_exp.files import os_error_line, write_atomic  # noqa: E402
 
 
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -135,6 +146,8 @@ def main(cfg: DictConfig) -> float:
 
 
 def cli() -> None:
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     tolerate_closed_pipes()
     register_configs()
     try:
@@ -149,6 +162,8 @@ def cli() -> None:
             distributed.check(configs[0], distributed.launched_world_size(), multirun)
     except (UsageError, ConfigError) as e:  # on every rank of a torchrun command, printed once
         distributed.refuse(str(e), code=1 if isinstance(e, Refused) else 2)
+    except KeyboardInterrupt:
+        fail("interrupted before the run started; nothing was written", code=130)
     sys.argv = [sys.argv[0], *options, *overrides]
     if configs is not None and not any(a in options for a in ("--cfg", "-c", "--info", "-i", "--resolve")):
         distributed.init(configs[0].train.dist_timeout_s, configs[0].train.device)
