@@ -48,6 +48,12 @@ def test_every_float_option_must_be_finite(key, value):
     (["model.num_kv_heads=0"], "model.num_kv_heads must be >= 1, got 0"),
     (["model.warmup.batch_size=0"], "model.warmup.batch_size and model.warmup.eval_every >= 1"),
     (["noise.gain=-1"], "noise.gain and noise.target_value must be >= 0"),
+    (["model.vocab_size=10"], "model.vocab_size=10 is below the embedded tokenizer's"),
+    (["model.cache_dir="], "model.cache_dir must name a folder"),
+    (["quant=nvfp4", "quant.targets=[]"], "quant.targets must name at least one linear for quant.format=nvfp4"),
+    (["lora.targets=[foo]"], "lora.targets entry='foo' is not valid"),
+    (["seed=1", "seed=2"], "seed is set twice (seed=1 and seed=2); give it once"),
+    (["task=wordprob"], "leaves no room in the model's 256 positions; raise model.max_positions"),
     (["algo.max_new_tokens=300"], "algo.max_new_tokens=300 and the task's longest prompt ("),
     (["eval.max_new_tokens=251"], "lower eval.max_new_tokens to at most 249 or raise model.max_positions"),
 ])
@@ -60,7 +66,8 @@ def test_out_of_range_values_are_refused_before_the_run(args, message):
 def test_eval_settings_are_finite_and_its_advice_names_its_own_keys(monkeypatch):
     from qerl_exp.eval.__main__ import parse_args
 
-    for arg, message in (("temperature=inf", "temperature must be a finite number, got inf"),
+    for arg, message in (("run_dir=S", "run_dir is given twice (run_dir=R and run_dir=S); give it once"),
+                         ("temperature=inf", "temperature must be a finite number, got inf"),
                          ("top_p=nan", "top_p must be a finite number, got nan"),
                          ("seed=-1", "seed must be an integer in 0..4294967295, got -1"),
                          ("k=nan", "bad value for 'k': 'nan' is not an int")):
@@ -85,6 +92,29 @@ def test_sweep_spec_numbers_must_be_finite(tmp_path):
     with pytest.raises(UsageError) as e:
         load_plan(spec, [], check_config=False)
     assert _one_line(e) == f"{spec}: params.noise.sigma: inf is not a finite number"
+    for fields, argv, message in (({"seeds": [-1]}, [], "seeds must be integers in 0..4294967295, got [-1]"),
+                                  ({"base": ["run_dir=/tmp/x"]}, [], "run_dir=/tmp/x: a sweep gives each trial its own"),
+                                  ({}, ["resume=/tmp/x"], "resume=/tmp/x: a sweep gives each trial its own")):
+        spec.write_text(yaml.safe_dump({"params": {"noise.sigma": {"type": "float", "low": 1e-4, "high": 1e-2}},
+                                        "objective": {"metric": "reward"}, "n_trials": 1, **fields}))
+        with pytest.raises(UsageError) as e:
+            load_plan(spec, argv, check_config=False)
+        assert message in _one_line(e)
+
+
+def test_a_sweep_dir_in_a_run_or_holding_runs_is_refused(tmp_path, capsys):
+    from qerl_exp import rundir
+    from qerl_exp.config import as_dict
+    from qerl_exp.sweep.__main__ import main
+
+    rundir.claim(tmp_path / "run", {**as_dict(Config()), "choices": {}}).release()
+    for sweep_dir, message in ((tmp_path / "run" / "sweep", f"is in the run directory {tmp_path / 'run'}"),
+                               (tmp_path, f"holds other runs (e.g. {tmp_path / 'run'})")):
+        with pytest.raises(SystemExit):
+            main([str(ROOT / "sweeps" / "noise_schedule.yaml"), f"sweep_dir={sweep_dir}", "n_trials=1"])
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: sweep_dir={sweep_dir} {message}; give the sweep a folder of its own"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not (tmp_path / "run" / "sweep").exists()
 
 
 # --------------------------------------------------------------------------- task data

@@ -57,9 +57,15 @@ def test_keep_never_removes_what_it_did_not_write(tmp_path, capsys):
     capsys.readouterr()
     dest = tmp_path / "dest"
     (dest / "fp_s0" / "final").mkdir(parents=True)  # a run (not a kept record) under the record's name
+    _run(tmp_path / "run")
+    (tmp_path / "file").write_text("")
     assert main(["keep", str(sweep), str(dest)]) == 1
     assert capsys.readouterr().err.startswith(f"error: {dest / 'fp_s0'} holds other files than a record")
     assert (dest / "fp_s0" / "final").is_dir() and _tree(sweep) == before
+    for bad, message in ((trial / "kept", f"DEST {trial / 'kept'} is inside SWEEP_DIR"),  # also: in a run
+                         (tmp_path / "run" / "kept", f"DEST {tmp_path / 'run' / 'kept'} is in the run directory"),
+                         (tmp_path / "file", f"DEST {tmp_path / 'file'} is a file, not a directory")):
+        assert main(["keep", str(sweep), str(bad)]) == 1 and capsys.readouterr().err.startswith(f"error: {message}")
     (dest / "fp_s0" / "final").rmdir()
     assert main(["keep", str(sweep), str(dest)]) == 0 and main(["keep", str(sweep), str(dest)]) == 0  # a record: replaced
     assert sorted(p.name for p in dest.iterdir()) == ["fp_s0"]
@@ -84,7 +90,7 @@ def test_analysis_reads_each_run_once_whatever_names_it(tmp_path):
     assert determinism.compare(read_run_dir(a), read_run_dir(b)).steps == 2  # two processes: other wall times
 
 
-def test_analysis_writes_no_report_into_a_run(tmp_path, capsys):
+def test_analysis_writes_no_report_into_a_run_and_refuses_in_one_line(tmp_path, capsys):
     from analysis.__main__ import main
 
     run = _run(tmp_path / "runs" / "a")
@@ -93,7 +99,13 @@ def test_analysis_writes_no_report_into_a_run(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"error: --out {run / 'report'} is in the run directory {run}: the report "
                                                "would mix with the run's files; give a folder outside it (by default: "
                                                "report/ beside the runs)")
-    assert _tree(run) == before
+    assert main([str(run), "--into", str(tmp_path / "page.md")]) == 2  # checked before any run is read or written
+    assert capsys.readouterr().err.strip().startswith(f"error: --into {tmp_path / 'page.md'} cannot be read")
+    for args in ([str(run), "--smooth", "0"], ["determinism", str(run)]):  # argparse's errors, in one line too
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert _tree(run) == before and not (tmp_path / "runs" / "report").exists()
 
 
 def test_wandb_that_cannot_stage_a_table_or_write_its_home_folders_never_ends_a_run(tmp_path, monkeypatch):
@@ -130,20 +142,25 @@ def test_wandb_that_cannot_stage_a_table_or_write_its_home_folders_never_ends_a_
 
 
 def test_a_multirun_ends_with_one_line_per_failed_job_and_no_traceback(tmp_path):
+    # job 1's weights blow up (lr 1e30): it fails at run time, after job 0 has finished
+    out = subprocess.run([sys.executable, "-m", "qerl_exp", *TINY_RUN, "train.steps=5", "train.max_nonfinite=2",
+                          "monitor.every=0", "train.lr=0.002,1e30", f"hydra.sweep.dir={tmp_path}", "-m"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "Error executing job" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: job 1 failed: NonFiniteError: 2 consecutive steps")
+    assert out.stderr.strip().splitlines()[-1] == errors[0]
+    assert (tmp_path / "0_bf16_none_s0" / "summary.json").exists()
+
+
+def test_a_held_run_dir_refuses_the_multirun_before_its_first_job(tmp_path):
     from qerl_exp import rundir
-    from qerl_exp.cli import compose
+    from qerl_exp.cli import Refused, compose, validate
     from qerl_exp.train import run_config
 
     job = [*TINY_RUN, "train.steps=1"]
     held = rundir.claim(tmp_path / "b", run_config(*compose([*job, f"run_dir={tmp_path / 'b'}"])))  # job 1's, in use
-    try:
-        out = subprocess.run([sys.executable, "-m", "qerl_exp", *job, f"run_dir={tmp_path / 'a'},{tmp_path / 'b'}", "-m"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
-    finally:
-        held.release()
-    assert out.returncode == 1 and "Traceback" not in out.stderr and "Error executing job" not in out.stderr, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: job 1 refused: {tmp_path / 'b'} is in use by process {os.getpid()} (another run writes "
-                      "there); wait for it to end or choose another run_dir"]
-    assert out.stderr.strip().splitlines()[-1] == errors[0]
-    assert (tmp_path / "a" / "summary.json").exists()
+    with pytest.raises(Refused, match=f"^{tmp_path / 'b'} is in use by process {os.getpid()}"):
+        validate([*job, f"run_dir={tmp_path / 'a'},{tmp_path / 'b'}"], multirun=True)
+    held.release()
+    assert not (tmp_path / "a").exists()

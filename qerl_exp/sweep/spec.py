@@ -207,6 +207,10 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
         raise UsageError(f"{where}: unknown key '{unknown[0]}'; valid keys: {', '.join(SPEC_KEYS)}")
 
     settings, cli_overrides = _split_argv(argv)
+    named = [o for o in [*spec.get("base", []), *cli_overrides] if isinstance(o, str) and override_key(o) in ("run_dir", "resume")]
+    if named:
+        raise UsageError(f"{named[0]}: a sweep gives each trial its own run directory (SWEEP_DIR/trials/...); "
+                         "drop it, and set sweep_dir= to move them")
     merged = {**{k: spec[k] for k in SETTINGS if k in spec}, **settings}
     study_name = str(merged.get("study_name") or spec_path.stem)
     if not _NAME.match(study_name):
@@ -232,6 +236,8 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     seeds = spec.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise UsageError(f"{where}: seeds must be a non-empty list of integers")
+    if not all(0 <= s < 2**32 for s in seeds):
+        raise UsageError(f"{where}: seeds must be integers in 0..{2**32 - 1}, got {seeds}")
     sampler = _named(spec.get("sampler", {"name": "tpe"}), "sampler", SAMPLERS, where)
     default_pruner = {"name": "median"} if len(objectives) == 1 and sampler["name"] != "grid" else {"name": "none"}
     pruner = _named(spec.get("pruner", default_pruner), "pruner", PRUNERS, where)
