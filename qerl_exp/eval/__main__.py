@@ -21,7 +21,7 @@ from pathlib import Path
 
 from qerl_exp import logs, progress
 from qerl_exp.checkpoint import adapter_file, load_adapter
-from qerl_exp.cli import UsageError, check_problems, fail, tolerate_closed_pipes
+from qerl_exp.cli import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
@@ -29,6 +29,7 @@ from qerl_exp.rollout import engine_for
 from qerl_exp.files import check_writable, os_error_line, user_path, write_atomic
 from qerl_exp.record import DATA_KEY, read_config
 from qerl_exp.tasks import build_task, file_digests
+from qerl_exp.task_check import check_task
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
@@ -218,7 +219,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
         check_writable(folder)
     cfg = run_config(run_dir)
     check_split(build_task(cfg.task), args.split)  # before the model is built
-    check_problems(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
+    check_task(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
     algo = cfg.algo
