@@ -288,19 +288,20 @@ def preflight(cfg: Config) -> None:
             except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
                 raise ConfigError(f"{key}=nf4 needs bitsandbytes, which does not import here ({type(e).__name__}); "
                                   "pip install bitsandbytes, or choose quant=nvfp4") from None
-    for key, path in (("task.path", cfg.task.path), ("task.eval_path", cfg.task.eval_path)):
-        if path and not Path(path).expanduser().is_file():
-            raise ConfigError(f"{key}={path} does not exist; give an existing JSONL or Parquet file")
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         raise ConfigError(f"resume={cfg.resume} is not a run directory (no config.json in it)")
+    # a resume runs its saved config (one line naming config.json when it is not JSON or does not fit)
+    run_cfg = from_dict(current(read_config(cfg.resume), Path(cfg.resume) / "config.json")) if cfg.resume else cfg
+    for key, path in (("task.path", run_cfg.task.path), ("task.eval_path", run_cfg.task.eval_path)):
+        if path and not Path(path).expanduser().is_file():
+            raise ConfigError(f"{key}={path}, the run's data, does not exist; restore that file" if cfg.resume else
+                              f"{key}={path} does not exist; give an existing JSONL or Parquet file")
     if cfg.resume and cfg.run_dir and Path(cfg.run_dir).absolute() != Path(cfg.resume).absolute():
         raise ConfigError(f"resume={cfg.resume} continues that run in its own directory, but run_dir={cfg.run_dir} "
                           "names another; drop run_dir=")
     for key, path in (("run_dir", cfg.run_dir), ("resume", cfg.resume)):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
-    # a resume runs its saved config (one line naming config.json when it is not JSON or does not fit)
-    run_cfg = from_dict(current(read_config(cfg.resume), Path(cfg.resume) / "config.json")) if cfg.resume else cfg
     if cfg.resume or cfg.run_dir:  # what the run's claim would refuse, before Hydra starts
         from qerl_exp.models.pretrained import base_digest
         from qerl_exp.tasks import file_digests

@@ -50,6 +50,10 @@ def run_config(run_dir: str | Path):
         cfg = from_dict(saved)
     except Exception as e:  # noqa: BLE001 - OmegaConf raises many types for a schema that changed
         raise ValueError(f"{path} does not fit the current config schema ({str(e).strip().splitlines()[0]})") from None
+    for key in ("path", "eval_path"):
+        if getattr(cfg.task, key) and not Path(getattr(cfg.task, key)).expanduser().is_file():
+            raise ValueError(f"task.{key}={getattr(cfg.task, key)}, the run's data, does not exist: its held-out split is "
+                             "read from it; restore that file")
     recorded, now = saved.get(DATA_KEY), file_digests(cfg.task)
     if recorded is not None and recorded != now:
         changed = [k for k in recorded if recorded[k] != now.get(k)]
