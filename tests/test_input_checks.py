@@ -220,3 +220,23 @@ def test_each_command_refuses_in_one_line(command, args, code, line):
     out = subprocess.run([sys.executable, "-m", command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**SUBPROCESS_ENV, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == code and out.stderr.strip().splitlines() == [line], out.stderr[-2000:]
+
+
+def test_a_run_whose_data_file_is_gone_is_named_by_resume_and_eval(tmp_path):
+    import shutil
+
+    from qerl_exp.cli import compose
+    from qerl_exp.eval.__main__ import run_config as eval_config
+    from qerl_exp.train import run_config
+
+    data = tmp_path / "gsm8k.jsonl"
+    shutil.copy(ROOT / "tests" / "data" / "gsm8k_sample.jsonl", data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(run_config(*compose(["task=gsm8k", f"task.path={data}"]))))
+    data.unlink()
+    with pytest.raises(UsageError) as e:
+        validate([f"resume={run_dir}"], multirun=False)
+    assert _one_line(e) == f"task.path={data}, the run's data, does not exist; restore that file"
+    with pytest.raises(ValueError, match=f"^task.path={data}, the run's data, does not exist: its held-out split"):
+        eval_config(run_dir)
