@@ -14,8 +14,8 @@ rebuilds a config from it (`config.from_dict`) or compares it with a rerun's (`r
   default is not what the code did before the field existed (a kernel added behind a flag that is
   on by default: `BEFORE["train.new_kernel"] = False`, since older runs ran without it).
 
-Adding, retiring or retyping a field: add its entry here, and a case to
-`tests/test_schema_history.py` that a record without it (or with its old form) still resumes.
+Adding, retiring or retyping a field: add its entry here, and a case to `tests/test_rundir.py` that
+a record without it (or with its old form) still resumes.
 """
 
 from __future__ import annotations
