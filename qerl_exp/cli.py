@@ -174,12 +174,6 @@ def _parse(overrides: list[str], multirun: bool) -> list[list[str]]:
             detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(f"cannot parse the override {o!r} ({detail}); a value holding = , [ ] {{ }} ( ) ~ or "
                              f"spaces needs Hydra's quotes inside the shell's: \"key='value'\"") from None
-    seen: dict[str, str] = {}
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if key in seen:  # Hydra would take the last one silently
-            raise UsageError(f"{key} is set twice ({seen[key]} and {o}); give it once")
-        seen[key] = o
     try:
         return expand_sweep(overrides) if multirun else [overrides]
     except Exception as e:  # noqa: BLE001

@@ -52,7 +52,6 @@ def test_every_float_option_must_be_finite(key, value):
     (["model.cache_dir="], "model.cache_dir must name a folder"),
     (["quant=nvfp4", "quant.targets=[]"], "quant.targets must name at least one linear for quant.format=nvfp4"),
     (["lora.targets=[foo]"], "lora.targets entry='foo' is not valid"),
-    (["seed=1", "seed=2"], "seed is set twice (seed=1 and seed=2); give it once"),
     (["task=wordprob"], "leaves no room in the model's 256 positions; raise model.max_positions"),
     (["algo.max_new_tokens=300"], "algo.max_new_tokens=300 and the task's longest prompt ("),
     (["eval.max_new_tokens=251"], "lower eval.max_new_tokens to at most 249 or raise model.max_positions"),
@@ -66,8 +65,7 @@ def test_out_of_range_values_are_refused_before_the_run(args, message):
 def test_eval_settings_are_finite_and_its_advice_names_its_own_keys(monkeypatch):
     from qerl_exp.eval.__main__ import parse_args
 
-    for arg, message in (("run_dir=S", "run_dir is given twice (run_dir=R and run_dir=S); give it once"),
-                         ("temperature=inf", "temperature must be a finite number, got inf"),
+    for arg, message in (("temperature=inf", "temperature must be a finite number, got inf"),
                          ("top_p=nan", "top_p must be a finite number, got nan"),
                          ("seed=-1", "seed must be an integer in 0..4294967295, got -1"),
                          ("k=nan", "bad value for 'k': 'nan' is not an int")):

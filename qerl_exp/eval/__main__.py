@@ -158,16 +158,13 @@ def parse_args(argv: list[str]) -> EvalCommand:
     eval_types = {f.name: f.type for f in fields(EvalConfig) if f.name in _EVAL_KEYS}
     own_types = {f.name: f.type for f in fields(EvalCommand) if f.name != "eval"}
     types = {"run_dir": "str", **eval_types, **own_types}
-    values, given = {}, {}
+    values = {}
     for arg in argv:
         key, sep, raw = arg.partition("=")
         if not sep:
             raise UsageError(f"argument {arg!r} is not key=value; keys: {', '.join(types)}")
         if key not in types:
             raise UsageError(f"unknown argument {key!r}; keys: {', '.join(types)}")
-        if key in given:
-            raise UsageError(f"{key} is given twice ({given[key]} and {arg}); give it once")
-        given[key] = arg
         kind = types[key]
         try:
             if kind == "bool":
