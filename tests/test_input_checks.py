@@ -33,8 +33,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("key", _float_keys())
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key, value", [(k, ("nan", "inf", "-inf")[i % 3]) for i, k in enumerate(_float_keys())])
 def test_every_float_option_must_be_finite(key, value):
     with pytest.raises(UsageError) as e:
         validate([f"{key}={value}"], multirun=False)
@@ -238,3 +237,30 @@ def test_a_run_whose_data_file_is_gone_is_named_by_resume_and_eval(tmp_path):
     assert _one_line(e) == f"task.path={data}, the run's data, does not exist; restore that file"
     with pytest.raises(ValueError, match=f"^task.path={data}, the run's data, does not exist: its held-out split"):
         eval_config(run_dir)
+
+
+def test_paths_typed_with_a_tilde_after_an_equals_sign_are_expanded(monkeypatch, tmp_path):
+    from qerl_exp.eval.__main__ import parse_args
+    from qerl_exp.files import user_path
+    from qerl_exp.sweep.spec import load_plan
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Config(run_dir="~/runs/a", resume="~/runs/a").run_dir == f"{tmp_path}/runs/a"  # sh and zsh pass ~ as typed
+    assert parse_args(["run_dir=~/runs/a", "out=~/e.json"]).run_dir == f"{tmp_path}/runs/a"
+    assert user_path("~/report") == tmp_path / "report"
+    plan = load_plan(ROOT / "sweeps" / "noise_schedule.yaml", ["sweep_dir=~/sweep"], check_config=False)
+    assert plan.sweep_dir == tmp_path / "sweep"
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line():
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp", "train.steps=1"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=SUBPROCESS_ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(0.5)  # in the imports and the validation, seconds before a run starts
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == [
+        "error: interrupted before the run started; nothing was written"], err[-2000:]
