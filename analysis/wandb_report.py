@@ -25,7 +25,6 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import wandb_workspaces.reports.v2 as wr
 

@@ -10,7 +10,6 @@ one-line message that names the field.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import typing
 from dataclasses import field
@@ -18,7 +17,7 @@ from dataclasses import field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp.schema import ConfigError, schema
+from qerl_exp.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
 from qerl_exp.schema import check as _check
 from qerl_exp.schema import choice as _choice
 from qerl_exp.schema_history import upgrade
