@@ -40,8 +40,10 @@ from pathlib import Path
 
 from analysis import compare, determinism, figures, keep, section, table
 from analysis.runs import load
-from qerl_exp.cli import tolerate_closed_pipes
-from qerl_exp.rundir import check_writable, os_error_line
+from qerl_exp.console import one_line_argparse, tolerate_closed_pipes
+from qerl_exp.files import check_writable, os_error_line, user_path
+from qerl_exp.record import run_holding
+from qerl_exp.sweep.storage import expand_sqlite
 
 
 def _positive(text: str) -> int:
@@ -64,9 +66,14 @@ def _margin(text: str) -> tuple[str, float]:
 
 
 def _check_out(out: Path) -> None:
-    """Refuse an output directory that cannot be made or written, before any run is read."""
+    """Refuse an output directory that cannot be made or written, or lies in a run directory (its
+    files would mix with the run's), before any run is read."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory; give a directory (created if needed)")
+    run = run_holding(out)
+    if run is not None:
+        raise ValueError(f"--out {out} is in the run directory {run}: the report would mix with the run's files; "
+                         "give a folder outside it (by default: report/ beside the runs)")
     try:
         check_writable(out)
     except OSError as e:
@@ -74,14 +81,15 @@ def _check_out(out: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = one_line_argparse(argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0],
+                                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                epilog=__doc__.split("\n", 2)[2]))
     p.add_argument("paths", nargs="*", help="run directories, their parents, globs, or run-*.wandb files")
-    p.add_argument("--out", type=Path, help="output directory (created if needed); default: report/ beside the runs")
+    p.add_argument("--out", type=user_path, help="output directory (created if needed); default: report/ beside the runs")
     p.add_argument("--wandb-project", metavar="ENTITY/PROJECT", help="also read this W&B project (online API)")
     p.add_argument("--optuna-storage", metavar="URL", help="draw this Optuna storage's study (history, importance)")
     p.add_argument("--optuna-study", metavar="NAME", help="the study in --optuna-storage (default: the only one)")
-    p.add_argument("--into", type=Path, metavar="PAGE",
+    p.add_argument("--into", type=user_path, metavar="PAGE",
                    help="also put results_section.md into this docs page, between its '<!-- begin PATH -->' and "
                         "'<!-- end PATH -->' lines (PATH: the section file relative to the page)")
     p.add_argument("--reference", default=compare.REFERENCE, metavar="ROW",
@@ -125,7 +133,15 @@ def _runs_report(loaded, notes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of `python -m analysis`; Ctrl-C ends it in one line."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        print("error: interrupted (a report being written may be partial: rerun the command)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     tolerate_closed_pipes()
     if argv[:1] == ["wandb-report"]:  # python -m analysis wandb-report --help
         try:
@@ -145,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     try:  # what can be checked before the runs are read
         _check_out(args.out)
         if args.optuna_storage:
+            args.optuna_storage = expand_sqlite(args.optuna_storage, "--optuna-storage")
             figures.check_storage(args.optuna_storage, args.optuna_study)
+        if args.into:
+            section.check_page(args.into, args.out / section.FILE)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

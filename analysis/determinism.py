@@ -17,7 +17,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from analysis.runs import Run, RunError, differences, read_run_dir, settings
+from analysis.runs import Run, RunError, differences, read_run_dir, same_run, settings
+from qerl_exp.console import one_line_argparse
 from qerl_exp.metrics import MACHINE_METRICS
 
 
@@ -111,7 +112,7 @@ def to_markdown(c: Comparison, metrics: tuple[str, ...] = ()) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m analysis determinism RUN_A RUN_B`."""
-    p = argparse.ArgumentParser(prog="python -m analysis determinism", description=__doc__.split("\n\n")[0])
+    p = one_line_argparse(argparse.ArgumentParser(prog="python -m analysis determinism", description=__doc__.split("\n\n")[0]))
     p.add_argument("runs", nargs=2, metavar="RUN", help="two run directories of one config and seed")
     args = p.parse_args(argv)
     pair = []
@@ -121,6 +122,10 @@ def main(argv: list[str]) -> int:
         except RunError as e:
             print(f"error: {path}: {e}", file=sys.stderr)
             return 1
+    if same_run(*pair):  # it would show as identical: no determinism result
+        print(f"error: {pair[0].source} and {pair[1].source} are one run (a copy or another path to it: their wall "
+              "times are equal at every step); give two runs of one config and seed", file=sys.stderr)
+        return 1
     try:
         comparison = compare(*pair)
     except ValueError as e:

@@ -8,8 +8,10 @@ and `python -m analysis` read; of a folder of run directories (no `trials/`, e.g
 `sweeps/strategies.sh` writes) each run's record goes to the same path under DEST. Checkpoints and
 adapters stay behind. A trial without
 `summary.json` has not finished and is left out, with a line saying so. A record of the same name
-already in DEST is replaced. `--gzip` keeps `metrics.jsonl` as `metrics.jsonl.gz`, which
-`python -m analysis` reads the same.
+already in DEST is replaced; anything else there is never touched: a folder of that name holding
+other files (a run's `final/` or `checkpoints/`), or a DEST inside SWEEP_DIR, is refused before
+anything is copied. `--gzip` keeps `metrics.jsonl` as `metrics.jsonl.gz`, which `python -m analysis`
+reads the same.
 
 Example:
     python -m analysis keep runs/smollm2_study results/smollm2_study
@@ -22,7 +24,12 @@ import gzip
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+from qerl_exp.console import one_line_argparse
+from qerl_exp.files import user_path
+from qerl_exp.record import run_holding
 
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
 
@@ -33,6 +40,12 @@ def record_name(config: dict, trial: Path) -> str:
     name = config.get("choices", {}).get("config")
     base = (config.get("model", {}).get("warmup") or {}).get("seed", 0)
     return f"{name}{f'_b{base}' if base else ''}_s{config['seed']}" if name else trial.name
+
+
+def _is_record(folder: Path) -> bool:
+    """Whether `folder` holds a kept record and nothing else (files this command writes)."""
+    return all(p.is_file() and (p.name in (*RECORD, "metrics.jsonl.gz") or (p.name.startswith("eval") and p.suffix == ".json"))
+               for p in folder.iterdir())
 
 
 def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path], list[str]]:
@@ -47,8 +60,18 @@ def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path],
         The record folders written, and one line per trial left out.
 
     Raises:
-        ValueError: `sweep_dir` holds no trials, or two trials would get one name.
+        ValueError: `sweep_dir` holds no trials, two trials would get one name, `dest` lies inside
+            `sweep_dir`, or a folder in `dest` that a record would replace holds other files.
     """
+    if dest.resolve().is_relative_to(sweep_dir.resolve()):
+        raise ValueError(f"DEST {dest} is inside SWEEP_DIR {sweep_dir}: the records would replace or mix with "
+                         "the trials they are copied from; give a DEST outside it")
+    run = run_holding(dest)
+    if run is not None:
+        raise ValueError(f"DEST {dest} is in the run directory {run}: the records would mix with its files; "
+                         "give a DEST outside it")
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"DEST {dest} is a file, not a directory; give a directory (created if needed)")
     configs = sorted((sweep_dir / "trials").glob("*/config.json"))
     named = {path: None for path in configs}
     if not configs:  # a folder of run directories (sweeps/strategies.sh's OUT/NAME/sSEED): kept by their paths
@@ -66,29 +89,36 @@ def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path],
         name = relative or record_name(json.loads(path.read_text()), trial)
         if name in finished:
             raise ValueError(f"{finished[name]} and {trial} would both be kept as {name}; keep them into different DESTs")
+        out = dest / name
+        if out.is_symlink() or out.exists() and not (out.is_dir() and _is_record(out)):
+            raise ValueError(f"{out} holds other files than a record this command keeps (a run's final/ or checkpoints/?); "
+                             "it is left as it is: choose another DEST")
         finished[name] = trial
     written = []
     for name, trial in finished.items():
         out = dest / name
-        tmp = out.parent / f".{out.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
-            if packed and f.name == "metrics.jsonl":  # mtime 0: the same log packs to the same bytes
-                with open(f, "rb") as src, gzip.GzipFile(tmp / "metrics.jsonl.gz", "wb", mtime=0) as out_file:
-                    shutil.copyfileobj(src, out_file)
-            else:
-                shutil.copy2(f, tmp / f.name)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # a record is whole or absent
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest, prefix=f".{name}-"))
+        try:
+            for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
+                if packed and f.name == "metrics.jsonl":  # mtime 0: the same log packs to the same bytes
+                    with open(f, "rb") as src, gzip.GzipFile(tmp / "metrics.jsonl.gz", "wb", mtime=0) as out_file:
+                        shutil.copyfileobj(src, out_file)
+                else:
+                    shutil.copy2(f, tmp / f.name)
+            if out.exists():  # a record, checked above: files this command wrote
+                shutil.rmtree(out)
+            tmp.rename(out)  # a record is whole or absent
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         written.append(out)
     return written, left_out
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep_dir", type=Path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
-    p.add_argument("dest", type=Path, help="where the records go, one folder per trial")
+    p = one_line_argparse(argparse.ArgumentParser(prog="python -m analysis keep", description=__doc__.split("\n\n")[0]))
+    p.add_argument("sweep_dir", type=user_path, help="a sweep's directory (python -m qerl_exp.sweep ... sweep_dir=)")
+    p.add_argument("dest", type=user_path, help="where the records go, one folder per trial")
     p.add_argument("--gzip", action="store_true", help="keep each metrics.jsonl as metrics.jsonl.gz (about a sixth of the bytes)")
     args = p.parse_args(argv)
     try:

@@ -9,7 +9,10 @@ Sources, all turned into the same `Run`:
 
 `load` checks every run (`problems`) and returns the complete ones and, separately, the skipped
 ones with the reason: a run that failed (its `error.txt` line), was cut short, or has missing
-steps, corrupt lines, or missing or non-finite metrics is never averaged with the others.
+steps, corrupt lines, or missing or non-finite metrics is never averaged with the others. Each run
+is read once, whatever names it: paths are compared resolved (a symlink, `a/../a`), a run's offline
+W&B file is not read beside its directory, and a copy of a run (its wall times, which no two
+processes repeat, equal at every step, with its config and seed) is left out as the same run (`same_run`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from qerl_exp.rundir import flatten
+from qerl_exp.record import flatten
 
 # Metrics every step of a complete run carries.
 REQUIRED = (
@@ -356,7 +359,21 @@ def discover(paths: Iterable[str]) -> tuple[list[Path], list[Path], list[tuple[s
                     bad.append((m, "holds no run directory (config.json) and no run-*.wandb file"))
             else:
                 bad.append((m, "is neither a run directory, a parent of runs, nor a .wandb file"))
-    return list(dict.fromkeys(run_dirs)), list(dict.fromkeys(wandb_files)), bad
+    run_dirs = _once(run_dirs)
+    read = {d.resolve() for d in run_dirs}
+    # a named W&B file of a run whose directory is read as well is the same run
+    wandb_files = [w for w in _once(wandb_files) if w.resolve().parent.parent.parent not in read]
+    return run_dirs, wandb_files, bad
+
+
+def _once(paths: list[Path]) -> list[Path]:
+    """`paths` without those that resolve to an earlier one (a symlink, `a/../a`), in order."""
+    seen, out = set(), []
+    for p in paths:
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            out.append(p)
+    return out
 
 
 # --------------------------------------------------------------------------- checking
@@ -407,7 +424,7 @@ def strategy_presets(conf_dir: Path | None = None) -> tuple[dict[str, dict], lis
     Returns:
         ({name: {dotted key: value}} restricted to STRATEGY_KEYS, [(name, why it did not compose)]).
     """
-    from qerl_exp.cli import CONF_DIR, compose
+    from qerl_exp.compose import CONF_DIR, compose
     from qerl_exp.config import as_dict
 
     conf_dir = Path(conf_dir or CONF_DIR)
@@ -502,8 +519,15 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
             runs.extend(read_wandb_project(wandb_project, api))
         except Exception as e:  # noqa: BLE001 - network and auth errors are reported, not fatal
             skipped.append((f"wandb:{wandb_project}", f"cannot read the project: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"))
-    good, cut = [], []
+    good, cut, first = [], [], {}
     for run in runs:
+        key = _wall_times(run)
+        if key in first:
+            skipped.append((run.source, f"the same run as {first[key].source} (a copy or another path to it: "
+                                        "its wall times equal that run's at every step)"))
+            continue
+        if key:
+            first[key] = run
         why = problems(run)
         if why:
             skipped.append((run.source, "; ".join(why)))
@@ -517,6 +541,19 @@ def load(paths: Iterable[str], wandb_project: str | None = None, api=None, prese
     notes = label(good, presets)
     label(cut, presets)
     return Loaded(good, skipped, notes, presets, cut)
+
+
+def _wall_times(run: Run) -> tuple:
+    """What tells one run from another with the same config and seed, its per-step wall times, with
+    that config and seed; empty when it logged none."""
+    times = tuple(run.series("perf/step_s")[1])
+    return (json.dumps(settings(run), sort_keys=True, default=str), run.seed, times) if times else ()
+
+
+def same_run(a: Run, b: Run) -> bool:
+    """Whether two runs are one run read twice (a copy, a link): one config and seed, and equal
+    wall times at every step."""
+    return bool(_wall_times(a)) and _wall_times(a) == _wall_times(b)
 
 
 def _cut_short(run: Run) -> bool:

@@ -49,7 +49,7 @@ from analysis.runs import Loaded, Run, preset_differences, settings
 from analysis.stats import Interval, mean, t_interval
 from analysis.table import order
 from qerl_exp.metrics import eval_prefix, final_window
-from qerl_exp.rundir import flatten
+from qerl_exp.record import flatten
 from qerl_exp.tasks.base import HELD_OUT, OOD
 
 FILE = "results_section.md"
@@ -379,10 +379,28 @@ def splice(page: Path, section_file: Path) -> None:
     Raises:
         ValueError: the page lacks the markers (the message gives them).
     """
+    head, begin, end, tail = _parts(page, section_file)
+    Path(page).write_text(head + begin + "\n" + Path(section_file).read_text() + end + "\n" + tail)
+
+
+def check_page(page: Path, section_file: Path) -> None:
+    """What `splice` would refuse, before any run is read: a page that is not there, or lacks the markers.
+
+    Raises:
+        ValueError: one line naming `--into` and what to add.
+    """
+    _parts(page, section_file)
+
+
+def _parts(page: Path, section_file: Path) -> tuple[str, str, str, str]:
     begin, end = markers(page, section_file)
-    text = Path(page).read_text()
+    try:
+        text = Path(page).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--into {page} cannot be read ({type(e).__name__}: {getattr(e, 'strerror', None) or e}); "
+                         "give an existing docs page") from None
     head, sep, rest = text.partition(begin + "\n")
     _, sep2, tail = rest.partition(end + "\n")
     if not (sep and sep2):
         raise ValueError(f"{page} has no lines '{begin}' and '{end}' to put the section between; add them where it goes")
-    Path(page).write_text(head + begin + "\n" + Path(section_file).read_text() + end + "\n" + tail)
+    return head, begin, end, tail

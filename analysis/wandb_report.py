@@ -25,9 +25,11 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import wandb_workspaces.reports.v2 as wr
+
+from qerl_exp.console import one_line_argparse
+from qerl_exp.files import user_path
 
 STRATEGY = wr.Config("choices.strategy")
 SCHEDULE = wr.Config("choices.noise")
@@ -121,14 +123,15 @@ def spec_json(report: wr.Report) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m analysis wandb-report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p = one_line_argparse(argparse.ArgumentParser(prog="python -m analysis wandb-report", description=__doc__.split("\n\n")[0],
+                                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                                epilog=__doc__.split("\n", 2)[2]))
     p.add_argument("--project", required=True, metavar="ENTITY/PROJECT", help="the W&B project the runs were synced to")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--group", help="a strategy comparison: the runs' W&B group (the task, e.g. arith)")
     which.add_argument("--sweep", metavar="STUDY", help="an Optuna study: its name (the W&B group of its trials)")
     p.add_argument("--title", default="", help="the report's title (default: from the group)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write the report's spec here (no server needed)")
+    p.add_argument("--json", type=user_path, metavar="FILE", help="write the report's spec here (no server needed)")
     p.add_argument("--save", action="store_true", help="upload the report to W&B and print its address")
     return p
 

@@ -14,10 +14,7 @@ epilogue writes (`FED_BY_GLU`), the others from bf16 x with their `norm_shrink` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 

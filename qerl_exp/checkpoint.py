@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qerl_exp.rundir import as_os_error
+from qerl_exp.files import as_os_error
 
 
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes

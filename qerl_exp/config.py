@@ -10,16 +10,16 @@ config is turned into objects (`to_config`), with a one-line message that names 
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 import typing
 from dataclasses import field
 
 from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp.retired import RETIRED, unknown_key_line, upgrade
-from qerl_exp.schema import ConfigError, schema
+from qerl_exp.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
 from qerl_exp.schema import check as _check
 from qerl_exp.schema import choice as _choice
+from qerl_exp.schema_history import RETIRED, unknown_key_line, upgrade
 from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
 
 DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -51,6 +51,8 @@ class WarmupConfig:
     def __post_init__(self) -> None:
         _check(self.max_steps >= 0 and self.seed >= 0, f"model.warmup.max_steps and .seed must be >= 0, got {self.max_steps}, {self.seed}")
         _check(0 < self.target_accuracy <= 1, "model.warmup.target_accuracy must be in (0, 1]")
+        _check(self.lr > 0 and self.batch_size >= 1 and self.eval_every >= 1,
+               "model.warmup.lr must be > 0, model.warmup.batch_size and model.warmup.eval_every >= 1")
 
 
 @schema
@@ -107,6 +109,7 @@ class ModelConfig:
         _choice("model.source", self.source, ("auto", "synthetic", "pretrained"))
         _choice("model.family", self.family, ("qwen2", "qwen3", "llama"))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check(bool(self.cache_dir.strip()), "model.cache_dir must name a folder (default ~/.cache/qerl_exp)")
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
         _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
         _check(not self.gguf_file or self.source != "synthetic", "model.gguf_file needs model.source=pretrained; a synthetic model is built from its dims")
@@ -117,6 +120,8 @@ class ModelConfig:
             for f in ("hidden_size", "intermediate_size"):
                 v = getattr(self, f)
                 _check(v > 0 and v % 64 == 0, f"model.{f} must be a positive multiple of 64, got {v}")
+            for f in ("num_layers", "num_heads", "num_kv_heads"):
+                _check(getattr(self, f) >= 1, f"model.{f} must be >= 1, got {getattr(self, f)}")
             _check(self.hidden_size % self.num_heads == 0, "model.hidden_size must divide by model.num_heads")
             _check(self.num_heads % self.num_kv_heads == 0, "model.num_heads must divide by model.num_kv_heads")
             _check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0: the tokenizer's), got {self.vocab_size}")
@@ -146,6 +151,8 @@ class QuantConfig:
         _check(not self.double_quant or self.format == "nf4", "quant.double_quant applies only to quant.format=nf4")
         for t in self.targets:
             _choice("quant.targets entry", t, DECODER_LINEARS)
+        _check(self.format == "none" or len(self.targets) > 0,
+               f"quant.targets must name at least one linear for quant.format={self.format} (else nothing is quantized)")
 
 
 @schema
@@ -166,8 +173,11 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check(self.r >= 1, f"lora.r must be >= 1, got {self.r}")
+        _check(self.alpha > 0, f"lora.alpha must be > 0 (the update is scaled by alpha / r), got {self.alpha}")
         _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         _check(len(self.targets) > 0, "lora.targets must name at least one module")
+        for t in self.targets:
+            _choice("lora.targets entry", t, DECODER_LINEARS)
 
 
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
@@ -235,12 +245,13 @@ class NoiseConfig:
         _choice("noise.target", self.target, ("entropy", "entropy_gain"))
         for f in ("sigma", "sigma_start", "sigma_end", "sigma_min", "sigma_max"):
             v = getattr(self, f)
-            _check(math.isfinite(v) and v >= 0, f"noise.{f} must be a finite number >= 0, got {v}")
+            _check(v >= 0, f"noise.{f} must be a finite number >= 0, got {v}")
         if self.schedule in ("exp", "log"):
             _check(self.sigma_start > 0 and self.sigma_end > 0, f"noise.schedule={self.schedule} needs sigma_start and sigma_end > 0")
         _check(self.num_stages >= 2, f"noise.num_stages must be >= 2, got {self.num_stages}")
         _check(self.denominator == "paper" or self.num_stages >= 3, "noise.denominator=code needs num_stages >= 3")
         _check(self.sigma_min <= self.sigma_max, "noise.sigma_min must be <= noise.sigma_max")
+        _check(self.gain >= 0 and self.target_value >= 0, "noise.gain and noise.target_value must be >= 0")
         _check(not self.target_relative or self.target_value > 0, f"noise.target_value must be > 0 with noise.target_relative=true, got {self.target_value}")
 
 
@@ -331,6 +342,7 @@ class AlgoConfig:
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
         _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
+        _check(self.entropy_coef >= 0, f"algo.entropy_coef must be >= 0 (a bonus; 0 turns it off), got {self.entropy_coef}")
         _check(self.temperature > 0, f"algo.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"algo.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"algo.top_k must be >= 0 (0: off), got {self.top_k}")
@@ -400,7 +412,8 @@ class TrainConfig:
         _choice("train.gradient_checkpointing", self.gradient_checkpointing, ("auto", "true", "false"))
         _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0, got {self.lr}")
+        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
@@ -576,6 +589,8 @@ class Config:
     def __post_init__(self) -> None:
         # numpy's global seed takes 0 .. 2**32 - 1
         _check(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
+        # `run_dir=~/x` reaches us unexpanded from shells other than bash; Hydra would make a folder named ~
+        self.run_dir, self.resume = os.path.expanduser(self.run_dir), os.path.expanduser(self.resume)
         _check(not (self.train.padding_free and self.noise.apply_to == "both" and self.noise.resample == "forward"),
                "noise.resample=forward with apply_to=both needs train.padding_free=false (it redraws per HF forward)")
         batch = self.train.prompts_per_step * self.algo.group_size
@@ -641,9 +656,8 @@ def as_dict(cfg: Config) -> dict:
 
 
 def from_dict(data: dict) -> Config:
-    """A validated `Config` from `as_dict` output (e.g. a run's saved `config.json`), read through
-    `upgrade`."""
+    """A validated `Config` from `as_dict` output: a run's saved `config.json`, perhaps written by an
+    older version (read through `schema_history.upgrade`: fields it lacks take the value the run used)."""
     fields = {f.name for f in dataclasses.fields(Config)}
-    data = {k: v for k, v in upgrade(data, Config).items() if k in fields}
-    merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+    merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in upgrade(data).items() if k in fields})
     return to_config(merged)

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 import torch
@@ -265,13 +266,18 @@ def broadcast(obj):
 
 
 @contextmanager
-def claim(run_dir, config: dict) -> Iterator[None]:
+def claim(run_dir, config: dict, fresh: bool = False) -> Iterator[rundir.RunDir]:
     """`rundir.claim` on rank 0, which alone writes the run directory; the other ranks wait for its
     answer and raise `PeerRefused` when it was refused.
 
     Args:
         run_dir: the run directory.
-        config: the run's resolved config (`rundir.claim`).
+        config: the run's record (`rundir.claim`).
+        fresh: a default run directory (`rundir.claim`).
+
+    Yields:
+        The directory taken: rank 0's `RunDir`; on the other ranks one without a lock, at the path
+        rank 0 took.
 
     Raises:
         rundir.RunDirError: as `rundir.claim` (rank 0) or `PeerRefused` (the other ranks).
@@ -279,19 +285,19 @@ def claim(run_dir, config: dict) -> Iterator[None]:
     held, error = None, None
     if is_main():
         try:
-            held = rundir.claim(run_dir, config)
+            held = rundir.claim(run_dir, config, fresh=fresh)
         except Exception as e:  # noqa: BLE001 - raised below, once the other ranks know
             error = e
-    refused = broadcast(None if error is None else str(error))
+    path, refused = broadcast((str(held.path), None) if held is not None else (None, str(error)))
     if error is not None:
         raise error
     if refused is not None:
         raise PeerRefused(refused)
+    owned = held if held is not None else rundir.RunDir(Path(path), config)
     try:
-        yield
+        yield owned
     finally:
-        if held is not None:
-            held.release()
+        owned.release()
 
 
 def done() -> None:

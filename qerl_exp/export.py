@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from qerl_exp import logs
-from qerl_exp.cli import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
+from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
 from qerl_exp.eval.__main__ import load_run, run_config
 from qerl_exp.loss import completion_logits
 from qerl_exp.metrics import kl_full
 from qerl_exp.batch import Sequences
 from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate
-from qerl_exp.rundir import check_writable, os_error_line
+from qerl_exp.files import check_writable, os_error_line
 
 MERGES = ("none", "bf16")
 

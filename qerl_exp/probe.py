@@ -42,7 +42,8 @@ import torch
 
 from analysis.stats import t_interval
 from qerl_exp import logs
-from qerl_exp.cli import UsageError, compose, fail, tolerate_closed_pipes
+from qerl_exp.compose import compose
+from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
 from qerl_exp.learner import chunks, rows
 from qerl_exp.loss import completion_logits
@@ -50,7 +51,7 @@ from qerl_exp.metrics import entropy_from_logits, kl_full
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
 from qerl_exp.rollout import make_sampler, row_seeds, sample
-from qerl_exp.rundir import source_commit
+from qerl_exp.record import source_commit
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT
 

@@ -28,7 +28,7 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, StoppingCriteria, StoppingCriteriaList,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from qerl_exp.batch import Rollout, Sequences
+from qerl_exp.batch import Rollout
 from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import FastEngine
 from qerl_exp.metrics import entropy_from_logits

@@ -1,11 +1,20 @@
-"""How a config schema is made: a dataclass validated by its `__post_init__` and read-only after,
-and the one-line `ConfigError` its checks raise. `qerl_exp.config` (the run's groups) and
-`qerl_exp.task_config` (the task group) are written with it."""
+"""What a config schema is: a dataclass validated once, then read-only, whose errors are one line.
+
+`@schema` makes a config dataclass (`qerl_exp.config` holds the groups, `qerl_exp.task_config` the
+task group): its `__post_init__` checks
+that every float field is finite (nan and inf are refused for every field alike, before the
+field's own range checks), runs the class's own checks, and freezes the instance. `check` and
+`choice` raise `ConfigError` with a message that names the field and what to change.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass
+
+_SCHEMAS: list[type] = []
 
 
 class ConfigError(ValueError):
@@ -21,13 +30,33 @@ def choice(name: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
     check(value in valid, f"{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
 
 
+def place(cls: type) -> str:
+    """The dotted place of a schema's fields in the root schema (`AlgoConfig` -> `algo.`): the
+    schemas no other schema holds are roots, and the first path to `cls` names it."""
+    hints = {s: typing.get_type_hints(s) for s in _SCHEMAS}
+    nested = {t for h in hints.values() for t in h.values() if dataclasses.is_dataclass(t)}
+    todo = [(s, "") for s in _SCHEMAS if s not in nested]
+    while todo:
+        current, prefix = todo.pop(0)
+        if current is cls:
+            return prefix
+        todo += [(t, f"{prefix}{name}.") for name, t in hints.get(current, {}).items() if dataclasses.is_dataclass(t)]
+    return ""
+
+
 def schema(cls):
     """A config dataclass whose fields are read-only once `__post_init__` has validated them (as
     verl's BaseConfig): vary a config with `dataclasses.replace`, which validates the new one."""
     cls = dataclass(cls)
+    _SCHEMAS.append(cls)
     validate = cls.__dict__.get("__post_init__")
+    floats = [f.name for f in dataclasses.fields(cls) if f.type in ("float", float)]
 
     def __post_init__(self) -> None:
+        for name in floats:
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ConfigError(f"{place(cls)}{name} must be a finite number, got {value}")
         if validate is not None:
             validate(self)
         object.__setattr__(self, "_frozen", True)

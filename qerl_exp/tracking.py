@@ -7,8 +7,11 @@ a group/job_type/tags built from the Hydra choices, and `step` as the x-axis of 
 
 `tracker.mode=online` checks first that the W&B host resolves (a few seconds at most): without
 network the run logs offline at once, with one warning, instead of waiting out W&B's init timeout.
-When W&B cannot start its offline run either (its folder cannot be written), the run logs to
-`metrics.jsonl` alone, with one warning.
+A tracker fault never ends a run: when W&B cannot start its offline run either (its folder cannot
+be written), or fails later (a table it cannot stage), the run goes on logging to `metrics.jsonl`
+alone, with one warning. W&B's own folders under the home folder (`~/.local/share/wandb`,
+`~/.cache/wandb`, `~/.config/wandb`) move into the run's `wandb/` folder when they cannot be written
+(a read-only home), unless W&B's variables (`WANDB_DATA_DIR`, ...) name others.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import socket
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
 from qerl_exp.config import TrackerConfig
-from qerl_exp.rundir import write_atomic
+from qerl_exp.files import check_writable, write_atomic
 
 RESOLVE_TIMEOUT_S = 3.0
 
@@ -48,6 +52,42 @@ def _unreachable(base_url: str) -> str | None:
     finally:
         pool.shutdown(wait=False)
     return None
+
+
+@contextmanager
+def _writable_wandb_folders(run_dir: Path):
+    """W&B's folders in the home folder, moved into `run_dir/wandb/` where they cannot be written:
+    its Python side reads `WANDB_DATA_DIR`, `WANDB_CACHE_DIR` and `WANDB_CONFIG_DIR` (set for the
+    process: staging happens at any log), its service process the user's cache folder for its logs
+    (`XDG_CACHE_HOME`, set only while the service starts: other libraries read it too)."""
+    import platformdirs
+
+    local = run_dir / "wandb" / ".home"
+    for var, default in (("WANDB_DATA_DIR", platformdirs.user_data_dir("wandb")),
+                         ("WANDB_CACHE_DIR", platformdirs.user_cache_dir("wandb")),
+                         ("WANDB_CONFIG_DIR", platformdirs.user_config_dir("wandb"))):
+        if var not in os.environ and not _can_write(default):
+            os.environ[var] = str(local / var.removeprefix("WANDB_").lower())
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    moved = not _can_write(cache)
+    if moved:
+        os.environ["XDG_CACHE_HOME"] = str(local / "xdg_cache")
+    try:
+        yield
+    finally:
+        if moved:
+            if cache == str(Path.home() / ".cache"):
+                os.environ.pop("XDG_CACHE_HOME", None)
+            else:
+                os.environ["XDG_CACHE_HOME"] = cache
+
+
+def _can_write(folder: str) -> bool:
+    try:
+        check_writable(folder)
+        return True
+    except OSError:
+        return False
 
 
 def _jsonable(value):
@@ -98,12 +138,28 @@ class Tracker:
         if why:
             warnings.warn(f"W&B is unreachable ({why}); logging offline instead (upload later with `wandb sync`)")
             mode = "offline"
-        self.wandb = self._init(wandb, mode, kwargs)
+        with _writable_wandb_folders(self.run_dir):
+            self.wandb = self._init(wandb, mode, kwargs)
         if self.wandb is None:
             return
         self.run_id = self.wandb.id
-        self.wandb.define_metric("step")
-        self.wandb.define_metric("*", step_metric="step")
+        self._guarded(lambda run: (run.define_metric("step"), run.define_metric("*", step_metric="step")))
+
+    def _guarded(self, call) -> None:
+        """`call(run)` on the W&B run; a failure drops W&B for the rest of the run (one warning),
+        which goes on logging to `metrics.jsonl`."""
+        if self.wandb is None:
+            return
+        try:
+            call(self.wandb)
+        except Exception as e:  # noqa: BLE001 - W&B raises many types; the fallback is the same
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(f"W&B failed ({why}); logging to metrics.jsonl only from here on")
+            run, self.wandb = self.wandb, None
+            try:
+                run.finish(exit_code=1)
+            except Exception:  # noqa: BLE001 - already failing: nothing more to report
+                pass
 
     def _init(self, wandb, mode: str, kwargs: dict):
         """`wandb.init` in `mode`. A tracker fault must not end the run: a failing online init falls
@@ -127,8 +183,7 @@ class Tracker:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         _write(self.jsonl, {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}})
-        if self.wandb is not None:
-            self.wandb.log({"step": step, **metrics})
+        self._guarded(lambda run: run.log({"step": step, **metrics}))
 
     def log_completions(self, step: int, records: list[dict]) -> None:
         """The step's completions (`metrics.completion_records`): a line each in `completions.jsonl`,
@@ -145,23 +200,20 @@ class Tracker:
         table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage"],
                             data=[[r["step"], r["prompt"], r["completion"], *(r["rewards"][n] for n in names),
                                    r["reward"], r["advantage"]] for r in records])
-        self.wandb.log({"step": step, "completions": table})
+        self._guarded(lambda run: run.log({"step": step, "completions": table}))
 
     def finish(self, summary: dict) -> None:
         write_atomic(self.run_dir / "summary.json", json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2))
-        if self.wandb is not None:
-            self.wandb.summary.update(summary)
-            self.wandb.finish()
-            self.wandb = None
+        self._guarded(lambda run: (run.summary.update(summary), run.finish()))
+        self.wandb = None
         self.jsonl.close()
         if self.samples is not None:
             self.samples.close()
 
     def abort(self) -> None:
         """Close without a summary (the run failed); W&B marks the run failed."""
-        if self.wandb is not None:
-            self.wandb.finish(exit_code=1)
-            self.wandb = None
+        self._guarded(lambda run: run.finish(exit_code=1))
+        self.wandb = None
         for f in (self.jsonl, self.samples):
             try:
                 if f is not None:

@@ -20,32 +20,29 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import blocks, checkpoint, distributed, logs, progress, rundir
+from qerl_exp import blocks, checkpoint, distributed, logs, progress, record, rundir
 from qerl_exp.batch import Rollout
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
+from qerl_exp.files import write_atomic
 from qerl_exp import learner
 from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
+from qerl_exp.models.pretrained import base_digest
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
+from qerl_exp.signals import Interrupted, StopSignals
 from qerl_exp.tasks import Task, build_task, file_digests, source_files
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-class StopRequest(Protocol):
-    """Where a run's stop requests come from: nonzero `signum` once one came."""
-
-    signum: int
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -140,18 +137,18 @@ def _truncate_log(run_dir: Path, next_step: int, name: str = "metrics.jsonl") ->
     resumed run logs the rest again); return them."""
     rows = [r for r in _logged(run_dir, name) if r["step"] < next_step]
     if (run_dir / name).exists():
-        rundir.write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
 def run(
     cfg: Config,
-    run_dir: Path,
+    run_dir: Path | rundir.RunDir,
     *,
     choices: dict[str, str] | None = None,
     group: str = "",
     on_step: StepCallback | None = None,
-    stop: StopRequest | None = None,
+    stop: StopSignals | None = None,
 ) -> dict[str, float]:
     """Train one policy with GRPO/DAPO from quantized rollouts and return its summary.
 
@@ -163,14 +160,16 @@ def run(
 
     Args:
         cfg: the validated run config.
-        run_dir: the run directory (created if needed); a finished run's directory is refused.
+        run_dir: the run directory (created if needed; a finished run's directory is refused), or
+            one the caller has claimed (`distributed.claim` with `run_config(cfg, choices)`) and
+            releases.
         choices: the Hydra group choices (e.g. `{"quant": "nf4"}`), used for tags and names.
         group: the W&B group (a multirun or a sweep).
         on_step: called with `(step, metrics)` after each step; it may raise to stop the run
             (e.g. an Optuna pruner).
         stop: where stop requests come from: once its `signum` is set, the run finishes the step,
-            checkpoints it and raises `rundir.Interrupted`. None: this process's SIGINT and SIGTERM,
-            caught for the run (`rundir.StopSignals`); a sweep worker passes its own signals.
+            checkpoints it and raises `signals.Interrupted`. None: this process's SIGINT and SIGTERM,
+            caught for the run's steps; a sweep worker passes its own (in `graceful()` mode).
 
     Returns:
         The summary also written to `summary.json`.
@@ -179,26 +178,34 @@ def run(
         rundir.RunDirError: `run_dir` is finished, owned by another process, or holds a run with
             another config (see `rundir.claim`), or its checkpoint does (`rundir.check_checkpoint`);
             nothing was written.
-        rundir.Interrupted: SIGINT or SIGTERM stopped the run (after checkpointing its last step,
+        signals.Interrupted: SIGINT or SIGTERM stopped the run (after checkpointing its last step,
             when it had time to finish that step).
     """
-    run_dir = Path(run_dir)
     choices = choices or {}
+    if isinstance(run_dir, rundir.RunDir):
+        return _resume_and_train(cfg, run_dir.path, run_dir.record, choices, group, on_step, stop)
     config = run_config(cfg, choices)
-    with distributed.claim(run_dir, config):
-        # rank 0 reads the log, every rank its checkpoint: all resume at the same step
-        resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
-        if resume_from is not None:
-            rundir.check_checkpoint(resume_from[0], resume_from[1].get("config"), config)
-        return _train(cfg, run_dir, config, resume_from, choices, group, on_step, stop)
+    with distributed.claim(run_dir, config) as owned:
+        return _resume_and_train(cfg, owned.path, config, choices, group, on_step, stop)
+
+
+def _resume_and_train(cfg: Config, run_dir: Path, config: dict, choices: dict[str, str], group: str,
+                      on_step: StepCallback | None, stop: StopSignals | None) -> dict[str, float]:
+    # rank 0 reads the log, every rank its checkpoint: all resume at the same step
+    resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
+    if resume_from is not None:
+        rundir.check_checkpoint(resume_from[0], resume_from[1].get("config"), config)
+    return _train(cfg, run_dir, config, resume_from, choices, group, on_step, stop)
 
 
 def run_config(cfg: Config, choices: dict[str, str]) -> dict:
     """What `config.json` records: the config, the Hydra choices, the data-parallel world size, the
-    code's commit, the digests of the files the task reads and the source files of its reward functions."""
-    digests, sources = file_digests(cfg.task), source_files(cfg.task)
-    return {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(), "commit": rundir.source_commit(),
-            **({rundir.DATA_KEY: digests} if digests else {}), **({rundir.REWARDS_KEY: sources} if sources else {})}
+    code's commit, and the digests of the files the task reads, of its reward functions' source files
+    and of the base model's files."""
+    config = record.with_digests({**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(),
+                                  "commit": record.source_commit()}, file_digests(cfg.task), base_digest(cfg.model))
+    sources = source_files(cfg.task)
+    return {**config, **({record.REWARDS_KEY: sources} if sources else {})}
 
 
 @dataclass
@@ -239,7 +246,7 @@ class _Batch:
 
 
 def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],
-           group: str, on_step: StepCallback | None, stop: StopRequest | None) -> dict[str, float]:
+           group: str, on_step: StepCallback | None, stop: StopSignals | None) -> dict[str, float]:
     """The body of `run`, in a run directory this process owns: set up, then one step after another."""
     loop = _setup(cfg, run_dir, config, resume_from, choices, group)
     models = loop.models
@@ -247,31 +254,15 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True) \
         if cfg.eval.at_start and loop.start == 0 else {}
     bar = progress.Progress(cfg.train.steps, "train", initial=loop.start, file=distributed.console())
-    signals = rundir.StopSignals() if stop is None else None
+    signals = StopSignals() if stop is None else None
     stop = signals if signals is not None else stop
     try:
-        for step in range(loop.start, cfg.train.steps):
-            t_step = time.perf_counter()
-            batch = _rollout(loop, step)
-            if distributed.any_rank(batch.rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
-                _skip(loop, step)
-                continue
-            step_metrics = _learn(loop, step, batch, dict(start_eval) if step == 0 else {}, t_step)
-            bar.update(step + 1, step_metrics)
-            loop.history.append({"step": step, **step_metrics})
-            _check_nonfinite(loop.nonfinite, cfg, step, run_dir)
-            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
-                _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1, prune=True)
-            if on_step is not None:
-                on_step(step, step_metrics)
-            signum = int(distributed.any_rank(stop.signum))  # every rank stops after the same step
-            if signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
-                _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1)
-                raise rundir.Interrupted(signum, step + 1)
-
+        with stop.graceful():
+            for step in range(loop.start, cfg.train.steps):
+                _step(loop, step, start_eval if step == 0 else {}, bar, on_step, stop)
         _save(loop, run_dir / "final", cfg.train.steps)
         summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
-                                         "world_size": distributed.world_size(), "commit": rundir.source_commit(),
+                                         "world_size": distributed.world_size(), "commit": record.source_commit(),
                                          "device": loop.device.type}
                                         if distributed.is_main() else None)
         loop.tracker.finish(summary)
@@ -281,11 +272,34 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         loop.tracker.abort()
         if isinstance(e, distributed.CollectiveError) and stop.signum:
             # torchrun (or the user) is stopping this rank: its peers' silence is that, not a hang
-            raise rundir.Interrupted(stop.signum) from e
+            raise Interrupted(stop.signum) from e
         raise
     finally:
         if signals is not None:
             signals.restore()
+
+
+def _step(loop: _Loop, step: int, start_eval: dict[str, float], bar: progress.Progress, on_step: StepCallback | None,
+          stop: StopSignals) -> None:
+    """One step: rollout, learning (or a skip), checkpoints, the step hook, a stop request heeded."""
+    cfg, run_dir = loop.cfg, loop.run_dir
+    t_step = time.perf_counter()
+    batch = _rollout(loop, step)
+    if distributed.any_rank(batch.rollout is None):  # blown-up weights or noise: skipped, as for a NaN loss
+        _skip(loop, step)
+        return
+    step_metrics = _learn(loop, step, batch, dict(start_eval), t_step)
+    bar.update(step + 1, step_metrics)
+    loop.history.append({"step": step, **step_metrics})
+    _check_nonfinite(loop.nonfinite, cfg, step, run_dir)
+    if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.train.steps:
+        _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1, prune=True)
+    if on_step is not None:
+        on_step(step, step_metrics)
+    signum = int(distributed.any_rank(stop.signum))  # every rank stops after the same step
+    if signum and step + 1 < cfg.train.steps:  # SIGINT/SIGTERM: keep this step, then stop
+        _save(loop, checkpoint.step_dir(run_dir, step + 1), step + 1)
+        raise Interrupted(signum, step + 1)
 
 
 def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, dict] | None, choices: dict[str, str],

@@ -127,7 +127,7 @@ def tiny_models(*overrides: str):
     built on the CPU by `models.build_models`, as a run would."""
     import torch
 
-    from qerl_exp.cli import compose
+    from qerl_exp.compose import compose
     from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
@@ -140,7 +140,7 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
     """Run `train.run` in this process with the config of `overrides` (Hydra syntax) and return its
     metrics rows; `keep["models"]` receives the run's models (for checks inside `on_step`)."""
     from qerl_exp import train
-    from qerl_exp.cli import compose
+    from qerl_exp.compose import compose
 
     cfg, choices = compose(list(overrides))
     with pytest.MonkeyPatch.context() as mp:
@@ -205,4 +205,20 @@ def save_checkpoint(folder: Path, family: str = "qwen2", seed: int = 0) -> Path:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+
+
+def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A local Hugging Face checkpoint folder (`save_pretrained`): `tiny_qwen2(seed)` and a character
+    tokenizer over the embedded model's characters, with an EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from qerl_exp.models.tokenizers import CHARS
+
+    vocab = {c: i for i, c in enumerate(["<eos>", *dict.fromkeys(CHARS)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    tiny_qwen2(seed, vocab=len(vocab) + 32, max_positions=512).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder

@@ -42,7 +42,7 @@ _COMPOSED: dict[tuple, dict] = {}
 
 def _config(strategy: str, seed: int, overrides: tuple[str, ...] = ()) -> dict:
     """A resolved config as `train.run` writes it, for a strategy preset plus overrides."""
-    from qerl_exp.cli import compose
+    from qerl_exp.compose import compose
     from qerl_exp.config import as_dict
 
     key = (strategy, overrides)
@@ -608,9 +608,10 @@ def test_offline_wandb_file_matches_metrics_jsonl(real_runs):
             assert a[name] == pytest.approx(b[name], rel=1e-12), name
     assert from_file.config["train"] == from_dir.config["train"]
     assert from_file.summary["reward/final"] == pytest.approx(from_dir.summary["reward/final"])
-    # Named explicitly, the file is read; under its run directory, the directory is the source.
+    # Named alone, the file is read; beside its run directory, the directory is the source (one run, read once).
+    assert R.discover([str(wandb_file)])[:2] == ([], [wandb_file])
     dirs, files, _ = R.discover([str(wandb_file), str(d.parent)])
-    assert files == [wandb_file] and dirs == sorted(d.parent.iterdir())
+    assert files == [] and dirs == sorted(d.parent.iterdir())
 
 
 def test_keep_copies_finished_trials_records_by_config_and_seed(tmp_path, capsys):

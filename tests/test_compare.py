@@ -12,7 +12,7 @@ import pytest
 from scipy import stats as sp
 
 from analysis import compare, keep, runs as R, section, stats, table
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 from qerl_exp.config import as_dict
 
 

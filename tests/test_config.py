@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, qerl
-from qerl_exp.cli import UsageError, compose, group_options, validate
+from qerl_exp.cli import validate
+from qerl_exp.compose import compose, group_options
+from qerl_exp.console import UsageError
 from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, from_dict
 from qerl_exp.flat_config import field_docs, flat_yaml
 
@@ -126,7 +128,7 @@ def test_a_config_saved_with_the_retired_algo_keys_means_what_it_meant(overrides
     (tmp_path / "config.json").write_text(json.dumps({**old, "choices": choices, "world_size": 1, "commit": "abc"}))
     claim(tmp_path, config).release()
     check_checkpoint(tmp_path / "checkpoints" / "step_000002", old, config)
-    assert json.loads((tmp_path / "config.json").read_text())["algo"].get("loss_agg")  # read, not rewritten
+    assert json.loads((tmp_path / "config.json").read_text())["algo"]["loss_type"] == cfg.algo.loss_type  # its meaning kept
 
 
 def test_an_adaptive_run_saved_before_relative_targets_keeps_its_set_point_in_nats():

@@ -18,7 +18,7 @@ import torch
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, qerl, stable
 from qerl_exp import distributed
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 from qerl_exp.config import ConfigError
 from qerl_exp.rollout import HFSampler, RowSampling, row_seeds, sample
 

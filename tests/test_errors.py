@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from qerl_exp.cli import UsageError, validate
+from qerl_exp.cli import validate
+from qerl_exp.console import UsageError
 from qerl_exp.config import Config, as_dict
 
 
@@ -54,7 +55,7 @@ def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
     assert "holds a finished run of 60 steps, and a run keeps its length" in _one_line(e)
 
 
-def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
+def test_a_claim_is_held_until_released_and_refused_to_any_other_claim(tmp_path):
     import os
     import subprocess
 
@@ -63,10 +64,10 @@ def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
     run_dir = tmp_path / "run"
     config = as_dict(Config())
     probe = ("import sys; from qerl_exp import rundir\n"
-             "try:\n    rundir.claim(sys.argv[1], rundir.read_config(sys.argv[1]))\nexcept rundir.RunDirBusy as e:\n    print(e)")
+             "try:\n    rundir.claim(sys.argv[1], rundir.saved_config(sys.argv[1]))\nexcept rundir.RunDirBusy as e:\n    print(e)")
     owned = rundir.claim(run_dir, config)
-    again = rundir.claim(run_dir, config)  # the CLI claims, then train.run does
-    again.release()
+    with pytest.raises(rundir.RunDirBusy, match=f"in use by process {os.getpid()}"):  # one claim per run, also here
+        rundir.claim(run_dir, config)
     held = subprocess.run([sys.executable, "-c", probe, str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     owned.release()
     free = subprocess.run([sys.executable, "-c", probe, str(run_dir)], cwd=ROOT, capture_output=True, text=True)
@@ -77,8 +78,8 @@ def test_a_claim_is_held_until_released_and_shared_within_the_process(tmp_path):
 def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     import shutil
 
-    from qerl_exp import rundir
-    from qerl_exp.cli import compose
+    from qerl_exp import record, rundir
+    from qerl_exp.compose import compose
     from qerl_exp.eval.__main__ import run_config as eval_config
     from qerl_exp.train import run_config
 
@@ -87,11 +88,11 @@ def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     cfg = compose(["task=gsm8k", f"task.path={data}"])[0]
     run_dir = tmp_path / "run"
     recorded = run_config(cfg, {})
-    with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != rundir.DATA_KEY}):  # as runs were made before
+    with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != record.DATA_KEY}):  # as runs were made before
         pass
     with rundir.claim(run_dir, recorded):  # continued: nothing to compare with yet, and from now on recorded
         pass
-    assert json.loads((run_dir / "config.json").read_text())[rundir.DATA_KEY] == recorded[rundir.DATA_KEY]
+    assert json.loads((run_dir / "config.json").read_text())[record.DATA_KEY] == recorded[record.DATA_KEY]
     data.write_text(data.read_text().replace("#### ", "####  ", 1))  # one answer edited
     with pytest.raises(rundir.ConfigChangedError) as e:
         rundir.claim(run_dir, run_config(cfg, {}))

@@ -152,7 +152,7 @@ def test_command_line_writes_eval_json(trained_run, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["run_dir=RUN", "kk=2"], "error: unknown argument 'kk'; keys: run_dir, k, n,"),
-    (["run_dir=RUN", "k=two"], "error: bad value for 'k': 'two' is not a int"),
+    (["run_dir=RUN", "k=two"], "error: bad value for 'k': 'two' is not an int"),
     (["run_dir=RUN", "adapter=maybe"], "error: bad value for 'adapter': 'maybe' is not a bool"),
     (["run_dir=RUN", "k=-1"], "error: k must be >= 2 for sampled pass@k, or 0 or 1 for the greedy pass@1 alone, got -1"),
     (["run_dir=RUN", "k=4", "n=3"], "error: n must be 0 or >= k, got 3"),
@@ -223,7 +223,7 @@ def test_a_split_the_runs_task_lacks_is_refused_before_the_model_is_built(traine
                "trained adapter (did it finish?)"),
     (None, ["adapter=false", "out=sub/eval.json"], "error: ValueError: out=sub/eval.json: RUN/sub is not a folder; create "
                                                    "it or choose another out="),
-    (b"\x00\xff", [], "error: RunDirError: RUN/config.json is not readable JSON"),
+    (b"\x00\xff", [], "error: RecordError: RUN/config.json is not readable JSON"),
     (b'{"lora": {"rank": 8}}', [], "error: ValueError: RUN/config.json does not fit the current config schema"),
 ])
 def test_what_eval_needs_is_checked_before_the_model_is_built(trained_run, tmp_path, capsys, config, args, message):
@@ -246,6 +246,6 @@ def test_wandb_that_cannot_start_keeps_the_evaluation(trained_run, tmp_path):
     shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json", "wandb"))
     (run_dir / "wandb").write_text("")  # a file where W&B keeps its runs
     args = EvalCommand(run_dir=str(run_dir), eval=EvalConfig(k=0, max_new_tokens=8), limit=1, tracker="offline")
-    with pytest.warns(UserWarning, match="W&B could not start .*; the results are in the evaluation file only"):
+    with pytest.warns(UserWarning, match="W&B failed .*; the results are in the evaluation file only"):
         metrics = evaluate_run(args)
     assert json.loads((run_dir / "eval.json").read_text())["metrics"] == metrics

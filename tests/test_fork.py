@@ -11,7 +11,7 @@ import torch
 
 from conftest import qerl
 from qerl_exp import metrics as M
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 from qerl_exp.models import routes, synthetic
 from qerl_exp.models.warmup import tiny_cache_key
 from qerl_exp.tasks import build_task

@@ -21,7 +21,7 @@ import torch
 
 from conftest import TINY_RUN, kill_after, metrics_rows, qerl, run_in_process, stable, tiny_models
 from qerl_exp import train
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 from qerl_exp.config import AlgoConfig
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp

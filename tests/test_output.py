@@ -65,7 +65,7 @@ def test_a_reader_that_exits_early_does_not_fail_the_run(tmp_path):
 
 
 def test_output_to_a_reader_that_is_gone_goes_to_devnull(monkeypatch):
-    from qerl_exp.cli import tolerate_closed_pipes
+    from qerl_exp.console import tolerate_closed_pipes
 
     read, write = os.pipe()
     os.close(read)  # the reader (head -1) has exited

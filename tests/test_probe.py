@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qerl_exp import probe as P
-from qerl_exp.cli import UsageError, compose
+from qerl_exp.compose import compose
+from qerl_exp.console import UsageError
 from qerl_exp.models import build_models
 from qerl_exp.tasks import build_task
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, qerl
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 
 SMOLLM2 = ["model=smollm2-135m", "task=wordprob"]
 

@@ -67,7 +67,7 @@ def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
 
 
 def _in_process_cfg(tmp_path, *overrides):
-    from qerl_exp.cli import compose
+    from qerl_exp.compose import compose
 
     return compose([*TINY_RUN, "monitor.every=0", f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}", *overrides])[0]
 
@@ -179,12 +179,13 @@ def test_tracker_whose_online_init_raises_falls_back_to_offline(tmp_path, monkey
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
-def test_failed_job_in_a_multirun_keeps_its_siblings(tmp_path):
-    # job 1 asks for a checkpoint the hub cannot give (no weights here): it fails, job 0 finishes
-    out = qerl("-m", "model.name=tiny,no-such-org/no-such-model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}")
-    assert out.returncode != 0
-    assert (tmp_path / "0_bf16_none_s0" / "summary.json").exists()
-    assert "could not be loaded" in out.stderr
+def test_a_job_that_cannot_load_its_model_refuses_the_multirun_before_the_first_job(tmp_path):
+    # job 1 asks for a checkpoint the hub cannot give (no weights here): known before any job runs
+    out = qerl("-m", "model.name=tiny,no-such-org/no-such-model", *TINY_RUN, "train.steps=1", f"hydra.sweep.dir={tmp_path}",
+               env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "model.name='no-such-org/no-such-model' could not be loaded (the hub is unreachable" in out.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------------- signals, ownership, refusals
@@ -294,7 +295,7 @@ def test_rerun_or_resume_with_another_config_or_length_is_refused_then_resumed(f
 
 
 def _commit(env: dict) -> str:
-    code = "from qerl_exp.rundir import source_commit; print(source_commit())"
+    code = "from qerl_exp.record import source_commit; print(source_commit())"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
 
@@ -325,7 +326,7 @@ def test_each_eval_writes_its_own_file(finished, tmp_path):
     first, second = (json.loads((run_dir / n).read_text()) for n in ("eval.json", "eval-2.json"))
     assert first["args"]["eval"]["k"] == 2 and len(first["problems"]) == 3
     assert second["args"]["eval"]["k"] == 0 and len(second["problems"]) == 2
-    with pytest.raises(ValueError, match="holds another evaluation's results"):
+    with pytest.raises(ValueError, match="exists, and an evaluation writes only a new file"):
         evaluate_run(EvalCommand(run_dir=str(run_dir), out="eval.json", **settings[1]))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_RUN, import_or_skip, qerl
-from qerl_exp.cli import compose
+from qerl_exp.compose import compose
 from qerl_exp.config import TaskConfig
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.answer import answers_equal, last_boxed, parse_number

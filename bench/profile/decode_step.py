@@ -13,10 +13,8 @@ for the prefill also the torch ops behind them (its glue is torch ops).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 

@@ -15,10 +15,8 @@ host took to issue them (the call's return before the GPU is done).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
@@ -78,7 +76,7 @@ def main() -> None:
 
         def step():
             logp, _ = padding_free.score(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing,
-                                     fused=not args.eager)
+                                         fused=not args.eager)
             logp.sum().backward()
 
         step()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path

@@ -13,7 +13,7 @@ FMT_ID = {"dense": 0, "nvfp4": 1, "nf4": 2, "mxfp4": 3, "raw": 4}  # the kernels
 
 if HAS_TRITON:
     from qerl_exp.engine.norm import _rstd, _x_tile
-    from qerl_exp.engine.triton_util import _dot, _dot_as_peft, _f16_div16
+    from qerl_exp.engine.triton_util import _dot, _f16_div16
     from qerl_exp.quant.fp4_decode import _e2m1_to, _nvfp4_chunk  # how the FP4 formats decode, in every kernel
 
     @triton.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import warnings
@@ -20,13 +21,15 @@ from pathlib import Path
 
 from qerl_exp import logs, progress
 from qerl_exp.checkpoint import adapter_file, load_adapter
-from qerl_exp.cli import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
+from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import samples_per_problem, score
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
-from qerl_exp.rundir import DATA_KEY, REWARDS_KEY, check_writable, read_config, write_atomic
-from qerl_exp.tasks import build_task, file_digests, source_files
+from qerl_exp.files import check_writable, user_path, write_atomic
+from qerl_exp.record import DATA_KEY, REWARDS_KEY, read_config
+from qerl_exp.task_check import check_task
+from qerl_exp.tasks import build_task, file_digests, reader, source_files
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
@@ -48,6 +51,10 @@ def run_config(run_dir: str | Path):
         cfg = from_dict(saved)
     except Exception as e:  # noqa: BLE001 - OmegaConf raises many types for a schema that changed
         raise ValueError(f"{path} does not fit the current config schema ({str(e).strip().splitlines()[0]})") from None
+    for key in ("path", "eval_path"):
+        if getattr(cfg.task, key) and reader.missing(getattr(cfg.task, key), f"task.{key}"):
+            raise ValueError(f"task.{key}={getattr(cfg.task, key)}, the run's data, does not exist: its held-out split is "
+                             "read from it; restore that file")
     recorded, now = saved.get(DATA_KEY), file_digests(cfg.task)
     if recorded is not None and recorded != now:
         changed = [k for k in recorded if recorded[k] != now.get(k)]
@@ -85,7 +92,7 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True,
     if not quantized:
         built = replace(built, quant=replace(built.quant, format="none", double_quant=False))
     task = build_task(cfg.task)
-    models = build_models(built, task, resolve_device(device))
+    models = build_models(built, task, resolve_device(device, key="device"))
     if adapter:
         load_adapter(models.policy, Path(run_dir) / "final" / "adapter")
     models.policy.eval()
@@ -135,9 +142,13 @@ class EvalCommand:
 
     def __post_init__(self) -> None:
         require(bool(self.run_dir), "run_dir=<a run directory> is required")
+        self.run_dir, self.out = str(user_path(self.run_dir)), str(user_path(self.out)) if self.out else ""
+        for name in ("temperature", "top_p"):
+            require(math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("limit", "temperature", "top_p"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
         require(self.top_p <= 1, "top_p must be <= 1")
+        require(0 <= self.seed < 2**32, f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         require(self.split in SPLITS, f"split={self.split!r} is not valid; choose one of: {', '.join(SPLITS)}")
         require(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda")
         require(self.tracker in ("run", "offline", "online", "disabled"),
@@ -171,7 +182,7 @@ def _new_output(run_dir: Path, out: str, adapter: bool, split: str) -> Path:
             return run_dir / name
         except FileExistsError:
             continue
-    raise ValueError(f"out={out}: {run_dir / out} holds another evaluation's results; choose another name")
+    raise ValueError(f"out={out}: {run_dir / out} exists, and an evaluation writes only a new file; choose another name")
 
 
 def evaluate_run(args: EvalCommand) -> dict[str, float]:
@@ -190,13 +201,16 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     """
     run_dir = Path(args.run_dir)
     if args.out and (run_dir / args.out).exists():
-        raise ValueError(f"out={args.out}: {run_dir / args.out} holds another evaluation's results; choose another name")
+        raise ValueError(f"out={args.out}: {run_dir / args.out} exists, and an evaluation writes only a new file; "
+                         "choose another name")
     if run_dir.is_dir():  # the results must have somewhere to go before the evaluation is paid for
         folder = (run_dir / (args.out or "eval.json")).parent
         if not folder.is_dir():
             raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
         check_writable(folder)
-    check_split(build_task(run_config(run_dir).task), args.split)  # before the model is built
+    cfg = run_config(run_dir)
+    check_split(build_task(cfg.task), args.split)  # before the model is built
+    check_task(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
     algo = cfg.algo
@@ -249,12 +263,11 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
             config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+        run.log({"step": cfg.train.steps, **metrics})
+        run.summary.update(metrics)
+        run.finish()
     except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
-        warnings.warn(f"W&B could not start ({first_line(e)}); the results are in the evaluation file only")
-        return
-    run.log({"step": cfg.train.steps, **metrics})
-    run.summary.update(metrics)
-    run.finish()
+        warnings.warn(f"W&B failed ({first_line(e)}); the results are in the evaluation file only")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         args = parse_args(argv)
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("device=cuda needs a CUDA device and none is visible; use device=cpu (or auto)")
     except UsageError as e:
         fail(str(e))
     with one_line_errors("path (out=...)", "interrupted; an evaluation file is written only when the evaluation finishes"):

@@ -30,11 +30,12 @@ from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize
 from qerl_exp.quant.fp4 import FP4Linear
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "train.device") -> torch.device:
+    """`auto`, `cpu` or `cuda` as a device; `key` is the setting that chose it, named in the message."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        raise ValueError(f"{key}=cuda but no CUDA device is visible; use {key}=cpu or auto")
     return torch.device(name)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -39,8 +40,14 @@ from torch import nn
 
 from qerl_exp.config import ModelConfig
 from qerl_exp.hub import hub_reachable
-from qerl_exp.models.shards import load_blockwise
+from qerl_exp.models.digest import file_digest
+from qerl_exp.models.shards import load_blockwise, shard_files
 from qerl_exp.models.tokenizers import HFTokenizer
+
+# Files a checkpoint folder's tokenizer is read from (one of them at least).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# What a checkpoint folder is loaded from: weights, configs, tokenizer files (not READMEs or licences).
+_MODEL_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken")
 
 
 def _first_line(text: str) -> str:
@@ -106,14 +113,6 @@ def fetch_gguf(cfg: ModelConfig) -> Path:
     return target
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     """A Hugging Face folder (config, tokenizer, chat template, safetensors) made from a GGUF file.
 
@@ -131,7 +130,7 @@ def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype_name = str(dtype).removeprefix("torch.")
-    folder = Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{_digest(path)}-{dtype_name}"
+    folder = Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{file_digest(path, cache_dir)[:16]}-{dtype_name}"
     if (folder / "config.json").is_file():
         return folder
     try:
@@ -160,10 +159,63 @@ def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     return folder
 
 
+def check_folder(folder: str | Path, key: str = "model.name") -> int | None:
+    """A local checkpoint folder, checked before a run loads it: a config, tokenizer files, and
+    weight files whose headers read (a truncated `model.safetensors` fails here, by name).
+
+    Args:
+        folder: the folder.
+        key: the setting that named it, for the message.
+
+    Returns:
+        The model's positions (`max_position_embeddings`), when its config says.
+
+    Raises:
+        ValueError: one line naming the file and `key`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder).expanduser()
+    config = folder / "config.json"
+    try:
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{key}={folder}: {config} is missing or unreadable ({type(e).__name__}); "
+                         "give the folder of a Hugging Face checkpoint (save_pretrained)") from None
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{key}={folder} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); save the checkpoint's "
+                         "tokenizer into it (tokenizer.save_pretrained)")
+    try:
+        weights = shard_files(folder)
+    except FileNotFoundError as e:
+        raise ValueError(f"{key}={folder}: {e}") from None
+    for path in weights:
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{key}={folder}: {path.name} is not a readable safetensors file "
+                             f"({_first_line(str(e))}): truncated or overwritten; restore it") from None
+    return positions if isinstance(positions, int) else None
+
+
+def check_hub_id(name: str) -> None:
+    """Refuse, before a run, a hub id that is neither in the local hub cache nor reachable.
+
+    Raises:
+        ValueError: one line naming `model.name` and what to set instead.
+    """
+    if _hub_commit(name) is None and not hub_reachable():
+        raise ValueError(f"model.name={name!r} could not be loaded (the hub is unreachable and it is not in the local "
+                         "hub cache); set model.name to a local checkpoint folder, or model.gguf_file to a .gguf file")
+
+
 def _load_folder(source: str | Path, dtype: torch.dtype, local_only: bool, device: torch.device | str = "cpu",
                  on_block: Callable[[nn.Module], None] | None = None):
     from transformers import AutoModelForCausalLM
 
+    if Path(source).is_dir():
+        check_folder(source)
     tokenizer = HFTokenizer(source, local_files_only=local_only)
     if on_block is not None and Path(source).is_dir():  # a local checkpoint: shard by shard, block by block
         return load_blockwise(source, dtype, device, on_block), tokenizer
@@ -213,3 +265,43 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
             "local checkpoint folder, or model.gguf_file to a .gguf file"
         ) from None
     return model, tokenizer, {"source": cfg.name}
+
+
+def base_files(cfg: ModelConfig) -> list[Path] | None:
+    """The files a pretrained base is loaded from, where they are on this machine: the GGUF file,
+    or the model files of a local checkpoint folder; None for a synthetic model, a hub id, and a
+    GGUF file not fetched yet."""
+    if cfg.source != "pretrained":
+        return None
+    if cfg.gguf_file:
+        path = package_dir(cfg) / cfg.gguf_file if cfg.package else Path(cfg.gguf_file).expanduser()
+        return [path] if path.is_file() else None
+    folder = Path(cfg.name).expanduser()
+    if not folder.is_dir():
+        return None
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILES and not p.name.startswith("."))
+
+
+def base_digest(cfg: ModelConfig) -> str | None:
+    """The identity of a pretrained base: the sha256 (16 hex digits) of its files' names and
+    digests; a hub id's, the commit of the snapshot in the local hub cache. None where there is
+    nothing on this machine to identify (a synthetic model, a hub id not cached, a GGUF file not
+    fetched yet)."""
+    files = base_files(cfg)
+    if files is None:
+        return _hub_commit(cfg.name) if cfg.source == "pretrained" and not cfg.gguf_file else None
+    h = hashlib.sha256()
+    for path in files:
+        h.update(f"{path.name}\0{file_digest(path, cfg.cache_dir)}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def _hub_commit(name: str) -> str | None:
+    """`hub:<commit>` of the snapshot of hub id `name` in the local hub cache; None when not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id, or no cache: nothing to identify
+        return None
+    return f"hub:{Path(found).parent.name}" if isinstance(found, str) else None

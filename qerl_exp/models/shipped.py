@@ -67,7 +67,7 @@ def ship(cached: Path, spec: dict, key: str, commit: str, command: str, root: Pa
         cached: the folder `load_or_warm_up` cached the base in.
         spec: the spec its key hashes.
         key: that key.
-        commit: the code's commit (`rundir.source_commit`).
+        commit: the code's commit (`record.source_commit`).
         command: the command that made it.
         root: where shipped bases go (the package's `bases/`).
 

@@ -87,6 +87,9 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
+        if not self.encode("0123456789 abc"):  # transformers makes an empty one where there are no files
+            raise ValueError(f"the tokenizer of {name_or_path} encodes text to nothing (no tokenizer files?); "
+                             "give a checkpoint with its tokenizer")
         self.eos_id = self.tok.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"the tokenizer of {name_or_path} has no EOS token; completions could never end")

@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     package (`models.shipped`) with its record: what made the default base, `ship=true` alone.
     """
     from qerl_exp import logs
-    from qerl_exp.cli import compose, fail, tolerate_closed_pipes
-    from qerl_exp.rundir import source_commit
+    from qerl_exp.compose import compose
+    from qerl_exp.console import fail, tolerate_closed_pipes
+    from qerl_exp.record import source_commit
     from qerl_exp.tasks import build_task
 
     tolerate_closed_pipes()

@@ -15,8 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.cli import UsageError, fail, parse_command_line, tolerate_closed_pipes
-from qerl_exp.rundir import check_writable, os_error_line
+from qerl_exp.cli import parse_command_line
+from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.files import check_writable, os_error_line
+from qerl_exp.record import run_holding
+from qerl_exp.rundir import other_runs
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             check_writable(plan.sweep_dir)
         except OSError as e:
             raise UsageError(os_error_line(e, "sweep_dir")) from None
+        _check_own_folder(plan.sweep_dir)
         storage = open_storage(plan)
         check_sweep_dir(plan, storage)
         study = open_study(plan, storage, create=True)
@@ -88,6 +92,16 @@ def own_presets(argv: list[str]) -> list[str]:
     if flags:
         raise UsageError(f"the sweep command takes key=value items and --config-dir DIR, not --{next(iter(flags)).replace('_', '-')}")
     return overrides
+
+
+def _check_own_folder(sweep_dir: Path) -> None:
+    """Refuse a sweep dir in a run directory, or holding runs other than its trials: their files
+    would mix (`python -m analysis` would read the trials as parts of that run, or those runs as trials)."""
+    run = run_holding(sweep_dir)
+    held = other_runs(sweep_dir, skip=("trials",))
+    if run is not None or held is not None:
+        raise UsageError(f"sweep_dir={sweep_dir} {f'is in the run directory {run}' if run else f'holds other runs (e.g. {held})'}; "
+                         "give the sweep a folder of its own")
 
 
 def _raise_interrupt(signum, frame):

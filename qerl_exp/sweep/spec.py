@@ -25,7 +25,9 @@ import optuna
 import yaml
 from omegaconf import OmegaConf
 
-from qerl_exp.cli import UsageError, expand_sweep, group_options, search_dirs, validate
+from qerl_exp.cli import validate
+from qerl_exp.compose import expand_sweep, group_options, search_dirs
+from qerl_exp.console import UsageError
 from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
@@ -207,6 +209,10 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
         raise UsageError(f"{where}: unknown key '{unknown[0]}'; valid keys: {', '.join(SPEC_KEYS)}")
 
     settings, cli_overrides = _split_argv(argv)
+    named = [o for o in [*spec.get("base", []), *cli_overrides] if isinstance(o, str) and override_key(o) in ("run_dir", "resume")]
+    if named:
+        raise UsageError(f"{named[0]}: a sweep gives each trial its own run directory (SWEEP_DIR/trials/...); "
+                         "drop it, and set sweep_dir= to move them")
     merged = {**{k: spec[k] for k in SETTINGS if k in spec}, **settings}
     study_name = str(merged.get("study_name") or spec_path.stem)
     if not _NAME.match(study_name):
@@ -232,6 +238,8 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     seeds = spec.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise UsageError(f"{where}: seeds must be a non-empty list of integers")
+    if not all(0 <= s < 2**32 for s in seeds):
+        raise UsageError(f"{where}: seeds must be integers in 0..{2**32 - 1}, got {seeds}")
     sampler = _named(spec.get("sampler", {"name": "tpe"}), "sampler", SAMPLERS, where)
     default_pruner = {"name": "median"} if len(objectives) == 1 and sampler["name"] != "grid" else {"name": "none"}
     pruner = _named(spec.get("pruner", default_pruner), "pruner", PRUNERS, where)
@@ -249,7 +257,7 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
             raise UsageError(f"n_trials={n_trials} exceeds the grid's {size} points; leave n_trials out to run each once")
     if n_trials is None:
         raise UsageError(f"{where}: set n_trials in the spec or on the command line (n_trials=20)")
-    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).resolve()
+    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).expanduser().resolve()
     plan = Plan(
         spec_path=spec_path.resolve(), spec=spec, study_name=study_name, overrides=merge_overrides(base, cli_overrides),
         params=params, space=space, objectives=objectives, seeds=seeds, sampler=sampler, pruner=pruner,
@@ -298,9 +306,12 @@ def _int(value: Any, name: str, low: int) -> int:
 
 def _num(value: Any, where: str) -> float:
     try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise UsageError(f"{where}: {value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise UsageError(f"{where}: {value!r} is not a finite number")
+    return number
 
 
 def _params(raw: Any, where: str) -> list[Param]:

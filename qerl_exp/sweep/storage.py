@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import sqlite3
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import Callable
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-from qerl_exp.cli import UsageError
+from qerl_exp.console import UsageError
 from qerl_exp.sweep.spec import Plan
 
 # A lock (SQLite's, or the claim lock) held this long is another program's or a stopped worker's.
@@ -42,13 +43,32 @@ def quiet_optuna() -> None:
 # Storage
 
 
+def expand_sqlite(url: str, key: str = "storage") -> str:
+    """A SQLite URL whose path starts with `~` (`sqlite:///~/study.db`) with the home folder put in,
+    as the shell would for a path: SQLite itself would make a folder named `~` in the current one.
+
+    Raises:
+        UsageError: the path holds `$`, a variable the shell left unexpanded (in quotes).
+    """
+    found = re.match(r"(sqlite(?:\+\w+)?:///)(.*)", url)
+    if not found:
+        return url
+    prefix, path = found.groups()
+    if "$" in path:
+        raise UsageError(f"{key}={url}: its path holds '$', a variable the shell did not expand (it was quoted); "
+                         "write the path out")
+    return prefix + str(Path(path).expanduser()) if path.startswith("~") else url
+
+
 def storage_url(plan: Plan) -> str:
-    """The storage URL with a driver SQLAlchemy can load (`postgresql://` means psycopg 3 here)."""
+    """The storage URL with a driver SQLAlchemy can load (`postgresql://` means psycopg 3 here), a
+    SQLite path's `~` expanded."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    expanded = expand_sqlite(plan.storage)
     try:
-        url = make_url(plan.storage)
+        url = make_url(expanded)
     except (ArgumentError, ValueError):
         raise UsageError(f"storage={plan.storage!r} is not a URL; use sqlite:///PATH or postgresql://USER@HOST:PORT/DB") from None
     backend = url.get_backend_name()

@@ -29,14 +29,15 @@ import threading
 import time
 import traceback
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from qerl_exp.cli import UsageError, compose
+from qerl_exp.compose import compose
+from qerl_exp.console import UsageError
+from qerl_exp.signals import StopSignals
 from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
                                   trial_overrides, trial_seeds)
 from qerl_exp.sweep.storage import claim_lock, first_line, open_storage, quiet_optuna, shown
@@ -204,70 +205,7 @@ def finished(c: dict[TrialState, int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Signals and heartbeats
-
-
-class Signals:
-    """SIGINT/SIGTERM request a stop; inside `interruptible()` they also raise KeyboardInterrupt
-    at once, except within `deferred()` (storage writes), after which it is raised, and within
-    `graceful()` (a training run), where the first one lets the run checkpoint its step first.
-
-    Passed to `train.run` as its `stop` (`signum`), so that a trial's retry continues the run from
-    that checkpoint."""
-
-    def __init__(self) -> None:
-        self.stop = False
-        self.signum = 0
-        self._armed = False
-        self._graceful = False
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        first = not self.stop
-        self.stop, self.signum = True, self.signum or signum
-        if self._graceful and first:
-            return  # the run stops after this step (train.run reads `signum`)
-        if self._armed or self._graceful:
-            self._armed = False
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def interruptible(self):
-        if self.stop:
-            raise KeyboardInterrupt
-        self._armed = True
-        try:
-            yield
-        finally:
-            self._armed = False
-
-    @contextmanager
-    def graceful(self):
-        """Around `train.run(..., stop=signals)`: a first signal ends the run after its step, which it
-        checkpoints (raising `rundir.Interrupted`, a KeyboardInterrupt); a second one at once."""
-        if self.stop:
-            raise KeyboardInterrupt
-        self._graceful = True
-        try:
-            yield
-        finally:
-            self._graceful = False
-
-    @contextmanager
-    def deferred(self):
-        armed, self._armed = self._armed, False
-        try:
-            yield
-        finally:
-            self._armed = armed and not self.stop
-        if armed and self.stop and not self._graceful:
-            raise KeyboardInterrupt
-
-    def sleep(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while not self.stop and time.monotonic() < end:
-            time.sleep(0.2)
+# Heartbeats
 
 
 class Heartbeat:
@@ -303,7 +241,7 @@ class _Reporter:
     raises `TrialPruned` when the pruner says so."""
 
     def __init__(self, plan: Plan, trial: optuna.Trial, seed_index: int, done: list[list[float]], steps: int,
-                 signals: Signals):
+                 signals: StopSignals):
         self.plan, self.trial, self.seed_index, self.done, self.steps, self.signals = plan, trial, seed_index, done, steps, signals
         self.series: list[float] = []
 
@@ -340,7 +278,7 @@ def _run_dir(plan: Plan, trial_number: int, seed: int) -> Path:
     return plan.sweep_dir / "trials" / f"trial{trial_number:04d}_s{seed}"
 
 
-def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optuna.Trial, signals: Signals,
+def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optuna.Trial, signals: StopSignals,
               log=print) -> TrialState:
     """Run one trial (one run per seed) and tell the study how it ended.
 
@@ -379,8 +317,8 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
                 choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
                 reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
                 if not (run_dir / "summary.json").exists():  # finished before the trial was cut: kept
-                    with signals.graceful():
-                        run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter, stop=signals)
+                    # the run's steps heed a first signal gracefully: it checkpoints the step it is in
+                    run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter, stop=signals)
                 per_seed.append(_objective_values(plan, run_dir, cfg.train.steps))
         result = [sum(v[j] for v in per_seed) / len(per_seed) for j in range(len(plan.objectives))]
         heartbeat.stop()
@@ -477,7 +415,7 @@ def work(plan: Plan, log=print) -> int:
         An exit status: 0 the study is complete, 130 interrupted, 1 too many failures in a row,
         2 a spec fault (e.g. an objective metric that is never logged).
     """
-    signals = Signals()
+    signals = StopSignals(take_all=True)
     quiet_optuna()
     try:
         with signals.interruptible():  # a locked storage is waited for, a signal is not

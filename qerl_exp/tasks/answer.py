@@ -13,6 +13,10 @@ r"""Answer comparison: exact for numbers, symbolic (math-verify) for LaTeX expre
   when math-verify cannot parse one side (plain words such as `Monday`).
 
 Units and currency are ignored, not converted: `5 cm` equals `5`, and so does `5 m`.
+
+Every parse ends in bounded time, whatever the text (a data file's reference, a model's reply): an
+answer of more than `MAX_ANSWER_CHARS` characters, or whose exact value would need more than
+`MAX_DIGITS` digits (`1e999999999`), is not a number.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ _SLASH = re.compile(rf"([-+]?{_DECIMAL})\s*/\s*([-+]?{_DECIMAL})")
 _NUMBER = re.compile(
     rf"""^(?P<sign>[-+]?)\s*(?:[$€£¥]|usd)?\s*(?P<sign2>[-+]?)\s*
     (?P<num>{_THOUSANDS}|{_DECIMAL}|{_SLASH.pattern}|{_FRAC.pattern})
-    \s*(?P<unit>%|(?:[A-Za-z]{{2,}}|(?<=\s)[mgslLhK]\b)(?:[\s./-]*[A-Za-z]+)*\.?)?$""",
+    \s*(?P<unit>%|(?:[A-Za-z]{{2,}}|(?<=\s)[mgslLhK]\b)(?:[\s./-]+[A-Za-z]+)*\.?)?$""",
     re.VERBOSE | re.IGNORECASE,
 )
 # Words that make "18 and a half" or "2 million" more than a number followed by a unit.
@@ -42,6 +46,9 @@ _NOT_UNITS = {
 _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\w*\s*=\s*(?=[^=])")
 _PREAMBLE = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*", re.IGNORECASE)
+# Bounds that keep every parse fast: no one number is written longer, or has more digits.
+MAX_ANSWER_CHARS = 500
+MAX_DIGITS = 1000
 
 
 def last_boxed(text: str) -> str | None:
@@ -89,7 +96,7 @@ def _strip_math_markup(text: str) -> str:
     s = s.replace("\\%", "%").replace("\\$", "$")
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°", "", s)
     # A trailing full stop ends the sentence; `3.` as a decimal has the same value without it.
-    return re.sub(r"[.!。]+$", "", s.strip()).strip()
+    return s.strip().rstrip(".!。").strip()
 
 
 def parse_number(text: str) -> Fraction | None:
@@ -105,7 +112,7 @@ def parse_number(text: str) -> Fraction | None:
 
     Returns:
         A `Fraction` (so `0.1 + 0.2` style rounding never makes two answers equal), or None when
-        the text is not exactly one number (`18 or 19`, `2 million`, `\sqrt{2}`, `1,25`).
+        the text is not exactly one number (`18 or 19`, `2 million`, `\sqrt{2}`, `1,25`, `1e999999999`).
 
     Example:
         >>> parse_number("$1,250.00")
@@ -113,7 +120,9 @@ def parse_number(text: str) -> Fraction | None:
         >>> parse_number("18 or 19") is None
         True
     """
-    s = _ASSIGNMENT.sub("", _PREAMBLE.sub("", _strip_math_markup(text)))
+    if len(text) > MAX_ANSWER_CHARS:
+        return None
+    s = _ASSIGNMENT.sub("", _PREAMBLE.sub("", re.sub(r"\s+", " ", _strip_math_markup(text))))
     if len(s) > 2 and s[0] == "(" and s[-1] == ")":
         s = s[1:-1].strip()
     m = _NUMBER.match(s)
@@ -129,16 +138,25 @@ def parse_number(text: str) -> Fraction | None:
     return -value if "-" in (m.group("sign") + m.group("sign2")) else value
 
 
+def _exact(text: str) -> Fraction:
+    """`Fraction(text)`, refused (ValueError) when its exponent would make it more than `MAX_DIGITS`
+    digits long: `Fraction("1e999999999")` builds 10**999999999 and never returns."""
+    exponent = re.search(r"[eE]([-+]?\d+)$", text)
+    if exponent and (len(exponent.group(1)) > 6 or abs(int(exponent.group(1))) > MAX_DIGITS):
+        raise ValueError(f"{text} has more than {MAX_DIGITS} digits")
+    return Fraction(text)
+
+
 def _value(num: str) -> Fraction | None:
     try:
         frac = _FRAC.fullmatch(num)
         if frac:
             top, bottom = (frac.group(1), frac.group(2)) if frac.group(1) is not None else (frac.group(3), frac.group(4))
-            return Fraction(top) / Fraction(bottom)
+            return _exact(top) / _exact(bottom)
         slash = _SLASH.fullmatch(num)
         if slash:
-            return Fraction(slash.group(1)) / Fraction(slash.group(2))
-        return Fraction(num.replace(",", "").rstrip("."))
+            return _exact(slash.group(1)) / _exact(slash.group(2))
+        return _exact(num.replace(",", "").rstrip("."))
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -188,4 +206,5 @@ def answers_equal(predicted: str, reference: str) -> bool:
         return parse_number(predicted) == expected
     if _normalize_text(predicted) == _normalize_text(reference):
         return True
-    return bool(_symbolic_equal(predicted, reference))
+    # math-verify's time grows with the text; an answer this long is no expression of one value
+    return max(len(predicted), len(reference)) <= MAX_ANSWER_CHARS and bool(_symbolic_equal(predicted, reference))

@@ -32,6 +32,7 @@ class Problem:
             empty for a text prompt.
         columns: the row's other columns (neither the prompt nor the answer), which reward
             functions get as keyword lists beside `answer`.
+        source: where a file-backed problem was read (`FILE line N`), for messages about it.
     """
 
     question: str
@@ -40,6 +41,7 @@ class Problem:
     completion: str = ""
     messages: tuple[dict[str, Any], ...] = field(default=(), hash=False)
     columns: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    source: str = field(default="", compare=False)
 
     @property
     def prompt(self) -> Prompt:

@@ -23,6 +23,7 @@ larger held-out split are fixed by the data and `task.eval_size` alone, never by
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -171,7 +172,7 @@ def _problems(table: reader.Table, parse_row: Callable[[dict], Problem], source:
         try:
             if isinstance(row, RowError):
                 raise row
-            problems.append(parse_row(row))
+            problems.append(dataclasses.replace(parse_row(row), source=f"{source} {where}"))
         except RowError as e:
             errors.append(f"{where}: {e}")
     if errors:
@@ -227,13 +228,14 @@ def _unique(problems: list[Problem]) -> list[Problem]:
     return out
 
 
-def split(problems: list[Problem], eval_size: int) -> tuple[list[Problem], list[Problem]]:
+def split(problems: list[Problem], eval_size: int, where: str = "the file") -> tuple[list[Problem], list[Problem]]:
     """Deterministic train/held-out split of one problem list.
 
     Args:
         problems: all problems (duplicates already removed).
         eval_size: held-out problems wanted; capped at a quarter of the list (with a warning) so
             that a small file still leaves most of it for training.
+        where: the file, for the message when it is too small.
 
     Returns:
         `(train, held_out)`, disjoint, each in file order. The held-out set for a smaller
@@ -242,7 +244,8 @@ def split(problems: list[Problem], eval_size: int) -> tuple[list[Problem], list[
     n = len(problems)
     n_eval = min(eval_size, int(n * _MAX_EVAL_FRACTION))
     if n_eval < 1 or n - n_eval < 1:
-        raise ValueError(f"{n} problems are too few to hold any out for evaluation; use a file with at least 4")
+        raise ValueError(f"{where} holds {n} distinct problem{'s' * (n != 1)}, too few to hold any out for evaluation; "
+                         "use a file with at least 4, or give the held-out ones in task.eval_path")
     if n_eval < eval_size:
         warnings.warn(f"task.eval_size={eval_size} is more than a quarter of the {n} problems; holding out {n_eval}")
     order = np.random.default_rng(_SPLIT_SEED).permutation(n)
@@ -318,7 +321,7 @@ def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", h
             raise ValueError(f"{key}={eval_source} holds no problem that is not also a training problem; "
                              "hold out other problems, or leave task.eval_split and task.eval_path empty")
     else:
-        train, held_out = split(problems, cfg.eval_size)
+        train, held_out = split(problems, cfg.eval_size, f"task.path={cfg.path}")
         eval_source = source
     data = [reader.digest(s) or s for s in dict.fromkeys((source, eval_source))]
     return FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out)))

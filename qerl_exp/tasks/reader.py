@@ -83,6 +83,18 @@ def kind(source: str, key: str) -> str:
     return HUB
 
 
+def missing(source: str, key: str) -> str | None:
+    """The one-line reason a local source named by `key` is not there; None when it is, or is a hub id
+    (or is there but of a kind `kind` refuses with its own line)."""
+    try:
+        kind(source, key)
+    except FileNotFoundError as e:
+        return str(e)
+    except ValueError:
+        return None
+    return None
+
+
 def digest(source: str) -> str | None:
     """16 hex digits of the SHA-256 of a local source's bytes (a folder: of its files' names and
     bytes, in order); None for a hub id (the hub names its own revisions)."""

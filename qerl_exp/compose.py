@@ -1,0 +1,177 @@
+"""How a run's config is made: `compose(overrides)`, Hydra's composition of `conf/config.yaml`
+with the overrides, validated into the schema's dataclasses (`config_of`), the one way every command,
+Hydra's entry point, sweep trial and test gets `(Config, choices)`.
+
+Presets kept outside the repository come in Hydra's own ways: `--config-dir DIR` (or
+`--config-dir=DIR`, `-cd DIR`) and the override `hydra.searchpath=[file://DIR]`, both searched
+after `conf/` (`search_dirs`; `cli.parse_command_line` turns `--config-dir` into the search-path
+override it amounts to). A checkpoint named on the embedded model's preset gets the schema's
+defaults, not the embedded model's (`_checkpoint_defaults`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from qerl_exp.config import GROUPS, Config, as_dict, register_configs, to_config
+from qerl_exp.record import flatten
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+SEARCH_PATH = "hydra.searchpath"
+
+
+def _is_search_path(override: str) -> bool:
+    return override.partition("=")[0].lstrip("+~") == SEARCH_PATH
+
+
+def _search_path(overrides: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The entries of the `hydra.searchpath` override among `overrides`, and the other overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    entries, rest = [], []
+    for o in overrides:
+        if _is_search_path(o):
+            entries += [str(e) for e in OverridesParser.create().parse_overrides([o])[0].value()]
+        else:
+            rest.append(o)
+    return entries, rest
+
+
+def search_dirs(overrides: list[str] | tuple[str, ...] = ()) -> list[Path]:
+    """The preset folders of a run: `conf/`, then the `file://` folders of a `hydra.searchpath`
+    override (as `--config-dir` adds them: `parse_command_line`)."""
+    return [CONF_DIR, *(Path(e[len("file://"):]) for e in _search_path(overrides)[0] if e.startswith("file://"))]
+
+
+def group_options(group: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The presets of `group` in `conf/` and in the folders `overrides` add to the search path."""
+    return sorted({p.stem for d in search_dirs(overrides) for p in (d / group).glob("*.yaml")})
+
+
+def with_search_path(overrides: list[str], folders: list[str]) -> list[str]:
+    """`overrides` whose `hydra.searchpath` override also holds `folders` (`file://` or `pkg://`
+    entries), ahead of its own entries, as Hydra orders `--config-dir` and `hydra.searchpath`."""
+    entries, rest = _search_path(overrides)
+    entries = list(dict.fromkeys([*folders, *entries]))
+    if not entries:
+        return rest
+    quoted = ",".join("'" + e.replace("\\", "\\\\").replace("'", "\\'") + "'" for e in entries)
+    return [*rest, f"{SEARCH_PATH}=[{quoted}]"]
+
+
+def search_path_of(sources) -> list[str]:
+    """The `hydra.searchpath` override that rebuilds, inside a Hydra job, the search path of its
+    command line (`--config-dir` and `hydra.searchpath`), from `HydraConfig.runtime.config_sources`."""
+    providers = ("command-line", f"{SEARCH_PATH} in command-line")
+    extra = [f"{s.schema}://{s.path}" for s in sources if s.provider in providers]
+    return with_search_path([], extra)
+
+
+def _is_hydra(override: str) -> bool:
+    return override.lstrip("+~").startswith("hydra")
+
+
+def _compose_hydra(overrides: list[str]) -> DictConfig:
+    """Hydra's composition of `conf/config.yaml` with `overrides`, its own `hydra` node included."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
+    """The validated run config of `overrides` and its group choices, as every run gets them.
+
+    Args:
+        overrides: Hydra overrides (`quant=nvfp4`, `train.steps=9`); `hydra...` ones are left to
+            Hydra (`check_hydra_overrides`), but for `hydra.searchpath`, which finds the presets.
+
+    Returns:
+        `(config, choices)`: choices name the preset of each group of `config.GROUPS` and of
+        `strategy` (e.g. `{"quant": "nvfp4", "strategy": "nvfp4_lora", ...}`), for tags and `config.json`.
+
+    Raises:
+        ConfigError: a value the schema rejects; Hydra's and OmegaConf's errors for overrides that
+            do not compose (`validate` turns both into one line).
+    """
+    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or _is_search_path(o)])
+    picked = cfg.hydra.runtime.choices
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return config_of(cfg, picked, overrides)
+
+
+EMBEDDED = "tiny"  # the preset of the embedded model, the default of the `model` group
+
+
+def _checkpoint_defaults(cfg: Config, overrides: list[str]) -> Config:
+    """`model.name=<a checkpoint>` on the embedded model's preset: the settings that preset tunes for
+    the embedded model (lr, completion length, the monitor) take the schema's defaults instead, as
+    for a checkpoint preset, unless the command line or another preset set them."""
+    tuned = flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{EMBEDDED}.yaml")).items()
+                            if k != "model"})
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    composed, default = flatten(as_dict(cfg)), flatten(as_dict(Config()))
+    groups: dict[str, dict] = {}
+    for key, value in tuned.items():
+        if composed[key] == value and not any(key == n or key.startswith(n + ".") for n in named):
+            group, leaf = key.split(".", 1)
+            groups.setdefault(group, {})[leaf] = default[key]
+    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **v) for g, v in groups.items()})
+
+
+def config_of(cfg: DictConfig, picked, overrides: list[str]) -> tuple[Config, dict[str, str]]:
+    """The validated run config of a Hydra composition of `overrides` (without its `hydra` node)
+    and its group choices, from `picked` (`hydra.runtime.choices`): what `compose` returns, and
+    what Hydra's entry point makes of the composition Hydra hands it. A checkpoint named on the
+    embedded model's preset gets the schema's defaults (`_checkpoint_defaults`)."""
+    choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
+    config = to_config(cfg)
+    if choices.get("model") == EMBEDDED and config.model.source == "pretrained":
+        config = _checkpoint_defaults(config, overrides)
+    return config, choices
+
+
+def check_hydra_overrides(overrides: list[str]) -> None:
+    """Compose Hydra's own config with the `hydra...` overrides (launcher choice and settings); raises as Hydra does."""
+    own = [o for o in overrides if _is_hydra(o)]
+    if own:
+        _compose_hydra(own)
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """The per-job override lists of a Hydra multirun command line (comma and range sweeps)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
+    """The dotted config keys `overrides` set: each `key=value`, and every key a group choice changes.
+
+    Args:
+        overrides: the command line's overrides.
+        composed: the flattened config they composed (`record.flatten(as_dict(cfg))`).
+
+    Returns:
+        Dotted keys, e.g. `{"lora.r", "train.steps"}` for `lora.r=32 train.steps=9`.
+    """
+    base = flatten(as_dict(compose([])[0]))
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    return {k for k in composed if composed[k] != base.get(k) or any(k == n or k.startswith(n + ".") for n in named)}
+
+
