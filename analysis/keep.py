@@ -97,8 +97,8 @@ def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path],
     written = []
     for name, trial in finished.items():
         out = dest / name
-        dest.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest, prefix=f".{name}-"))
+        out.parent.mkdir(parents=True, exist_ok=True)  # a name may hold folders (a trial's path)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
         try:
             for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
                 if packed and f.name == "metrics.jsonl":  # mtime 0: the same log packs to the same bytes

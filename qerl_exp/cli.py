@@ -240,7 +240,7 @@ def preflight(cfg: Config) -> None:
     run_cfg = from_dict(current(read_config(cfg.resume), Path(cfg.resume) / "config.json")) if cfg.resume else cfg
     for key, path in (("task.path", run_cfg.task.path), ("task.eval_path", run_cfg.task.eval_path)):
         if path and reader.missing(path, key):
-            raise ConfigError(f"{key}={path}, the run's data, does not exist; restore it" if cfg.resume else
+            raise ConfigError(f"{key}={path}, the run's data, does not exist; restore that file" if cfg.resume else
                               reader.missing(path, key))
     if cfg.resume and cfg.run_dir and Path(cfg.run_dir).absolute() != Path(cfg.resume).absolute():
         raise ConfigError(f"resume={cfg.resume} continues that run in its own directory, but run_dir={cfg.run_dir} "

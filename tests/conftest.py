@@ -205,6 +205,7 @@ def save_checkpoint(folder: Path, family: str = "qwen2", seed: int = 0) -> Path:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    return folder
 
 
 def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:

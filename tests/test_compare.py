@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +23,10 @@ def _run(tmp: Path, name: str, config: str, base: int, seed: int, rewards, share
                            f"model.warmup.seed={base}", f"seed={seed}", *overrides])[0])
     cfg["choices"] = {"config": config, "strategy": strategy}
     rows = []
+    step_s = 1.0 + zlib.crc32(f"{tmp}/{name}".encode()) / 2**32  # distinct runs have distinct wall times
     for step, reward in enumerate(rewards):
         row = {"step": step, "reward": reward, "entropy": 0.1, "sampler/entropy": 0.2, "noise/sigma": 0.0,
-               "perf/rollout_tok_s": 1.0, "perf/step_s": 1.0, "mem/weights_bytes": 1.0, "mem/peak_bytes": 1.0,
+               "perf/rollout_tok_s": 1.0, "perf/step_s": step_s, "mem/weights_bytes": 1.0, "mem/peak_bytes": 1.0,
                "entropy_gain": 0.01 * base + 0.001 * seed}
         if shares is not None:
             row["fork/b_share"] = shares[step]

@@ -696,7 +696,8 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
     # the prefill's Triton norm + shrink and epilogue against the torch composition they replace
     # (HF's and peft's rounding): q|k|v into column slices, GLU, residual, with and without the
     # norm; the fp32 sums (the norm's mean, the LoRA terms) may differ in their last bits
-    from qerl_exp.engine.decode import _Linear, _prefill_linear
+    from qerl_exp.engine.decode import _Linear
+    from qerl_exp.engine.prefill import _prefill_linear
 
     torch.manual_seed(0)
     x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
@@ -707,7 +708,7 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
         a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
         b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
         lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
-                      [None] * len(segs), a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
+                      [None] * len(segs), None, a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
         ref = oracle.linear(lin, oracle.rms_norm(x, *norm) if norm else x) + (res if res is not None else 0)
         out = _prefill_linear(lin, x, None, residual=res, norm=norm)

@@ -21,7 +21,9 @@ import torch
 from bench import rollout as rb
 
 from qerl_exp.engine import FastEngine
-from qerl_exp.engine.decode import decode_one_token, prefill
+from qerl_exp.engine.decode import decode_one_token
+from qerl_exp.engine.prefill import prefill
+from qerl_exp.engine.sampling import Filters
 
 
 def replay_ms(graph, n: int = 50) -> float:
@@ -37,7 +39,7 @@ def replay_ms(graph, n: int = 50) -> float:
 def kernel_table(engine: FastEngine, st, slot: int, steps: int = 3, top: int = 25) -> None:
     def fn():
         st.slot.fill_(slot)
-        decode_one_token(engine.m, engine.cache, st, False, False)
+        decode_one_token(engine.m, engine.cache, st, False, Filters())
 
     print_kernels(fn, "one eager step", steps, top)
     print_layer_launches(fn, len(engine.m.layers))
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = FastEngine(model, a.batch, a.prompt + a.new, dense_gemm=variant or "auto")
         engine.generate(ids, mask, 4, temperature=1.0, eos_id=-1, pad_id=0)
         st = engine._state(a.batch)
-        graph = engine._graph(st, False, False)
+        graph = engine._graph(st, False, Filters())
         pre = 1e9
         for _ in range(3):
             torch.cuda.synchronize()
