@@ -228,3 +228,16 @@ def test_cli_bad_choice_exits_nonzero_with_one_line():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == ["error: quant=bogus is not a preset; choose one of: bf16, mxfp4, nf4, nf4_dq, nvfp4"]
     assert "Traceback" not in out.stderr
+
+
+def test_the_run_records_the_config_that_validation_composed(tmp_path):
+    # the command line is composed twice: by `validate` before Hydra starts (so that a refused
+    # command writes nothing) and by Hydra for the run; both must give one config
+    overrides = ["strategy=nvfp4_lora", "noise=exp", "train.lr=3e-3", "algo.stop=[STOP]",
+                 "train.steps=1", "train.prompts_per_step=2", "algo.group_size=2", "algo.max_new_tokens=8",
+                 "monitor.every=0", "tracker=disabled", f"run_dir={tmp_path / 'run'}"]
+    composed = as_dict(validate(overrides, multirun=False)[0])
+    out = qerl(*overrides)
+    assert out.returncode == 0, out.stderr[-2000:]
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert {k: recorded[k] for k in composed} == composed
