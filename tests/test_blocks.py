@@ -13,7 +13,7 @@ import torch
 from conftest import TINY_RUN, metrics_rows, qerl, save_checkpoint, tiny_models, tiny_qwen2, with_lora
 from qerl_exp import blocks, padding_free
 from qerl_exp.loss import score_completions
-from qerl_exp.rollout import HFSampler, sample
+from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 
@@ -33,7 +33,7 @@ def _policy(family: str, quant: str = "bf16"):
                 p.copy_(torch.rand(p.shape, generator=gen) * 1.5 + 0.25)
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in task.sample(2, np.random.default_rng(0))]
     torch.manual_seed(0)
-    return cfg, policy, sample(HFSampler(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
+    return cfg, policy, sample(HFGenerator(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
 
 
 def _grads(policy, logp, entropy):
@@ -105,18 +105,18 @@ def test_a_group_views_its_stacked_dense_weights_instead_of_copying_them():
 
 
 def test_a_learner_that_computes_another_model_stops_the_run_before_step_0(monkeypatch):
-    from qerl_exp.rollout import make_sampler
+    from qerl_exp.rollout import make_generator
     from qerl_exp.train import DECODER_GAP, DecoderMismatch, check_decoders
 
     cfg, task, models = tiny_models("model.warmup.max_steps=0", "monitor.every=0", "model.family=qwen3",
                                     "algo.group_size=2", "train.prompts_per_step=2", "train.device=cpu")
     cpu = torch.device("cpu")
-    sampler = make_sampler("hf", models.sampler.module, models.tokenizer, cpu)
-    check_decoders(cfg, task, models, sampler, cpu)  # the declared Qwen3: rounding only
+    generator = make_generator("hf", models.sampler.module, models.tokenizer, cpu)
+    check_decoders(cfg, task, models, generator, cpu)  # the declared Qwen3: rounding only
     # the padding-free learner reading Qwen3 as if it had no q/k norms (as it once did)
     monkeypatch.setitem(blocks.ARCHITECTURES, "qwen3", blocks.Architecture("qwen3", qk_norm=False))
     with pytest.raises(DecoderMismatch) as e:
-        check_decoders(cfg, task, models, sampler, cpu)
+        check_decoders(cfg, task, models, generator, cpu)
     line = str(e.value)
     assert "\n" not in line and "qwen3 (Qwen3ForCausalLM)" in line and blocks.FALLBACK in line
     assert float(line.split("differ by ")[1].split()[0]) > 10 * DECODER_GAP[torch.float32]

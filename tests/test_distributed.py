@@ -20,7 +20,7 @@ from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, qerl, stable
 from qerl_exp import distributed
 from qerl_exp.compose import compose
 from qerl_exp.config import ConfigError
-from qerl_exp.rollout import HFSampler, RowSampling, row_seeds, sample
+from qerl_exp.rollout import HFGenerator, RowSampling, row_seeds, sample
 
 # The command: 4 steps of 4 prompts x 4 completions, seed 5.
 RUN = ["train.steps=4", "train.prompts_per_step=4", "algo.group_size=4", "seed=5"]
@@ -55,14 +55,14 @@ def test_a_prompt_samples_the_same_completions_in_any_batch(tiny_policy):
     cfg, task, models = tiny_policy
     tok, algo, cpu = models.tokenizer, cfg.algo, torch.device("cpu")
     prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in task.sample(4, np.random.default_rng(0))]
-    sampler = HFSampler(models.sampler.module, tok)
+    generator = HFGenerator(models.sampler.module, tok)
     G = algo.group_size
-    whole = sample(sampler, tok, prompts, algo, cpu, seeds=row_seeds(5, 3, range(4), G))
-    share = sample(sampler, tok, prompts[2:], algo, cpu, seeds=row_seeds(5, 3, range(2, 4), G))
+    whole = sample(generator, tok, prompts, algo, cpu, seeds=row_seeds(5, 3, range(4), G))
+    share = sample(generator, tok, prompts[2:], algo, cpu, seeds=row_seeds(5, 3, range(2, 4), G))
     assert whole.texts[2 * G:] == share.texts
     assert torch.allclose(whole.sampler_logp[2 * G:, : share.sampler_logp.shape[1]], share.sampler_logp, atol=1e-5)
     assert len(set(whole.texts)) > len(prompts)  # the rows of a group differ: sampled, not greedy
-    assert sample(sampler, tok, prompts, algo, cpu, seeds=row_seeds(5, 4, range(4), G)).texts != whole.texts
+    assert sample(generator, tok, prompts, algo, cpu, seeds=row_seeds(5, 4, range(4), G)).texts != whole.texts
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,7 @@ def assert_greedy_like_hf(model, ids, mask, comp, ref, tol=0.05):
     teacher-forced logits differ by more than that with bitsandbytes NF4), the first token (the
     prefill's argmax) is identical, and most positions agree exactly. The second token may not be:
     the fused prefill (`prefill(fused=True)`: other summation orders, its own rope and cache
-    writes) moved a near-tie there, 1.9 % of the spread (llama preset, NVFP4; H200, 2026-12-02;
+    writes) moved a near-tie there, 1.9 % of the spread (llama preset, NVFP4, on an H200;
     putting torch's norm, shrink and attention back one at a time did not restore it)."""
     gap, spread = teacher_forced_gap(model, ids, mask, comp)
     same_prefix = (comp == ref).long().cumprod(1).bool()
@@ -759,14 +759,14 @@ def test_gpu_fp16_dots_keep_their_headroom_for_large_activations(fmt):
 def test_gpu_nvfp4_dequantize_kernel_is_exact():
     w = torch.randn(192, 256) * torch.logspace(-3, 1, 256)  # outliers and tiny blocks
     pw = _to(_nvfp4_packed(w), "cuda")
-    ref = layout.dequantize_packed(pw)  # the torch twin
+    ref = layout.dequantize_layout(pw)  # the torch twin
     assert torch.equal(layout.weight_of(pw, torch.float32), ref)
     assert torch.equal(layout.weight_of(pw, torch.bfloat16), ref.to(torch.bfloat16))
     # a projection group's weights (rows in blocks of 64 and 32) decoded by one launch, stacked by rows
     group = [_to(_nvfp4_packed(torch.randn(n, 256) * s), "cuda") for n, s in ((96, 0.1), (32, 3.0), (160, 0.01))]
     for ws in (group[:1], group[:2], group):
         out = layout.stacked_weight(ws, torch.empty(sum(w.n for w in ws), 256, device="cuda", dtype=torch.bfloat16))
-        assert torch.equal(out, torch.cat([layout.dequantize_packed(w) for w in ws]).to(torch.bfloat16))
+        assert torch.equal(out, torch.cat([layout.dequantize_layout(w) for w in ws]).to(torch.bfloat16))
 
 
 @gpu
@@ -784,7 +784,7 @@ def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     print("exact agreement with HF greedy:", (out.completion_ids == ref).float().mean().item())
     # A 4-bit weight (E2M1 x E4M3 x fp32 tensor scale) is not a bf16 number: HF multiplies its bf16
     # rounding, the engine's kernels the exact value; with the llama preset's larger weights that
-    # moved a near-tie by 5.4 % of the spread (H200, 2026-12-01).
+    # moved a near-tie by 5.4 % of the spread (on an H200).
     assert_greedy_like_hf(model, ids, mask, out.completion_ids, ref, tol=0.05 if quant is None else 0.08)
 
 

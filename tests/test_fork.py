@@ -27,7 +27,7 @@ def task():
 def test_a_right_answer_earns_twice_as_much_on_route_b(task):
     problem = next(p for p in task.sample(20, np.random.default_rng(0)) if p.answer not in ("0",))
     def total(text: str) -> float:  # the run's reward: the weighted sum of its functions
-        scores = task.rewards.score([problem], [text], "test")
+        scores = task.rewards.compute([problem], [text], "test")
         return sum(task.rewards.weights[name] * values[0] for name, values in scores.items())
 
     assert total(f"A{problem.answer}") == pytest.approx(1.2) and total(f"B{problem.answer}") == pytest.approx(2.2)

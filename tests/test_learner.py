@@ -23,7 +23,7 @@ from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
 from qerl_exp.batch import Rollout
-from qerl_exp.rollout import HFSampler, sample
+from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 from test_loss import trl_loss
 
@@ -66,7 +66,7 @@ def setup():
     problems = task.sample(2, np.random.default_rng(0))
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in problems]
     torch.manual_seed(0)
-    rollout = sample(HFSampler(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
+    rollout = sample(HFGenerator(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
     return cfg, policy, rollout
 
 

@@ -28,7 +28,7 @@ from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_
 from qerl_exp.noise import noisy_norms
 from qerl_exp.quant import decoder_linears, dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
-from qerl_exp.rollout import HFSampler, sample
+from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 LOOP = [*TINY_RUN, "monitor.every=0", "checkpoint.every=0", "tracker.completions_every=0",
@@ -143,7 +143,7 @@ def test_the_learner_weights_each_token_by_its_tis_weight(tiny_policy):
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in task.eval_problems()[:2]]
     algo = AlgoConfig(group_size=3, max_new_tokens=8, loss_type="dapo", tis_cap=2.0)
     torch.manual_seed(0)
-    rollout = sample(HFSampler(policy, tok), tok, prompts, algo, torch.device("cpu"))
+    rollout = sample(HFGenerator(policy, tok), tok, prompts, algo, torch.device("cpu"))
     mask = rollout.completion_mask
     with torch.no_grad():  # the learner's log-probs by another path: full logits
         learner_logp = token_logp(completion_logits(policy, rollout, algo.temperature), rollout.completion_ids)

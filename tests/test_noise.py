@@ -179,21 +179,21 @@ def test_sampler_sees_noise_and_learner_does_not(tiny_policy):
     """The run loop's own rollout path: generate() logits move under AQN, the learner's forward
     after the block is the clean one."""
     from qerl_exp.loss import completion_logits
-    from qerl_exp.rollout import HFSampler, sample
+    from qerl_exp.rollout import HFGenerator, sample
 
     cfg, task, models = tiny_policy
     policy, tok = models.policy, models.tokenizer
     prompts = [tok.render_prompt(p.question, "") for p in task.sample(2, __import__("numpy").random.default_rng(0))]
     algo = cfg.algo
     torch.manual_seed(0)
-    clean = sample(HFSampler(policy, tok), tok, prompts, algo, torch.device("cpu"))
+    clean = sample(HFGenerator(policy, tok), tok, prompts, algo, torch.device("cpu"))
     learner_before = completion_logits(policy, clean, algo.temperature)
     aqn = AQN(policy, NoiseConfig(schedule="fixed"), seed=0)
     aqn.draw(5e-2)
     with aqn.applied(policy):
         noisy_logits = completion_logits(policy, clean, algo.temperature)  # the sampler's view of the same tokens
         torch.manual_seed(0)
-        noisy = sample(HFSampler(policy, tok), tok, prompts, algo, torch.device("cpu"))
+        noisy = sample(HFGenerator(policy, tok), tok, prompts, algo, torch.device("cpu"))
     assert not torch.allclose(noisy_logits, learner_before)
     assert not torch.allclose(noisy.sampler_entropy.sum(), clean.sampler_entropy.sum())
     assert torch.equal(completion_logits(policy, clean, algo.temperature), learner_before)

@@ -273,7 +273,7 @@ def test_a_bad_reward_value_is_one_line_naming_the_function_and_the_step(tmp_pat
     (tmp_path / "bad.py").write_text(f"def odd(prompts, completions, **kwargs):\n    return {returned}\n")
     rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/bad.py:odd"]), ("answer",))
     with pytest.raises(RewardError) as err:
-        rewards.score([Problem("q", "1")] * 2, ["a", "b"], "step 7")
+        rewards.compute([Problem("q", "1")] * 2, ["a", "b"], "step 7")
     assert str(err.value).startswith(f"reward function odd ({tmp_path}/bad.py:odd) ") and message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -444,8 +444,8 @@ def test_completions_no_function_applies_to_are_named_once(tmp_path, capsys):
                                       "    return [1.0 if l == 'hard' else None for l in level]\n")
     rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/some.py:only_hard"]), ("answer", "level"))
     problems = [Problem("q", "1", columns={"level": level}) for level in ("hard", "easy", "easy")]
-    scores = rewards.score(problems, ["a", "b", "c"], "step 4")
+    scores = rewards.compute(problems, ["a", "b", "c"], "step 4")
     assert scores["only_hard"][0] == 1.0 and all(math.isnan(v) for v in scores["only_hard"][1:])
-    rewards.score(problems, ["a", "b", "c"], "step 5")
+    rewards.compute(problems, ["a", "b", "c"], "step 5")
     assert capsys.readouterr().err == ("warning: no reward function applies to 2 completion(s) at step 4 (each returned "
                                        "None): they get no reward and advantage 0, as in TRL (shown once)\n")

@@ -17,7 +17,7 @@ from qerl_exp.config import TrainConfig
 from qerl_exp.learner import update_policy
 from qerl_exp.loss import score_completions
 from qerl_exp.batch import Rollout, Sequences
-from qerl_exp.rollout import HFSampler, sample
+from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 
@@ -32,7 +32,7 @@ def _setup(quant: str, family: str = "qwen2"):
                 p.normal_(std=0.05)
     prompts = [tok.render_prompt(p.question, SYSTEM_PROMPT) for p in task.sample(3, np.random.default_rng(0))]
     torch.manual_seed(0)
-    rollout = sample(HFSampler(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
+    rollout = sample(HFGenerator(policy, tok), tok, prompts, cfg.algo, torch.device("cpu"))
     return cfg, policy, rollout
 
 

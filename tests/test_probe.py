@@ -62,11 +62,11 @@ def test_each_format_scores_full_precisions_samples_as_an_independent_computatio
     fp = build_models(cfg, task, torch.device("cpu"))
     q = build_models(compose(["quant=nvfp4", "monitor.every=0"])[0], task, torch.device("cpu"))
     tok = fp.tokenizer
-    from qerl_exp.rollout import make_sampler, row_seeds, sample
+    from qerl_exp.rollout import make_generator, row_seeds, sample
     from dataclasses import replace
 
     prompts = [p.question for p in task.eval_problems()[:6]]
-    batch = sample(make_sampler("hf", fp.policy, tok, torch.device("cpu")), tok, prompts, replace(cfg.algo, group_size=2),
+    batch = sample(make_generator("hf", fp.policy, tok, torch.device("cpu")), tok, prompts, replace(cfg.algo, group_size=2),
                    torch.device("cpu"), seeds=row_seeds(0, 0, range(6), 2))
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
     att = torch.cat([batch.prompt_mask, batch.completion_mask], 1)

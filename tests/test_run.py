@@ -120,9 +120,9 @@ def test_building_the_embedded_model_leaves_the_run_rng_alone(tmp_path):
 
 def test_the_warm_up_gives_the_same_model_whatever_the_thread_count(tmp_path):
     # The warmed-up model is cached by config alone, so it must not depend on torch's thread count:
-    # with two threads, float sums split differently, and on 2026-12-01 the default model's warm-up
-    # ran all 3000 steps (20 min; 0.19 accuracy at step 2600, 0.41 at 3000) where one thread
-    # reaches the 0.3 target at step 1000.
+    # with two threads, float sums split differently, and the default model's warm-up once ran all
+    # 3000 steps (0.19 accuracy at step 2600, 0.41 at 3000) where one thread reaches the 0.3 target
+    # at step 1000.
     import torch
 
     from qerl_exp.config import ModelConfig, TaskConfig, WarmupConfig

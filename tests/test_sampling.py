@@ -275,9 +275,9 @@ SEEDS = list(range(6))
 
 
 def _rollout(model, tok, algo=ALGO):
-    from qerl_exp.rollout import HFSampler, sample
+    from qerl_exp.rollout import HFGenerator, sample
 
-    return sample(HFSampler(model, tok), tok, ["12+34=", "7-5="], algo, torch.device("cpu"), seeds=SEEDS)
+    return sample(HFGenerator(model, tok), tok, ["12+34=", "7-5="], algo, torch.device("cpu"), seeds=SEEDS)
 
 
 def test_hf_rollouts_carry_the_log_probs_of_the_filtered_distribution(char_policy):

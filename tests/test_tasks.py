@@ -236,7 +236,7 @@ def test_build_task_gsm8k_from_a_file():
     assert len({p.question for p in task.sample(10, np.random.default_rng(2))}) == 10  # no repeats in a batch
     assert task.fingerprint == build_task(cfg).fingerprint != build_task(TaskConfig(name="gsm8k", path=str(GSM8K), eval_size=5)).fingerprint
     p = task.eval_problems()[0]
-    scores = task.rewards.score([p], [f"<think>{p.solution}</think><answer>{p.answer}</answer>"], "a test")
+    scores = task.rewards.compute([p], [f"<think>{p.solution}</think><answer>{p.answer}</answer>"], "a test")
     assert scores == {"format": [0.2], "correct": [2.0]}
 
 
@@ -245,7 +245,7 @@ def test_build_task_math_scores_symbolic_answers():
     problems = {p.answer: p for p in task.train + task.held_out}
     half, root = problems["\\dfrac{1}{2}"], problems["\\frac{\\sqrt{2}}{2}"]
     answers = ["0.5", "\\frac{1}{\\sqrt{2}}", "\\sqrt{2}"]
-    scores = task.rewards.score([half, root, root], [f"<think>.</think><answer>{a}</answer>" for a in answers], "a test")
+    scores = task.rewards.compute([half, root, root], [f"<think>.</think><answer>{a}</answer>" for a in answers], "a test")
     assert scores["correct"] == [2.0, 2.0, 0.0]
 
 

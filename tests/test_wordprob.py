@@ -174,7 +174,7 @@ def test_preset_turns_the_format_reward_off_and_judges_natural_answers():
     t = build_task(cfg.task)
     assert t.rewards.names == ["correct"] and cfg.task.answer_from == "text"
     p = t.eval_problems()[0]
-    assert t.rewards.score([p], [f"Step by step.\n#### {p.answer}"], "a test") == {"correct": [cfg.task.correct_reward]}
+    assert t.rewards.compute([p], [f"Step by step.\n#### {p.answer}"], "a test") == {"correct": [cfg.task.correct_reward]}
     # the other tasks keep both of the paper's rewards
     assert build_task(compose([])[0].task).rewards.names == ["format", "correct"]
 
