@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from glob import glob
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,71 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
     tiny_qwen2(seed, vocab=len(vocab) + 32, max_positions=512).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def patch_interpreter() -> None:
+    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int())."""
+    import triton.runtime.interpreter as ti
+
+    orig = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+
+
+def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
+    """Run the test file `script` as `python script --interp ARGS` with TRITON_INTERPRET=1 (it must
+    be set before triton is first imported) and check that it printed `marker`."""
+    import torch
+
+    import_or_skip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests run the kernels natively")
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # conftest's helpers
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, script, "--interp", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """`(url, None)` for a reachable PostgreSQL server, or `(None, reason)`: `QERL_TEST_PG_URL` when
+    set (`.ci/run` sources `.ci/postgres.sh`, which starts one); otherwise, where Debian's PostgreSQL
+    is installed, a throwaway one started with the same script."""
+    url, started = os.environ.get("QERL_TEST_PG_URL"), None
+    if not url and glob("/usr/lib/postgresql/*/bin/pg_ctl"):
+        out = subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "start", "--no-install"],
+                             capture_output=True, text=True, timeout=180)
+        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        url, started = env.get("QERL_TEST_PG_URL"), env.get("QERL_TEST_PG_DIR")
+        if not url:
+            yield None, f"could not start PostgreSQL with .ci/postgres.sh: {out.stderr.strip()[-500:]}"
+            return
+    if not url:
+        yield None, "no PostgreSQL server: source .ci/postgres.sh (sets QERL_TEST_PG_URL) or apt-get install postgresql"
+        return
+    try:
+        import psycopg
+
+        psycopg.connect(url, connect_timeout=10).close()
+    except Exception as e:  # noqa: BLE001
+        yield None, f"PostgreSQL at {url} is unreachable: {str(e).splitlines()[0]}"
+    else:
+        yield url, None
+    finally:
+        if started:
+            subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", started], timeout=120)
+
+
+def require_server(postgres) -> str:
+    """The `postgres` fixture's URL; without a server the test fails under CI and is skipped elsewhere."""
+    url, reason = postgres
+    if url is None:
+        if on_ci():
+            pytest.fail(reason)  # CI promised a server: its absence is a failure, not a skip
+        pytest.skip(reason)
+    return url

@@ -100,6 +100,7 @@ def test_sweep_spec_numbers_must_be_finite(tmp_path):
         assert message in _one_line(e)
 
 
+@pytest.mark.slow
 def test_a_sweep_dir_in_a_run_or_holding_runs_is_refused(tmp_path, capsys):
     from qerl_exp import rundir
     from qerl_exp.config import as_dict
@@ -203,6 +204,7 @@ def test_sqlite_paths_expand_the_home_folder_and_refuse_unexpanded_variables(mon
 # --------------------------------------------------------------------------- each command, end to end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command, args, code, line", [
     ("qerl_exp", ["task.correct_reward=nan"], 2, "error: task.correct_reward must be a finite number, got nan"),
     ("qerl_exp", ["train.steps=2", "-m", "algo.beta=0,inf"], 2, "error: algo.beta must be a finite number, got inf"),

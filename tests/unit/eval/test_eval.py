@@ -139,6 +139,7 @@ def test_load_adapter_refuses_a_file_that_does_not_fit(trained_run, tmp_path):
         load_adapter(models.policy, tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_command_line_writes_eval_json(trained_run, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("eval*.json"))

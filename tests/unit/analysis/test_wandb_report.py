@@ -50,6 +50,7 @@ def test_strategy_report_holds_the_papers_figures_as_panels():
     assert curves[-1].get("yLogScale") is True  # sigma spans decades
 
 
+@pytest.mark.slow
 def test_command_writes_a_sweep_report_spec_and_refuses_bad_input(tmp_path):
     out = _report("--project", "me/qerl-exp", "--sweep", "noise_schedule", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import engine_oracle as oracle
-from conftest import import_or_skip, tiny_qwen2, with_lora
+from conftest import ROOT, import_or_skip, patch_interpreter, run_interpreted, tiny_qwen2, with_lora
 from qerl_exp import blocks
 from qerl_exp.engine import attention, dispatch, linear, norm, prefill, rope_cache
 from qerl_exp.quant import layout
@@ -601,19 +601,6 @@ def _to(pw: layout.KernelWeight, device) -> layout.KernelWeight:
                                None if pw.lut is None else pw.lut.to(device))
 
 
-def patch_interpreter() -> None:
-    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int())."""
-    import triton.runtime.interpreter as ti
-
-    orig = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-
-
 INTERPRETED = {  # the checks that run Triton kernels on CPU: one subprocess each
     "kernels": lambda: _check_kernels("cpu", torch.float32, 2e-3),
     "greedy": _check_greedy_equals_hf_generate,
@@ -622,18 +609,7 @@ INTERPRETED = {  # the checks that run Triton kernels on CPU: one subprocess eac
 }
 
 
-def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
-    """Run `script --interp ARGS` with TRITON_INTERPRET=1 (it must be set before triton is first
-    imported) and check that it printed `marker`."""
-    import_or_skip("triton")
-    if CUDA:
-        pytest.skip("the GPU tests run the kernels natively")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, script, "--interp", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("check", list(INTERPRETED))
 def test_the_kernels_and_the_engine_in_the_interpreter(check):
     run_interpreted(__file__, f"{check} OK", 900, check)
@@ -672,7 +648,7 @@ def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
             "linear.fused_linear(plan, torch.randn(2, 64), torch.empty(2, 64))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=ROOT)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         "RuntimeError: Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "

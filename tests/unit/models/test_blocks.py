@@ -122,6 +122,7 @@ def test_a_learner_that_computes_another_model_stops_the_run_before_step_0(monke
     assert float(line.split("differ by ")[1].split()[0]) > 10 * DECODER_GAP[torch.float32]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding_free", ["true", "false"])
 def test_a_qwen3_checkpoint_trains_through_decoders_that_match_it(tmp_path, padding_free):
     folder = save_checkpoint(tmp_path / "qwen3", "qwen3")
@@ -133,6 +134,7 @@ def test_a_qwen3_checkpoint_trains_through_decoders_that_match_it(tmp_path, padd
     assert rows[0]["sampling/logp_gap"] < 1e-4  # the learner's log-probs are HF generate's, to float32 rounding
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_an_undeclared_architecture_is_refused_in_one_line(tmp_path):
     folder = save_checkpoint(tmp_path / "gpt2", "gpt2")
     out = qerl(f"model.name={folder}", "train.steps=1", f"run_dir={tmp_path / 'run'}", *TINY_RUN)

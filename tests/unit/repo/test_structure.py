@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 PACKAGES = ("qerl_exp", "analysis")
 MAX_CODE_LINES = 500
 MAX_FUNCTION_LINES = 120

@@ -105,6 +105,7 @@ def test_a_fork_run_logs_its_route_and_the_warmups_measured_prior(tmp_path):
     assert rows[0]["fork/route_entropy"] == pytest.approx(0.2, abs=0.1)
 
 
+@pytest.mark.slow
 def test_the_fork_command_logs_b_share_and_records_the_measured_prior(tmp_path):
     out = qerl("task=fork", "task.route_b_prior=0.01", "train.steps=5", "tracker.mode=disabled",
                f"run_dir={tmp_path / 'run'}")

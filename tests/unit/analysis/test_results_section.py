@@ -139,6 +139,7 @@ def test_the_best_aqn_setting_is_chosen_on_training_reward_not_held_out(built):
     assert "**nvfp4_lora_relative**" in text and f"change {change.text()}" in text
 
 
+@pytest.mark.slow
 def test_the_section_names_its_commit_command_and_the_spread_of_identical_runs(study, built, made):
     out, page = made
     text = (out / section.FILE).read_text()
@@ -267,6 +268,7 @@ def test_every_number_a_summary_quotes_stands_in_a_table_or_section_of_its_page(
     assert not missing, f"{page.name}'s summaries quote numbers no table or included section of it holds: {missing}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page, path, text", _included() or [pytest.param(None, None, None, marks=pytest.mark.skip(
     reason="no docs page includes a results section yet"))])
 def test_every_included_section_is_the_current_output_of_its_command(page, path, text):

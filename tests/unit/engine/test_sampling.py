@@ -17,7 +17,8 @@ from qerl_exp.engine import sampling
 from qerl_exp.engine.fast_engine import FastEngine
 from qerl_exp.engine.sampling import fused_sample, keep_threshold, sample
 from qerl_exp.rollout import completion_mask, warpers
-from test_engine import gpu, needs_cuda, patch_interpreter, prompts, run_interpreted, tiny_model
+from conftest import patch_interpreter, run_interpreted
+from test_engine import gpu, needs_cuda, prompts, tiny_model
 
 
 def _hf_filtered(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
@@ -218,6 +219,7 @@ def _interp_main() -> None:
     print("SAMPLING INTERPRETER CHECKS OK")
 
 
+@pytest.mark.slow
 def test_fused_sample_in_the_interpreter():
     run_interpreted(__file__, "SAMPLING INTERPRETER CHECKS OK", 600)
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
-from test_sweep_postgres import postgres, require_server  # noqa: F401 - the server fixture
+from conftest import ROOT, require_server
 
 SPEC = """\
 base: [train.steps=4]
@@ -96,6 +95,7 @@ def test_dashboard_serves_the_study_page_and_api_then_stops(tmp_path, backend, r
     assert time.monotonic() - stopped < 10
 
 
+@pytest.mark.slow
 def test_dashboard_refuses_a_missing_study_or_a_bad_port_in_one_line(tmp_path):
     spec, storage, _ = _study(tmp_path)
     cases = [

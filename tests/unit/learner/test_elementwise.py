@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
+from conftest import patch_interpreter, run_interpreted
 from qerl_exp import blocks, padding_free
-from test_engine import gpu, needs_cuda, patch_interpreter, run_interpreted
 
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # of the reference's largest magnitude; bf16: two ulps
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import engine_oracle as oracle
+from conftest import patch_interpreter, run_interpreted
 from qerl_exp.engine import dispatch, linear, norm, triton_util
 from qerl_exp.engine.fast_engine import FastEngine
-from test_engine import (_nvfp4_packed, _to, assert_greedy_like_hf, gpu, hf_greedy, needs_cuda, patch_interpreter,
-                         prompts, run_interpreted, tiny_model)
+from test_engine import _nvfp4_packed, _to, assert_greedy_like_hf, gpu, hf_greedy, needs_cuda, prompts, tiny_model
 
 SHAPES_CPU = [("qkv", [32, 16, 16], 256, False), ("gate/up", [32, 32], 256, True), ("down", [32], 512, False)]
 SHAPES_7B = [("qkv", [3584, 512, 512], 3584, False), ("o", [3584], 3584, False),

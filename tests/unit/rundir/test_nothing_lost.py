@@ -143,6 +143,7 @@ def test_wandb_that_cannot_stage_a_table_or_write_its_home_folders_never_ends_a_
     assert (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_multirun_ends_with_one_line_per_failed_job_and_no_traceback(tmp_path):
     # job 1's weights blow up (lr 1e30): it fails at run time, after job 0 has finished
     out = subprocess.run([sys.executable, "-m", "qerl_exp", *TINY_RUN, "train.steps=5", "train.max_nonfinite=2",

@@ -2,7 +2,7 @@
 the learner never sees AQN (`sampling/logp_gap`), relative AQN's logged scale, the clip acts only when a batch is reused, TIS
 weights, the entropy bonus, noise on both, the separate sampler re-quantized after each update, the
 reference's LoRA kept equal to the policy's, the LR schedule, and resume with quantized bases or a
-separate sampler (killed, then rerun into the same directory, as tests/test_reliability.py does).
+separate sampler (killed, then rerun into the same directory, as tests/runs/test_reliability.py does).
 
 Runs are in-process (`train.run`) and tiny: 2 prompts x 4 completions of up to 32 tokens, 2-5 steps;
 the embedded model's warm-up is cached after its first build.

@@ -88,6 +88,7 @@ def test_pad_is_eos_when_the_tokenizer_has_none(smollm2, tmp_path):
     assert tok.tok.pad_token_id is None and tok.pad_id == tok.eos_id == models.tokenizer.eos_id
 
 
+@pytest.mark.slow
 def test_the_base_model_answers_some_word_problems(smollm2):
     from qerl_exp.eval import evaluate
 

@@ -79,6 +79,7 @@ def test_output_to_a_reader_that_is_gone_goes_to_devnull(monkeypatch):
     sys.stdout.close()
 
 
+@pytest.mark.slow
 def test_help_and_values_offer_no_schema_preset():
     help_text = qerl("--help").stdout
     assert re.search(r"^quant: bf16, mxfp4, nf4, nf4_dq, nvfp4$", help_text, re.M), help_text

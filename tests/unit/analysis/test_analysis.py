@@ -306,6 +306,7 @@ def test_every_table_cell_matches_an_independent_recomputation(synthetic, tmp_pa
     assert any("train.lr" in n and "not in the table" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_runs_from_different_warmed_up_models_are_named_on_stderr_and_in_the_run_list(tmp_path, capsys):
     # runs made on two kinds of CPU start from two warm-ups of the embedded model: the table then
     # compares bases as well as strategies, and says so
@@ -408,6 +409,7 @@ def test_similar_claim_is_judged_against_nvfp4_lora_in_the_table(synthetic):
 # --------------------------------------------------------------------------- tests: figures
 
 
+@pytest.mark.slow
 def test_figures_have_labelled_axes_legends_and_bands(synthetic, tmp_path, monkeypatch):
     from matplotlib.collections import PolyCollection
 

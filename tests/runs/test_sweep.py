@@ -87,6 +87,7 @@ def running_mid_trial(db: Path, name: str, min_finished: int):
 # Specs and one-line errors (no training)
 
 
+@pytest.mark.slow
 def test_shipped_specs_validate_against_the_config():
     plan = load_plan(SPEC, ["n_trials=6", "train.steps=6"])
     assert plan.study_name == "noise_schedule" and plan.n_trials == 6 and plan.pruner["name"] == "median"
@@ -103,6 +104,7 @@ def test_shipped_specs_validate_against_the_config():
     assert sampler.grid and sampler.n_trials == 9 and "model=smollm2-135m" in sampler.overrides
 
 
+@pytest.mark.slow
 def test_the_smollm2_study_specs_share_one_base():
     """The real-model study, its repeats, its learning-rate sweep and its wide-template rows:
     analysis pairs and groups runs only when every setting matches, so the specs' runs must differ
@@ -169,6 +171,7 @@ def test_bad_specs_and_settings_end_in_one_usage_error(tmp_path, fields, argv, m
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_command_line_errors_are_one_line_without_traceback(tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("base: [train.steps=2\nparams: {")
@@ -188,6 +191,7 @@ def test_command_line_errors_are_one_line_without_traceback(tmp_path):
         assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multi", [False, True])
 def test_reports_of_a_finished_study(tmp_path, multi):
     """best_overrides (or the Pareto front), trials.csv and the plots, from a study made by hand."""
@@ -346,6 +350,7 @@ def test_median_pruner_stops_a_trial_whose_reward_lags(tmp_path):
     assert "PRUNED" in (tmp_path / "sweep" / "trials.csv").read_text()
 
 
+@pytest.mark.slow
 def test_resuming_with_another_base_config_is_refused(tmp_path):
     from qerl_exp.sweep.study import open_storage, open_study
 
@@ -362,6 +367,7 @@ def test_resuming_with_another_base_config_is_refused(tmp_path):
 # Study integrity: one study per sweep dir, distinct workers, locked storage
 
 
+@pytest.mark.slow
 def test_a_sweep_dir_holds_the_trials_of_one_study(tmp_path):
     from qerl_exp.sweep.study import open_storage, open_study
 
@@ -417,6 +423,7 @@ def _holds_open(pid: int, path: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_locked_storage_is_one_line_within_seconds_and_signals_are_heeded(tmp_path, monkeypatch):
     import sqlite3
 
@@ -473,6 +480,7 @@ def test_a_claim_lock_held_by_a_stopped_worker_is_named_and_a_stop_ends_the_wait
         pass
 
 
+@pytest.mark.slow
 def test_the_gpu_study_specs_compose_and_the_pilot_seeds_stay_out_of_the_study():
     """The SmolLM2 take-off check (both learners, the earlier runs' settings), the learning-rate pilot
     and the confirmatory study: each trial's config composes, and the pilot's seeds are not the

@@ -2,8 +2,8 @@
 SIGKILLed in the middle of a trial, and the study still ends with exactly n_trials finished trials.
 
 The server: `QERL_TEST_PG_URL` when set (`.ci/run` sources `.ci/postgres.sh`, which starts one);
-otherwise, where Debian's PostgreSQL is installed, this module starts a throwaway one with the same
-script. With no server the test fails under `CI=true` and is skipped elsewhere.
+otherwise, where Debian's PostgreSQL is installed, the `postgres` fixture (conftest.py) starts a
+throwaway one with the same script. With no server the test fails under `CI=true` and is skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -12,54 +12,16 @@ import os
 import signal
 import subprocess
 import uuid
-from glob import glob
 from pathlib import Path
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import ROOT, SUBPROCESS_ENV, on_ci
+from conftest import ROOT, SUBPROCESS_ENV, require_server
 from test_sweep import SPEC, TINY, sweep_cmd, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
-
-
-@pytest.fixture(scope="session")
-def postgres():
-    """`(url, None)` for a reachable server, or `(None, reason)`."""
-    url, started = os.environ.get("QERL_TEST_PG_URL"), None
-    if not url and glob("/usr/lib/postgresql/*/bin/pg_ctl"):
-        out = subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "start", "--no-install"],
-                             capture_output=True, text=True, timeout=180)
-        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
-        url, started = env.get("QERL_TEST_PG_URL"), env.get("QERL_TEST_PG_DIR")
-        if not url:
-            yield None, f"could not start PostgreSQL with .ci/postgres.sh: {out.stderr.strip()[-500:]}"
-            return
-    if not url:
-        yield None, "no PostgreSQL server: source .ci/postgres.sh (sets QERL_TEST_PG_URL) or apt-get install postgresql"
-        return
-    try:
-        import psycopg
-
-        psycopg.connect(url, connect_timeout=10).close()
-    except Exception as e:  # noqa: BLE001
-        yield None, f"PostgreSQL at {url} is unreachable: {str(e).splitlines()[0]}"
-    else:
-        yield url, None
-    finally:
-        if started:
-            subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", started], timeout=120)
-
-
-def require_server(postgres) -> str:
-    url, reason = postgres
-    if url is None:
-        if on_ci():
-            pytest.fail(reason)  # CI promised a server: its absence is a failure, not a skip
-        pytest.skip(reason)
-    return url
 
 
 def _storage(url: str) -> str:
