@@ -227,16 +227,34 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
 
 
 def patch_interpreter() -> None:
-    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int())."""
+    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int()), and
+    patch `triton.language` once a kernel launch instead of again at every device-function call of
+    every program (the launch's patch already covers a function that sees no language module the
+    kernel does not; the repeated patching took a tenth of the interpreter's time)."""
+    import inspect
+
+    import triton.language as tl
     import triton.runtime.interpreter as ti
 
-    orig = ti._patch_lang_tensor
+    orig_tensor, orig_lang = ti._patch_lang_tensor, ti._patch_lang
+    live: list[set] = []  # the language modules the running launch patched
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
+    def patched_tensor(tensor, scope):
+        orig_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    ti._patch_lang_tensor = patched
+    def patched_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if live and langs <= live[-1]:
+            return ti._LangPatchScope()  # a device function inside a launch: nothing left to patch
+        scope = orig_lang(fn)
+        if not live:  # a launch (kernels launch no kernels): its scope is restored when it ends
+            live.append(langs)
+            restore = scope.restore
+            scope.restore = lambda: (live.pop(), restore())
+        return scope
+
+    ti._patch_lang_tensor, ti._patch_lang = patched_tensor, patched_lang
 
 
 def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
@@ -248,7 +266,7 @@ def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("the GPU tests run the kernels natively")
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # conftest's helpers
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    env = {**SUBPROCESS_ENV, "TRITON_INTERPRET": "1", "PYTHONPATH": path}  # one thread, as every subprocess
     proc = subprocess.run([sys.executable, script, "--interp", *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
     assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
