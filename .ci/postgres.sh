@@ -1,4 +1,4 @@
-# A throwaway PostgreSQL server for the multi-worker sweep tests (tests/test_sweep_postgres.py).
+# A throwaway PostgreSQL server for the multi-worker sweep tests (tests/runs/test_sweep_postgres.py).
 #
 # Sourced (by .ci/run):  source .ci/postgres.sh
 #   installs Debian's postgresql if it is missing (apt-get), starts a server on a free local port

@@ -1,6 +1,6 @@
 """The rollout batch: prompts with their completions, as the sampler hands them to the learner.
 
-The learner side (`loss`, `learner`, `packed`, `metrics`) reads these types and nothing of the
+The learner side (`loss`, `learner`, `padding_free`, `metrics`) reads these types and nothing of the
 sampler that made them, so it imports neither the rollout engine nor the tasks.
 """
 

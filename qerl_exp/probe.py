@@ -50,7 +50,7 @@ from qerl_exp.loss import completion_logits
 from qerl_exp.metrics import entropy_from_logits, kl_full
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
-from qerl_exp.rollout import make_sampler, row_seeds, sample
+from qerl_exp.rollout import make_generator, row_seeds, sample
 from qerl_exp.record import source_commit
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT
@@ -216,7 +216,7 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
     cfg, models = _policy(overrides, REFERENCE, task, device)
     prompts = [models.tokenizer.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
     algo = replace(cfg.algo, group_size=args.samples)
-    batch = sample(make_sampler(cfg.rollout.engine, models.policy, models.tokenizer, device), models.tokenizer, prompts,
+    batch = sample(make_generator(cfg.rollout.engine, models.policy, models.tokenizer, device), models.tokenizer, prompts,
                    algo, device, seeds=row_seeds(args.seed, 0, range(len(prompts)), args.samples))
     mask, T = batch.completion_mask, algo.temperature
     reference, raw = _score(models.policy, batch, [], T, args.batch, None, keep=True)

@@ -2,9 +2,9 @@
 path (`hf_generate`, `complete`) that evaluation and the embedded model's warm-up use too.
 
 The sampler is the policy as it stands (quantized base + LoRA), with AQN applied by the caller
-around `sample`. Two engines share one contract (`Rollout`): HF `generate` (any device) and our
-static-cache CUDA-graph engine (`qerl_exp.engine`, CUDA only); `rollout.engine=auto` picks the
-fast one on CUDA.
+around `sample`. Two generators share one contract (`Rollout`): `HFGenerator`, through HF
+`generate` (any device), and `EngineGenerator`, through our static-cache CUDA-graph engine
+(`qerl_exp.engine`, CUDA only); `rollout.engine=auto` picks the engine on CUDA.
 
 What a token is drawn from, in both engines: softmax of the logits / temperature, cut by HF's
 top-k, top-p and min-p filters in that order (`warpers`; the engine's `engine.sampling` keeps the
@@ -264,8 +264,8 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
     return texts, terminated
 
 
-class HFSampler:
-    """Sampling through `transformers` `generate` (the reference engine; works on CPU)."""
+class HFGenerator:
+    """Generating through `transformers` `generate` (the reference engine; works on CPU)."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -289,8 +289,8 @@ class HFSampler:
         return completion, torch.stack(logp, dim=1), torch.stack(entropy, dim=1)
 
 
-class FastSampler:
-    """Sampling through our CUDA-graph engine (`qerl_exp.engine.FastEngine`), built on the first
+class EngineGenerator:
+    """Generating through our CUDA-graph engine (`qerl_exp.engine.FastEngine`), built on the first
     call for `max_batch_size` rows (at least that call's) and its prompts + `max_new_tokens`; a
     later, larger call grows it."""
 
@@ -331,21 +331,21 @@ def engine_for(engine: str, device: torch.device) -> str:
     return engine
 
 
-def make_sampler(engine: str, model, tokenizer, device: torch.device, max_batch_size: int = 0,
+def make_generator(engine: str, model, tokenizer, device: torch.device, max_batch_size: int = 0,
                  max_new_tokens: int = 0):
-    """The sampler named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere); the fast one is
+    """The generator named by `rollout.engine` (`auto`: fast on CUDA, HF elsewhere); the fast one is
     sized for `max_batch_size` rows of up to `max_new_tokens` new tokens (the run's rollouts)."""
     if engine_for(engine, device) == "fast":
-        return FastSampler(model, tokenizer, max_batch_size, max_new_tokens)
-    return HFSampler(model, tokenizer)
+        return EngineGenerator(model, tokenizer, max_batch_size, max_new_tokens)
+    return HFGenerator(model, tokenizer)
 
 
-def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device,
+def sample(generator, tokenizer, prompts: list[str], algo: AlgoConfig, device: torch.device,
            ignore_eos: bool = False, seeds: list[int] | None = None, lengths: list[int] | None = None) -> Rollout:
     """Draw `algo.group_size` completions for each prompt text.
 
     Args:
-        sampler: from `make_sampler`.
+        generator: from `make_generator` (`HFGenerator` or `EngineGenerator`).
         tokenizer: the policy's tokenizer.
         prompts: rendered prompt texts, one per problem.
         algo: sampling settings (group size, temperature, top-p, top-k, min-p, stop strings, length cap).
@@ -369,7 +369,7 @@ def sample(sampler, tokenizer, prompts: list[str], algo: AlgoConfig, device: tor
     eos_ids = [] if ignore_eos else tokenizer.eos_ids  # none: no token ends a completion
     if seeds is None:
         seeds = torch.randint(0, 2**62, (len(repeated),)).tolist()
-    completion, logp, entropy = sampler.generate(ids, mask, algo, eos_ids, seeds)
+    completion, logp, entropy = generator.generate(ids, mask, algo, eos_ids, seeds)
     cmask, terminated = completion_mask(completion, eos_ids)
     cmask, stopped = cut_at_stop(tokenizer, completion, cmask, algo.stop)
     terminated = terminated | stopped

@@ -18,7 +18,7 @@ rebuilds a config from it (`config.from_dict`) or compares it with a rerun's (`r
 A retired key set on the command line or in a preset is refused with its `RETIRED` line, which names
 what to set instead (`unknown_key_line`).
 
-Adding, retiring or retyping a field: add its entry here, and a case to `tests/test_rundir.py` that
+Adding, retiring or retyping a field: add its entry here, and a case to `tests/unit/rundir/test_rundir.py` that
 a record without it (or with its old form) still resumes.
 """
 

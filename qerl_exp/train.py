@@ -37,7 +37,7 @@ from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.models.pretrained import base_digest
 from qerl_exp.noise import AQN, Schedule
-from qerl_exp.rollout import NonFiniteLogitsError, make_sampler, row_seeds, sample
+from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.signals import Interrupted, StopSignals
 from qerl_exp.tasks import Task, build_task, file_digests, source_files
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
@@ -81,7 +81,7 @@ class DecoderMismatch(RuntimeError):
 DECODER_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
 
 
-def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: torch.device) -> None:
+def check_decoders(cfg: Config, task: Task, models: Models, generator, device: torch.device) -> None:
     """Before step 0: sample a short clean rollout (no noise) of two prompts from the sampler and
     score its tokens with the learner; stop the run unless their log-probs agree to rounding
     (`DECODER_GAP`). Its prompts, seeds and passes draw from no stream of the run's.
@@ -98,7 +98,7 @@ def check_decoders(cfg: Config, task: Task, models: Models, sampler, device: tor
     prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     module.eval()
     try:
-        rollout = sample(sampler, tok, prompts, algo, device, seeds=row_seeds(cfg.seed, 2**31, range(len(prompts)),
+        rollout = sample(generator, tok, prompts, algo, device, seeds=row_seeds(cfg.seed, 2**31, range(len(prompts)),
                                                                              algo.group_size))
     except NonFiniteLogitsError:  # nothing to compare; the loop's own guard takes such steps
         return
@@ -218,7 +218,7 @@ class _Loop:
     device: torch.device
     task: Task
     models: Models
-    sampler: object  # the rollout engine over models.sampler.module (`make_sampler`)
+    generator: object  # the rollout engine over models.sampler.module (`make_generator`)
     aqn: AQN
     schedule: Schedule
     params: list[torch.Tensor]
@@ -313,7 +313,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         models = build_models(cfg, task, device)
     policy, sampling = models.policy, models.sampler.module
     rows = len(distributed.shard(cfg.train.prompts_per_step)) * cfg.algo.group_size
-    sampler = make_sampler(cfg.rollout.engine, sampling, models.tokenizer, device, rows, cfg.algo.max_new_tokens)
+    generator = make_generator(cfg.rollout.engine, sampling, models.tokenizer, device, rows, cfg.algo.max_new_tokens)
     if not cfg.train.padding_free and cfg.train.gradient_checkpointing == "true":  # the padding-free learner checkpoints itself
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     aqn = AQN(sampling, cfg.noise, seed=cfg.seed + 1)
@@ -322,11 +322,11 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     params = [p for p in policy.parameters() if p.requires_grad]
     # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
-    loop = _Loop(cfg, run_dir, config, device, task, models, sampler, aqn, Schedule(cfg.noise, cfg.train.steps), params,
+    loop = _Loop(cfg, run_dir, config, device, task, models, generator, aqn, Schedule(cfg.noise, cfg.train.steps), params,
                  opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio)),
                  np.random.default_rng(cfg.seed), models.sampler.weights_bytes(), M.phase_peak_bytes(device))
     if resume_from is None:
-        check_decoders(cfg, task, models, sampler, device)
+        check_decoders(cfg, task, models, generator, device)
     wandb_id = None
     if resume_from is not None:
         path, saved = resume_from
@@ -376,7 +376,7 @@ def _rollout(loop: _Loop, step: int) -> _Batch:
     t0 = time.perf_counter()
     try:
         with _phase(M.Phase.ROLLOUT), loop.aqn.applied(sampling):
-            rollout = sample(loop.sampler, tok, prompts, cfg.algo, loop.device, ignore_eos=cfg.rollout.ignore_eos,
+            rollout = sample(loop.generator, tok, prompts, cfg.algo, loop.device, ignore_eos=cfg.rollout.ignore_eos,
                              seeds=row_seeds(cfg.seed, step, share, cfg.algo.group_size), lengths=cfg.rollout.lengths)
     except NonFiniteLogitsError:
         rollout = None
@@ -397,14 +397,14 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     sampler's sync, an evaluation when due; the step's metrics (added to `metrics`), logged."""
     cfg, algo, G, device, models = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, loop.device, loop.models
     policy, rollout = models.policy, batch.rollout
-    rollout_bytes = getattr(loop.sampler, "nbytes", 0)
-    if hasattr(loop.sampler, "release"):
-        loop.sampler.release()
+    rollout_bytes = getattr(loop.generator, "nbytes", 0)
+    if hasattr(loop.generator, "release"):
+        loop.generator.release()
     peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
 
     # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
     repeated = [p for p in batch.problems for _ in range(G)]
-    scores = loop.task.rewards.score(repeated, rollout.texts, f"step {step}")
+    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}")
     rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
     total = M.total_reward(rewards, loop.task.rewards.weights)
     advantages = group_advantages(total, G, algo.scale_rewards,

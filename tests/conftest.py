@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from glob import glob
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,94 @@ def tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
     tiny_qwen2(seed, vocab=len(vocab) + 32, max_positions=512).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def patch_interpreter() -> None:
+    """Let Triton's interpreter index with 1-element arrays (numpy >= 2.4 refuses their int()), and
+    patch `triton.language` once a kernel launch instead of again at every device-function call of
+    every program (the launch's patch already covers a function that sees no language module the
+    kernel does not; patching again took up to a third of the interpreter's time)."""
+    import inspect
+
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    orig_tensor, orig_lang = ti._patch_lang_tensor, ti._patch_lang
+    live: list[set] = []  # the language modules the running launch patched
+    seen: dict = {}  # a function's language modules
+
+    def patched_tensor(tensor, scope):
+        orig_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def patched_lang(fn):
+        if fn not in seen:
+            seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = seen[fn]
+        if live and langs <= live[-1]:
+            return ti._LangPatchScope()  # a device function inside a launch: nothing left to patch
+        scope = orig_lang(fn)
+        if live:  # a device function seeing another language module: patched now (and never restored)
+            live[-1] |= langs
+        else:  # a launch (kernels launch no kernels): its scope is restored when it ends
+            live.append(set(langs))
+            restore = scope.restore
+            scope.restore = lambda: (live.pop(), restore())
+        return scope
+
+    ti._patch_lang_tensor, ti._patch_lang = patched_tensor, patched_lang
+
+
+def run_interpreted(script: str, marker: str, timeout: int, *args: str) -> None:
+    """Run the test file `script` as `python script --interp ARGS` with TRITON_INTERPRET=1 (it must
+    be set before triton is first imported) and check that it printed `marker`."""
+    import torch
+
+    import_or_skip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests run the kernels natively")
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # conftest's helpers
+    env = {**SUBPROCESS_ENV, "TRITON_INTERPRET": "1", "PYTHONPATH": path}  # one thread, as every subprocess
+    proc = subprocess.run([sys.executable, script, "--interp", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    assert marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """`(url, None)` for a reachable PostgreSQL server, or `(None, reason)`: `QERL_TEST_PG_URL` when
+    set (`.ci/run` sources `.ci/postgres.sh`, which starts one); otherwise, where Debian's PostgreSQL
+    is installed, a throwaway one started with the same script."""
+    url, started = os.environ.get("QERL_TEST_PG_URL"), None
+    if not url and glob("/usr/lib/postgresql/*/bin/pg_ctl"):
+        out = subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "start", "--no-install"],
+                             capture_output=True, text=True, timeout=180)
+        env = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        url, started = env.get("QERL_TEST_PG_URL"), env.get("QERL_TEST_PG_DIR")
+        if not url:
+            yield None, f"could not start PostgreSQL with .ci/postgres.sh: {out.stderr.strip()[-500:]}"
+            return
+    if not url:
+        yield None, "no PostgreSQL server: source .ci/postgres.sh (sets QERL_TEST_PG_URL) or apt-get install postgresql"
+        return
+    try:
+        import psycopg
+
+        psycopg.connect(url, connect_timeout=10).close()
+    except Exception as e:  # noqa: BLE001
+        yield None, f"PostgreSQL at {url} is unreachable: {str(e).splitlines()[0]}"
+    else:
+        yield url, None
+    finally:
+        if started:
+            subprocess.run(["bash", str(ROOT / ".ci" / "postgres.sh"), "stop", started], timeout=120)
+
+
+def require_server(postgres) -> str:
+    """The `postgres` fixture's URL; without a server the test fails under CI and is skipped elsewhere."""
+    url, reason = postgres
+    if url is None:
+        if on_ci():
+            pytest.fail(reason)  # CI promised a server: its absence is a failure, not a skip
+        pytest.skip(reason)
+    return url

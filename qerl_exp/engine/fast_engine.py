@@ -92,10 +92,10 @@ class FastEngine:
                     if lin.lora_a is not None:
                         lin.a_tab = torch.tensor([a.data_ptr() for a in lin.lora_a], dtype=torch.int64, device=dev)
             self.cache = setup_caches(self.m, self.max_batch_size, self.seq_cap, self.cache)
-            packed = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
+            nvfp4 = [w for ly in self.m.layers for lin in (ly.qkv, ly.o, ly.gate_up, ly.down) for w in lin.weights
                       if isinstance(w, KernelWeight) and w.fmt == "nvfp4" and dev.type == "cuda"]
-            self.scratch = torch.empty(max(w.n * w.k for w in packed), dtype=self.m.embed.dtype, device=dev) \
-                if packed else None
+            self.scratch = torch.empty(max(w.n * w.k for w in nvfp4), dtype=self.m.embed.dtype, device=dev) \
+                if nvfp4 else None
         self._refs = [(t, t.data_ptr()) for t in frozen(self.m)]
         self._states: dict[int, _State] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}

@@ -18,7 +18,7 @@ product:
 
 Where the base product does not normalise and shrink on load, one `norm.norm_shrink` launch does
 first. The tables hold the addresses of the model's own tensors (dense weights, LoRA B, biases) and
-of the packed 4-bit data, so in-place updates of those tensors are seen by every later launch and by
+of the 4-bit codes and scales, so in-place updates of those tensors are seen by every later launch and by
 captured graphs.
 """
 
@@ -247,7 +247,7 @@ class DensePlan(_SplitKPlan):
 class NVFP4Plan(_SplitKPlan):
     """NVFP4 weights (`layout.relayout_nvfp4`): the dispatch table's kernel for the shape and M."""
 
-    packed: list | None = None  # the segments' KernelWeight (nvfp4_wgmma's TMA descriptors)
+    kernel_weights: list | None = None  # the segments' KernelWeight (nvfp4_wgmma's TMA descriptors)
     fmt: ClassVar[str] = "nvfp4"
     OUT_UNIT: ClassVar[float] = 1024.0  # the products are in units of 2^-6 / 16 (`_splitk_kernel`)
 
@@ -470,7 +470,7 @@ def make_plan(fmt: str, weights: list, biases: list, lora_b: list | None, lora_s
     if lut is not None:
         plan.lut = lut.to(device)
     if fmt == "nvfp4":
-        plan.packed = list(weights)
+        plan.kernel_weights = list(weights)
     if cublas is not None:
         if fmt != "dense":
             raise ValueError(f"cublas takes dense weights, not {fmt}")

@@ -235,7 +235,7 @@ def _descriptors(plan, bm: int, x16: Tensor) -> tuple:
     # segments repeat the first (never read)
     cl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     cds, sds = [], []
-    for w in plan.packed:
+    for w in plan.kernel_weights:
         cds.append(TensorDescriptor.from_tensor(w.codes.view(torch.int32), [RB.value, 1, 128], cl))
         sds.append(TensorDescriptor.from_tensor(w.scales, [RB.value, 1, 16], cl))
     cds += [cds[0]] * (3 - len(cds))

@@ -9,7 +9,7 @@ epilogue (`prefill`), decode attention (`attention`), sampling (`sampling`); FP4
 format's (`qerl_exp.quant.fp4_decode`). Kernel names keep their leading underscore: the profiles in
 docs/engine.md name them so. The tests hold each kernel to a torch oracle (tests/engine_oracle.py)
 or to float64, on CPU under the Triton interpreter (TRITON_INTERPRET=1 set before triton is first
-imported; tests/test_engine.py does, in a subprocess).
+imported; tests/unit/engine/test_engine.py does, in a subprocess).
 """
 
 from __future__ import annotations

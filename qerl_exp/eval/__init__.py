@@ -1,7 +1,7 @@
 """Held-out evaluation with the trained LoRA applied: greedy pass@1 and sampled pass@k.
 
 Three ways in:
-- `evaluate(policy, tokenizer, task, k=..., split=...)` scores a live policy on one of the task's
+- `evaluate(policy, tokenizer, task, k=..., split=...)` grades a live policy on one of the task's
   evaluation splits (`heldout`, phrased as training is; `ood`, out of template, for tasks that have
   one) and returns its metrics; the embedded model's warm-up measures its progress with
   `greedy_pass_at_1`.
@@ -11,13 +11,13 @@ Three ways in:
 - `python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] [split=ood] ...` (`__main__.py` here)
   rebuilds a finished run's policy from `RUN/config.json` (the same base, for the embedded model
   its cached warm-up, and the same quantization), loads the trained adapter from
-  `RUN/final/adapter`, scores one split and writes `RUN/eval.json` (`eval_ood.json` for the
+  `RUN/final/adapter`, grades one split and writes `RUN/eval.json` (`eval_ood.json` for the
   out-of-template split; and a W&B run of job type `eval`); a later evaluation of the same run and
   split writes `RUN/eval-2.json`, and so on: none replaces another.
 
 The paper's released evaluation compared only the first character of the answer and never applied
-the trained LoRA (docs/method.md, section 3). Here completions are scored by the run's own reward
-functions (`task.reward_funcs`, as training scores them): a completion is correct when the function
+the trained LoRA (docs/method.md, section 3). Here completions are graded by the run's own reward
+functions (`task.reward_funcs`, as training rewards them): a completion is correct when the function
 named `correct` gives it a positive value (the built-in one: `answers_equal`, whole answers,
 exactly), in format when `format` does; a run without such a function logs NaN for those. And
 `load_adapter` refuses an adapter file that does not cover every LoRA weight of the rebuilt policy.
@@ -35,7 +35,7 @@ those of the evaluation before the first update `eval/start/...` and `eval/ood/s
 | `eval/reward`         | mean weighted reward (the run's reward functions) of greedy completions   |
 | `eval/clipped_ratio`  | fraction of greedy completions cut at `max_new_tokens` without EOS        |
 | `eval/solution_logp`  | mean per-token log-prob of each problem's reference completion (teacher-forced) |
-| `eval/problems`       | number of problems scored                                                  |
+| `eval/problems`       | number of problems graded                                                  |
 | `eval/seconds`        | wall time of the evaluation                                               |
 | `eval/fork/b_share`   | `task=fork`: fraction of greedy replies that take route B                 |
 """
@@ -140,7 +140,7 @@ def samples_per_problem(k: int, n: int) -> int:
     return (n or k) if k > 1 else 0
 
 
-def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
+def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
           on_batch=None, engine: str = "hf", split: str = HELD_OUT, start: bool = False, top_k: int = 0,
           min_p: float = 0.0, stop: Sequence[str] = ()) -> tuple[dict[str, float], list[dict]]:
@@ -173,7 +173,7 @@ def score(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
         policy.train(was_training)
 
     where = f"evaluation ({split})"
-    scores = task.rewards.score(problems, greedy, where)
+    scores = task.rewards.compute(problems, greedy, where)
     # float64, as the values came: the weighted sum of the built-in 0.2 and 2.0 stays 2.2
     rewards = M.total_reward({name: torch.tensor(v, dtype=torch.float64) for name, v in scores.items()},
                              task.rewards.weights).tolist()
@@ -196,7 +196,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
              max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
              problems: list[Problem] | None = None, engine: str = "hf", split: str = HELD_OUT,
              start: bool = False, top_k: int = 0, min_p: float = 0.0, stop: Sequence[str] = ()) -> dict[str, float]:
-    """Score `policy` on one evaluation split: greedy pass@1, and pass@k from sampling.
+    """Grade `policy` on one evaluation split: greedy pass@1, and pass@k from sampling.
 
     Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
     `aqn.applied(...)`). The policy's train/eval mode is restored afterwards, and the global RNG
@@ -205,7 +205,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
     Args:
         policy: the (peft-wrapped) model; its adapters are used as they are.
         tokenizer: the policy's tokenizer (`CharTokenizer` or `HFTokenizer`).
-        task: the task; its `eval_problems(split)` are scored and its `correct` reward judges answers.
+        task: the task; its `eval_problems(split)` are graded and its `correct` reward judges answers.
         k: the k of the sampled pass@k; 0 or 1 skips sampling (greedy metrics only).
         n: samples per problem for the pass@k estimate; 0 means `k`.
         temperature: sampling temperature of the pass@k samples (greedy ignores it).
@@ -214,7 +214,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         batch_size: sequences per `generate` call.
         seed: seed of the sampling stream.
         system_prompt: the system prompt for chat-template tokenizers.
-        problems: score these instead of `task.eval_problems(split)`.
+        problems: grade these instead of `task.eval_problems(split)`.
         engine: `hf` (transformers `generate`) or `fast` (the CUDA-graph rollout engine; the run
             loop and `python -m qerl_exp.eval` pass `rollout.engine`, so `auto` is fast on CUDA).
         split: one of `task.splits`: `heldout` (its metrics are `eval/...`) or `ood` (`eval/ood/...`).
@@ -230,7 +230,7 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         >>> metrics = evaluate(models.policy, models.tokenizer, task, k=8)  # doctest: +SKIP
         >>> metrics["eval/pass@1"], metrics["eval/pass@8"]  # doctest: +SKIP
     """
-    return score(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
+    return grade(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt,
                  engine=engine, split=split, start=start, top_k=top_k, min_p=min_p, stop=stop)[0]
 
@@ -242,7 +242,7 @@ def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = 
     Args:
         policy: the policy being trained (adapters on, AQN off).
         tokenizer: its tokenizer.
-        task: the run's task; each of `task.splits` is scored.
+        task: the run's task; each of `task.splits` is graded.
         cfg: the run config.
         start: the evaluation before the first update (`eval.at_start`): its metrics are named
             `eval/start/...` and `eval/ood/start/...`.

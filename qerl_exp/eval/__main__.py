@@ -1,7 +1,7 @@
 """`python -m qerl_exp.eval run_dir=RUN [k=8] [adapter=false] [split=ood] ...`: evaluate a finished run.
 
 Rebuilds the run's policy from `RUN/config.json` (the same base, for the embedded model its cached
-warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, scores
+warm-up, and the same quantization), loads the trained adapter from `RUN/final/adapter`, grades
 one of the run's evaluation splits with `qerl_exp.eval` and writes `RUN/eval.json` (the held-out
 split) or `RUN/eval_ood.json` (the out-of-template one), and a W&B run of job type `eval`; a later
 evaluation of the same run and split writes `RUN/eval-2.json`, and so on: none replaces another.
@@ -23,7 +23,7 @@ from qerl_exp import logs, progress
 from qerl_exp.checkpoint import adapter_file, load_adapter
 from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
-from qerl_exp.eval import samples_per_problem, score
+from qerl_exp.eval import grade, samples_per_problem
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
 from qerl_exp.files import check_writable, user_path, write_atomic
@@ -109,10 +109,10 @@ class EvalCommand:
     Args:
         run_dir: the finished run's directory (holds `config.json` and `final/adapter`).
         eval: k, n, max_new_tokens (0 uses the run's `algo.max_new_tokens`) and batch_size.
-        adapter: load the trained LoRA; false scores the quantized base alone (the baseline).
+        adapter: load the trained LoRA; false grades the quantized base alone (the baseline).
         split: `heldout` (phrased as training is) or `ood` (out of template, for tasks that have
             one: wordprob).
-        limit: score only the first `limit` problems of the split; 0 scores all. The split itself is
+        limit: grade only the first `limit` problems of the split; 0 grades all. The split itself is
             always the run's (`task.eval_size` from its config), so training problems never leak in.
         temperature: temperature of the pass@k samples; 0 uses the run's `algo.temperature`.
         top_p: nucleus threshold of the pass@k samples; 0 uses the run's `algo.top_p`.
@@ -223,7 +223,7 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
     bar = progress.Progress(len(problems) * (1 + samples_per_problem(settings.k, settings.n)), "eval", unit="seq",
                             fields=())
     try:
-        metrics, rows = score(
+        metrics, rows = grade(
             models.policy, models.tokenizer, task, problems=problems, k=settings.k, n=settings.n,
             temperature=args.temperature, top_p=args.top_p, top_k=algo.top_k, min_p=algo.min_p, stop=algo.stop,
             max_new_tokens=sampling["max_new_tokens"], batch_size=settings.batch_size,

@@ -3,7 +3,7 @@
 A weight format is one module here, its name(s) in `FORMATS` (which `config.QUANT_FORMATS` lists
 too, for validation). The module holds the format's linear layer and a `Handler` whose
 `quantize_linear(linear)` makes one. The layer is a frozen `nn.Linear` subclass whose `weight` is
-its packed data (so peft attaches LoRA to it with a plain `LoraConfig`), with what every reader of
+its 4-bit codes (so peft attaches LoRA to it with a plain `LoraConfig`), with what every reader of
 a base asks of it:
 - `dequantize(dtype, out=None)`: the dense `[out, in]` weight it multiplies by (the learner's
   products; `out` a buffer the format may decode into);
@@ -122,7 +122,7 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear, quantized or not, as a dense fp32 [out, in] matrix.
 
     Args:
-        module: an `nn.Linear` or a weight format's layer (whose `weight` is packed data, not the
+        module: an `nn.Linear` or a weight format's layer (whose `weight` is its 4-bit codes, not the
             matrix).
 
     Returns:

@@ -32,7 +32,7 @@ itself once to the engine kernels' layout (`runtime_weight`), which both the lea
 Triton dequant kernel for NVFP4) and the rollout engine read: one 4-bit copy per layer.
 
 LoRA through peft: `FP4Linear` subclasses `nn.Linear` the way bitsandbytes' `Linear4bit` does (its
-`weight` is the packed data, here the uint8 codes; it never calls `nn.Linear.__init__`, so no dense
+`weight` is its 4-bit data, here the uint8 codes; it never calls `nn.Linear.__init__`, so no dense
 weight exists). peft's default dispatcher therefore wraps it in its standard LoRA `Linear` with any
 plain `LoraConfig`: the base output plus `B(A(x)) * scaling`. Nothing needs registering, and a
 saved adapter reloads the same way. Merging the adapter into the base, and variants that read the
@@ -151,17 +151,17 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
     """Unpack bytes [..., m] into 4-bit codes [..., 2m] (inverse of `pack_fp4`)."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+    return torch.stack((data & 15, data >> 4), dim=-1).flatten(-2)
 
 
-def decode_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Values of packed codes, [out, m] bytes -> fp32 [out, 2m], with one table lookup per byte."""
-    table = _BYTE_TABLES.get(packed.device)
+def decode_fp4(data: torch.Tensor) -> torch.Tensor:
+    """Values of codes two a byte, [out, m] bytes -> fp32 [out, 2m], with one table lookup per byte."""
+    table = _BYTE_TABLES.get(data.device)
     if table is None:
-        table = _BYTE_TABLES[packed.device] = _BYTE_TO_PAIR.to(packed.device)
-    return F.embedding(packed.long(), table).flatten(-2)
+        table = _BYTE_TABLES[data.device] = _BYTE_TO_PAIR.to(data.device)
+    return F.embedding(data.long(), table).flatten(-2)
 
 
 def quantize_nvfp4(weight: torch.Tensor) -> FP4Tensor:
@@ -171,7 +171,7 @@ def quantize_nvfp4(weight: torch.Tensor) -> FP4Tensor:
         weight: [out, in] floating tensor, finite, with in divisible by 16.
 
     Returns:
-        The packed `FP4Tensor` (format `nvfp4`).
+        The quantized `FP4Tensor` (format `nvfp4`).
 
     Raises:
         ValueError: the weight is not 2-D, holds NaN/Inf, or in is not a multiple of 16.
@@ -203,7 +203,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> FP4Tensor:
         weight: [out, in] floating tensor, finite, with in divisible by 32.
 
     Returns:
-        The packed `FP4Tensor` (format `mxfp4`, tensor scale 1.0).
+        The quantized `FP4Tensor` (format `mxfp4`, tensor scale 1.0).
 
     Raises:
         ValueError: the weight is not 2-D, holds NaN/Inf, or in is not a multiple of 32.
@@ -238,12 +238,12 @@ def _blocks(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return weight.detach().float().reshape(out, inp // block, block)
 
 
-_PACKED = ("codes", "block_scales", "tensor_scale", "kernel_codes", "kernel_scales")
+_STORAGE = ("codes", "block_scales", "tensor_scale", "kernel_codes", "kernel_scales")
 _KERNEL_BLOCK = {"nvfp4": (16, 64), "mxfp4": (1, 32)}  # the kernel layout needs out % a, in % b == 0
 
 
 class _FrozenLinear(torch.autograd.Function):
-    """`x @ W_hat^T + b` for a frozen packed layer: W_hat is decoded in forward and again in backward,
+    """`x @ W_hat^T + b` for a frozen 4-bit layer: W_hat is decoded in forward and again in backward,
     so autograd keeps only a reference to the layer, never the decoded weight."""
 
     @staticmethod
@@ -258,11 +258,11 @@ class _FrozenLinear(torch.autograd.Function):
 
 
 class FP4Linear(nn.Linear):
-    """A frozen linear layer whose weight is stored only as NVFP4/MXFP4 packed data.
+    """A frozen linear layer whose weight is stored only as NVFP4/MXFP4 codes and scales.
 
     `forward(x)` is `x @ W_hat.T + bias` computed in `x.dtype`, W_hat decoded on the fly in forward
     and again in backward (no dense copy is kept, not even for autograd). Gradients flow to `x`;
-    nothing in the layer is trainable. The packed buffers keep their dtypes under `.to(dtype)` /
+    nothing in the layer is trainable. The codes and scales keep their dtypes under `.to(dtype)` /
     `.half()` (they are the format); the bias follows the casts.
 
     Two layouts hold the same bits: the storage layout of `FP4Tensor` (`codes`, `block_scales`),
@@ -270,7 +270,7 @@ class FP4Linear(nn.Linear):
     converts itself on its first CUDA forward or when the rollout engine asks (`runtime_weight`).
 
     Args:
-        weight: the packed weight.
+        weight: the quantized weight.
         bias: optional bias [out], stored as given (frozen).
     """
 
@@ -308,12 +308,12 @@ class FP4Linear(nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The packed codes, uint8 (as `Linear4bit.weight` is its packed data)."""
+        """The codes, uint8, two a byte (as `Linear4bit.weight` is its 4-bit data)."""
         return self.codes if self.codes is not None else self.kernel_codes
 
     @property
     def weight_fp4(self) -> FP4Tensor:
-        """The packed weight as an `FP4Tensor` (shares the buffers); only in the storage layout."""
+        """The quantized weight as an `FP4Tensor` (shares the buffers); only in the storage layout."""
         if self.codes is None:
             raise RuntimeError("this FP4Linear holds the kernel layout; use dequantize() or runtime_weight()")
         return FP4Tensor(self.format, self.codes, self.block_scales, self.tensor_scale)
@@ -396,9 +396,9 @@ class FP4Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, bias={self.bias is not None}"
 
     def _apply(self, fn, recurse=True):
-        packed = {name: self._buffers[name] for name in _PACKED if self._buffers[name] is not None}
+        stored = {name: self._buffers[name] for name in _STORAGE if self._buffers[name] is not None}
         super()._apply(fn, recurse)
-        for name, before in packed.items():
+        for name, before in stored.items():
             after = self._buffers[name]
             if after.dtype != before.dtype:
                 self._buffers[name] = before.to(after.device)

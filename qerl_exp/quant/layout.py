@@ -1,9 +1,9 @@
 """Kernel weight layouts: 4-bit weights as the engine's kernels read them (`KernelWeight`), decoded
-back by a torch reference (`dequantize_packed`) and, into a dense weight, by `weight_of` (on the GPU
+back by a torch reference (`dequantize_layout`) and, into a dense weight, by `weight_of` (on the GPU
 through the NVFP4 dequantize kernel).
 
-The layouts are built once per linear at engine-build time from the model's own packed
-data (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales are kept:
+The layouts are built once per linear at engine-build time from the model's own 4-bit
+codes (`relayout_nvfp4`, `relayout_nf4`). Only the 4-bit codes and their scales are kept:
 - E2M1 bytes (NVFP4, MXFP4): the two nibbles of a byte are bit-permuted so that each becomes an
   FP8 E4M3 number with one mask (low: `c & 0x9C`; high: `(c << 2) & 0x8C | (c >> 2) & 0x10`) whose
   value is e2m1 * 2^-6 (E2M1's one subnormal, 0.5, lands on an E4M3 subnormal: exact). On the GPU
@@ -66,7 +66,7 @@ class KernelWeight:
 
     def dequantize(self) -> Tensor:
         """The weight as float32 [n, k], decoded exactly as the kernel decodes it."""
-        return dequantize_packed(self)
+        return dequantize_layout(self)
 
 
 def _to_chunks(nib: Tensor, fmt: str, chunk: int) -> Tensor:
@@ -150,7 +150,7 @@ def relayout_nf4(weight_deq: Tensor, absmax: Tensor, lut: Tensor, blocksize: int
     )
 
 
-def dequantize_packed(pw: KernelWeight) -> Tensor:
+def dequantize_layout(pw: KernelWeight) -> Tensor:
     """Float32 [n, k] from the kernel layout, with the kernel's own bit tricks (reference twin)."""
     c = pw.codes  # [G, n, chunk / 2]
     if pw.fmt == "nvfp4":  # back from fragment order (see the module docstring)
@@ -185,7 +185,7 @@ def weight_of(w: Tensor | KernelWeight, dtype: torch.dtype, out: Tensor | None =
         dst = torch.empty(w.n, w.k, dtype=dtype, device=w.codes.device) if out is None else \
             out[: w.n * w.k].view(w.n, w.k)
         return stacked_weight([w], dst)
-    return dequantize_packed(w).to(dtype)
+    return dequantize_layout(w).to(dtype)
 
 
 def stacked_weight(ws: list[KernelWeight], out: Tensor) -> Tensor:

@@ -244,15 +244,15 @@ class Rewards:
         self.weights = {f.name: f.weight for f in funcs}
         self._warned = False
 
-    def score(self, problems: Sequence, completions: list[str], where: str,
-              names: Sequence[str] | None = None) -> dict[str, list[float]]:
+    def compute(self, problems: Sequence, completions: list[str], where: str,
+                names: Sequence[str] | None = None) -> dict[str, list[float]]:
         """Every function's value for each completion, unweighted; NaN where a function returned None.
 
         Args:
             problems: each completion's `tasks.Problem` (a group's problem repeated).
             completions: the completions' texts.
             where: what the batch is, for messages (e.g. `step 3`, `evaluation`).
-            names: score only these functions; None: all of them.
+            names: compute only these functions; None: all of them.
 
         Returns:
             `{name: [value per completion]}`, in the order of the functions.
@@ -286,7 +286,7 @@ class Rewards:
         function of that name."""
         if name not in self.names:
             return None
-        return [v > 0 for v in self.score(problems, completions, where, names=[name])[name]]
+        return [v > 0 for v in self.compute(problems, completions, where, names=[name])[name]]
 
     def _warn_unscored(self, scores: dict[str, list[float]], where: str) -> None:
         unscored = sum(all(math.isnan(v[i]) for v in scores.values()) for i in range(len(next(iter(scores.values())))))

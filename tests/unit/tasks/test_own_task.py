@@ -1,0 +1,456 @@
+"""Your own task, end to end: docs/own_task.md's example (reward functions in TRL's signature, a
+conversational JSONL with a `difficulty` column, a preset in a folder of its own) run as written on
+a small random Qwen2 checkpoint whose tokenizer has a chat template; the same data from a
+save_to_disk folder and a Parquet file; `completions.jsonl` across a resume; the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, run_in_process, tiny_qwen2
+from qerl_exp.cli import parse_command_line, validate
+from qerl_exp.compose import compose
+from qerl_exp.console import UsageError
+
+DOC = ROOT / "docs" / "own_task.md"
+SMALL = ["tracker.mode=disabled", "train.prompts_per_step=2", "algo.group_size=4", "monitor.every=0",
+         "algo.max_new_tokens=16"]
+# A ChatML template that, like Qwen3's, leaves the thinking block empty when told `enable_thinking=false`.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def doc_files() -> dict[str, str]:
+    """The files docs/own_task.md shows: a bold `name` line, then its fenced block."""
+    found = re.findall(r"^\*\*`([^`]+)`\*\*(?:[^\n]*\n)*?\n```\w*\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL)
+    return dict(found)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A random Qwen2 saved by `save_pretrained`, with a byte-level tokenizer made here (no download)
+    whose chat template is `TEMPLATE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("checkpoint")
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(folder)
+    tiny_qwen2(vocab=len(vocab), hidden=64, inter=128, max_positions=512).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def example(tmp_path) -> Path:
+    """docs/own_task.md's files, written into a folder as a researcher would copy them."""
+    files = doc_files()
+    assert set(files) == {"rewards.py", "data.jsonl", "myconf/task/mine.yaml"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def command(folder: Path, *args: str, module: str = "qerl_exp") -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` run in `folder`, as a researcher runs it from theirs."""
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=folder, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def completions(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+
+
+def sha16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+@pytest.mark.slow
+def test_the_documented_example_trains_logs_and_evaluates_with_its_functions(example, checkpoint):
+    out = command(example, f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl",
+                  "task.reward_funcs=[rewards.py:fmt,rewards.py:correct]", "task.reward_weights=[0.5,2.0]",
+                  "train.steps=3", *SMALL, "tracker.completions_every=1", "run_dir=run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = example / "run"
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for name in ("rewards/fmt/mean", "rewards/fmt/std", "rewards/correct/mean", "rewards/correct/std"):
+        assert all(name in r for r in rows), name
+    assert not any("rewards/format/mean" in r for r in rows)  # the built-in functions are not the run's
+    samples = completions(run)
+    assert [s["step"] for s in samples] == [step for step in range(3) for _ in range(8)]
+    for s in samples:
+        assert set(s) == {"step", "prompt", "completion", "rewards", "reward", "advantage"}
+        assert s["prompt"].startswith("<|im_start|>") and s["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+        values = s["rewards"]
+        weighted = [w * v for w, v in ((0.5, values["fmt"]), (2.0, values["correct"])) if v is not None]
+        assert s["reward"] == pytest.approx(sum(weighted))
+    for r in rows:  # unweighted, over the step's completions
+        fmt = [s["rewards"]["fmt"] for s in samples if s["step"] == r["step"]]
+        assert r["rewards/fmt/mean"] == pytest.approx(statistics.mean(fmt))
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"]["reward_funcs"] == ["rewards.py:fmt", "rewards.py:correct"]
+    assert config["task"]["reward_weights"] == [0.5, 2.0]
+    digest = sha16(example / "rewards.py")
+    assert config["reward_files"] == {"fmt": {"file": "rewards.py", "sha256": digest},
+                                      "correct": {"file": "rewards.py", "sha256": digest}}
+    assert config["task_sha256"] == {"path": sha16(example / "data.jsonl")}
+
+    ev = command(example, "run_dir=run", "k=1", "limit=4", "tracker=disabled", module="qerl_exp.eval")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    record = json.loads((run / "eval.json").read_text())
+    assert record["metrics"]["eval/problems"] == 4
+    scored = record["problems"]
+    assert all(set(p["rewards"]) == {"fmt", "correct"} for p in scored)  # the run's own functions
+    totals = [sum(w * v for w, v in ((0.5, p["rewards"]["fmt"]), (2.0, p["rewards"]["correct"])) if v is not None)
+              for p in scored]
+    assert record["metrics"]["eval/reward"] == pytest.approx(statistics.mean(totals))
+    assert math.isnan(record["metrics"]["eval/format"])  # the run has no function named format
+
+
+@pytest.mark.slow
+def test_a_preset_in_a_folder_of_its_own_runs_with_its_chat_settings(example, checkpoint):
+    shown = command(example, "--config-dir", "myconf", "task=mine", f"model.name={checkpoint}", "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "path: data.jsonl" in shown.stdout and "- rewards.py:fmt" in shown.stdout
+
+    out = command(example, "--config-dir", "myconf", "task=mine", f"model.name={checkpoint}", "train.steps=2", *SMALL,
+                  "run_dir=run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((example / "run" / "config.json").read_text())
+    assert config["choices"]["task"] == "mine"
+    assert config["task"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert config["task"]["reward_weights"] == [0.5, 2.0]
+    assert all(s["prompt"].endswith("<|im_start|>assistant\n<think></think>") for s in completions(example / "run"))
+    assert "rewards/correct/std" in metrics_rows(example / "run")[0]
+
+
+@pytest.mark.slow
+def test_save_to_disk_folders_and_parquet_files_train_and_evaluate_as_the_jsonl_does(example, checkpoint):
+    import datasets
+
+    from qerl_exp.config import EvalConfig
+    from qerl_exp.eval.__main__ import EvalCommand, evaluate_run
+    from qerl_exp.tasks import build_task
+
+    data = datasets.load_dataset("json", data_files=str(example / "data.jsonl"))["train"]
+    data.save_to_disk(str(example / "saved"))
+    data.to_parquet(str(example / "data.parquet"))
+    funcs = f"task.reward_funcs=[{example}/rewards.py:fmt,{example}/rewards.py:correct]"
+    common = [f"model.name={checkpoint}", "task=dataset", funcs, "task.reward_weights=[0.5,2.0]", *SMALL]
+    jsonl = build_task(compose([*common, f"task.path={example / 'data.jsonl'}"])[0].task)
+    questions = None
+    for source in ("saved", "data.parquet"):
+        overrides = [*common, f"task.path={example / source}", "train.steps=2"]
+        task = build_task(compose(overrides)[0].task)
+        assert (task.train, task.held_out) == (jsonl.train, jsonl.held_out), source  # the same problems, columns and all
+        assert task.conversational and task.columns == ("answer", "difficulty")
+        rows = run_in_process(example / f"run-{source}", *overrides)
+        assert [r["step"] for r in rows] == [0, 1] and "rewards/fmt/mean" in rows[0], source
+        metrics = evaluate_run(EvalCommand(run_dir=str(example / f"run-{source}"), eval=EvalConfig(k=1), limit=4,
+                                           tracker="disabled"))
+        assert metrics["eval/problems"] == 4
+        record = json.loads((example / f"run-{source}" / "eval.json").read_text())
+        assert questions in (None, [p["question"] for p in record["problems"]])
+        questions = [p["question"] for p in record["problems"]]
+
+
+# A reward file whose values a random model's replies make non-zero, with None on some rows.
+COUNTING = '''
+def chars(prompts, completions, **kwargs):
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+def hard(prompts, completions, difficulty, **kwargs):
+    return [None if d is None or d < 2 else d * (len(c[0]["content"]) % 3) for c, d in zip(completions, difficulty)]
+'''
+
+
+class _Stop(Exception):
+    """Ends an in-process run after a step."""
+
+
+@pytest.mark.slow
+def test_completions_follow_the_metrics_and_a_resume_and_an_edited_reward_file_is_refused(example, checkpoint):
+    from qerl_exp.rundir import ConfigChangedError
+
+    (example / "counting.py").write_text(COUNTING)
+    overrides = [f"model.name={checkpoint}", "task=dataset", f"task.path={example / 'data.jsonl'}",
+                 f"task.reward_funcs=[{example}/counting.py:chars,{example}/counting.py:hard]",
+                 "task.reward_weights=[0.5,2.0]", "train.steps=4", "checkpoint.every=2", "tracker.completions_every=1",
+                 *SMALL]
+    whole = run_in_process(example / "whole", *overrides)
+
+    def stop(step, metrics):
+        if step == 2:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        run_in_process(example / "cut", *overrides, on_step=stop)
+    assert {s["step"] for s in completions(example / "cut")} == {0, 1, 2}
+    kept = (example / "cut" / "metrics.jsonl").read_text()
+    (example / "counting.py").write_text(COUNTING + "# edited\n")
+    with pytest.raises(ConfigChangedError) as refused:
+        run_in_process(example / "cut", *overrides)
+    line = str(refused.value)
+    assert "\n" not in line and "reward_files.chars.sha256" in line
+    assert "a reward function's source file changed since the run started" in line
+    assert (example / "cut" / "metrics.jsonl").read_text() == kept  # nothing changed
+    (example / "counting.py").write_text(COUNTING)
+    resumed = run_in_process(example / "cut", *overrides)
+
+    samples = completions(example / "cut")
+    assert samples == completions(example / "whole")  # no row repeated, none lost, the same draws
+    assert [s["step"] for s in samples] == [step for step in range(4) for _ in range(8)]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for row in whole:  # the metrics are the completions' numbers: unweighted per function, weighted in all
+        step = [s for s in samples if s["step"] == row["step"]]
+        for name in ("chars", "hard"):  # over the completions a function applies to; NaN (null) over none or one
+            values = [s["rewards"][name] for s in step if s["rewards"][name] is not None]
+            assert row[f"rewards/{name}/mean"] == (pytest.approx(statistics.mean(values)) if values else None)
+            assert row[f"rewards/{name}/std"] == (pytest.approx(statistics.stdev(values)) if len(values) > 1 else None)
+        totals = [0.5 * s["rewards"]["chars"] + (2.0 * s["rewards"]["hard"] if s["rewards"]["hard"] is not None else 0)
+                  for s in step]
+        assert [s["reward"] for s in step] == pytest.approx(totals)
+        assert row["reward"] == pytest.approx(statistics.mean(totals))
+        for g in range(2):
+            group = totals[4 * g:4 * g + 4]
+            mean, std = statistics.mean(group), statistics.stdev(group)
+            assert [s["advantage"] for s in step[4 * g:4 * g + 4]] == pytest.approx(
+                [(t - mean) / (std + 1e-4) for t in group], rel=1e-4, abs=1e-5)
+
+
+def test_a_reward_function_that_fails_mid_run_stops_it_at_that_step(example, checkpoint):
+    from qerl_exp.tasks.reward_funcs import RewardError
+
+    (example / "flaky.py").write_text("def late(prompts, completions, **kwargs):\n"
+                                      "    if len(completions) and open(__file__ + '.step').read() == '1':\n"
+                                      "        return [1.0] * (len(completions) - 1)\n"
+                                      "    return [1.0] * len(completions)\n")
+    (example / "flaky.py.step").write_text("0")
+
+    def advance(step, metrics):
+        (example / "flaky.py.step").write_text(str(step + 1))
+
+    with pytest.raises(RewardError) as err:
+        run_in_process(example / "run", f"model.name={checkpoint}", "task=dataset", f"task.path={example / 'data.jsonl'}",
+                       f"task.reward_funcs=[{example}/flaky.py:late]", "train.steps=3", *SMALL, on_step=advance)
+    assert str(err.value) == (f"reward function late ({example}/flaky.py:late) returned 7 values for 8 completions at "
+                              "step 1; return one value per completion: a finite number, or None where the function "
+                              "does not apply")
+    assert [r["step"] for r in metrics_rows(example / "run")] == [0]  # step 0 kept as it was
+
+
+@pytest.mark.parametrize("returned, message", [
+    ("[float('nan')] * len(completions)", "returned nan for completion 0 at step 7; return one value per completion"),
+    ("['1'] * len(completions)", "returned '1' for completion 0 at step 7"),
+    ("None", "returned a NoneType at step 7, not a list"),
+    ("1 / 0", "raised ZeroDivisionError at step 7: division by zero"),
+])
+def test_a_bad_reward_value_is_one_line_naming_the_function_and_the_step(tmp_path, returned, message):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import Problem
+    from qerl_exp.tasks.reward_funcs import RewardError, load
+
+    (tmp_path / "bad.py").write_text(f"def odd(prompts, completions, **kwargs):\n    return {returned}\n")
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/bad.py:odd"]), ("answer",))
+    with pytest.raises(RewardError) as err:
+        rewards.compute([Problem("q", "1")] * 2, ["a", "b"], "step 7")
+    assert str(err.value).startswith(f"reward function odd ({tmp_path}/bad.py:odd) ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+BAD_FUNCTIONS = [
+    ("def fmt(prompts, completions, **kwargs)\n    return []\n",
+     "task.reward_funcs entry rewards.py:fmt: rewards.py does not import (SyntaxError: expected ':' (rewards.py, line 1))"),
+    ("import no_such_module\n",
+     "task.reward_funcs entry rewards.py:fmt: rewards.py does not import (ModuleNotFoundError: No module named 'no_such_module')"),
+    ("fmt = 3\n", "task.reward_funcs entry rewards.py:fmt: fmt is a int, not a function"),
+    ("def other(prompts, completions, **kwargs):\n    return []\n", "rewards.py has no function 'fmt'"),
+    ("def fmt(completions, answer):\n    return []\n", "reward function fmt (rewards.py:fmt) does not take 'prompts'"),
+    ("def fmt(prompts, completions, level, **kwargs):\n    return []\n",
+     "reward function fmt (rewards.py:fmt) needs 'level', which is not a column of the task's rows (they give: answer, difficulty;"),
+    ("def fmt(prompts, completions, answer):\n    return []\n",
+     "reward function fmt (rewards.py:fmt) does not take the column 'difficulty', and every column is passed to it; "
+     "add **kwargs to its parameters"),
+]
+
+
+@pytest.mark.parametrize("source, message", BAD_FUNCTIONS)
+def test_a_reward_function_that_cannot_run_is_refused_in_one_line_before_the_run(example, checkpoint, monkeypatch,
+                                                                                    source, message):
+    monkeypatch.chdir(example)
+    (example / "rewards.py").write_text(source)
+    with pytest.raises(UsageError) as err:
+        validate([f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl", "task.reward_funcs=[rewards.py:fmt]"],
+                 multirun=False)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (example / "runs").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task=arith", "task.path=data.jsonl"], "task.path is for the tasks that read data (gsm8k, math, dataset); "
+                                             "task=arith generates its problems: drop task.path, or choose task=dataset"),
+    (["task=wordprob", "task.eval_split=test"], "task.eval_split is for the tasks that read data"),
+    (["task=gsm8k", "task.columns.prompt=q"], "task.columns is for task=dataset"),
+    (["task=dataset"], "task=dataset needs task.path=<a JSONL, JSON, CSV or Parquet file, a save_to_disk folder, or a hub dataset id>"),
+    (["task=dataset", "task.path=nothing.jsonl"], "task.path=nothing.jsonl does not exist"),
+    (["task=dataset", "task.path=notes.txt"], "task.path=notes.txt does not exist"),
+    (["task=dataset", "task.path=data.jsonl"], "task.path=data.jsonl holds conversational prompts (lists of messages), "
+                                               "which need a chat template, and the embedded model has none"),
+    (["task=dataset", "task.path=data.jsonl", "task.columns.answer=solution"],
+     "task.columns.answer=solution is not a column of task.path=data.jsonl (it has: prompt, answer, difficulty)"),
+    (["task=dataset", "task.path=data.jsonl", "task.split=test"], "task.path=data.jsonl has no split 'test'; it has: train"),
+    (["task.chat_template='{{ messages }}'"], "task.chat_template and task.chat_template_kwargs are for a checkpoint's tokenizer"),
+    (["task.reward_funcs=[rewards.py:fmt]", "task.reward_weights=[1,2]"], "task.reward_weights has 2 entries for 1"),
+    (["task.reward_funcs=[rewards.py]"], "task.reward_funcs entry 'rewards.py' is not path/to/file.py:function"),
+    (["task=mine"], "task=mine is not a preset; choose one of: arith, dataset, fork, gsm8k, math, wordprob"),
+    (["--config-dir", "myconf", "task=mien"], "task=mien is not a preset; choose one of: arith, dataset, fork, gsm8k, math, mine, wordprob"),
+    (["task=mine", "--config-dir"], "argument --config-dir/-cd: expected one argument"),
+    (["--config-dir", "nowhere", "task=mine"], "--config-dir=nowhere is not a folder"),
+])
+def test_bad_task_settings_are_one_line(example, monkeypatch, overrides, message):
+    monkeypatch.chdir(example)
+    with pytest.raises(UsageError) as err:
+        args, flags = parse_command_line(overrides)
+        validate(args, multirun=flags.multirun)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_presets_come_from_config_dirs_and_the_search_path_alike(example, checkpoint, monkeypatch):
+    monkeypatch.chdir(example)
+    by_dir = parse_command_line(["--config-dir=myconf", "task=mine", f"model.name={checkpoint}", "algo.max_new_tokens=64"])[0]
+    assert by_dir[-1] == f"hydra.searchpath=['file://{example}/myconf']"
+    by_path = ["hydra.searchpath=[file://myconf]", "task=mine", f"model.name={checkpoint}", "algo.max_new_tokens=64"]
+    (a, choices), (b, _) = compose(by_dir), compose(by_path)
+    assert a == b and choices["task"] == "mine" and a.task.reward_funcs == ["rewards.py:fmt", "rewards.py:correct"]
+    assert validate(by_dir, multirun=True)[0] == a
+
+
+@pytest.mark.slow
+def test_a_sweep_searches_presets_of_a_config_dir(example, checkpoint, monkeypatch):
+    from qerl_exp.sweep.__main__ import own_presets
+    from qerl_exp.sweep.spec import load_plan
+
+    monkeypatch.chdir(example)
+    spec = {"base": [f"model.name={checkpoint}", *SMALL], "params": {"task": {"type": "categorical", "choices": ["mine"]}},
+            "objective": {"metric": "rewards/correct/mean", "direction": "maximize"}, "n_trials": 1}
+    plan = load_plan(example / "spec.yaml", own_presets(["--config-dir", "myconf"]), spec=spec)
+    assert f"hydra.searchpath=['file://{example}/myconf']" in plan.overrides
+    with pytest.raises(UsageError, match="params.task: 'mine' is not a preset"):
+        load_plan(example / "spec.yaml", [], spec=spec)
+    with pytest.raises(UsageError, match="takes key=value items and --config-dir DIR, not --multirun"):
+        own_presets(["-m"])
+
+
+def test_chat_settings_reach_the_rendered_prompt(checkpoint, tmp_path):
+    import jinja2
+
+    from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    tok = HFTokenizer(checkpoint, local_files_only=True)
+    assert tok.render_prompt(messages, "ignored for messages") == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    tok.use_chat("", {"enable_thinking": False})
+    assert tok.render_prompt(messages, "").endswith("<|im_start|>assistant\n<think></think>")
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    tok.use_chat(own, {})
+    expected = jinja2.Template(own).render(messages=[{"role": "system", "content": "Be brief."}, *messages], add_generation_prompt=True)
+    assert tok.render_prompt("What is 2 + 2?", "Be brief.") == expected == "[system] Be brief.\n[user] What is 2 + 2?\n[assistant] "
+    with pytest.raises(ValueError, match="the embedded model has no chat template"):
+        CharTokenizer().render_prompt(messages, "")
+
+
+def test_a_hub_dataset_without_the_hub_fails_in_one_line_within_seconds(monkeypatch):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import build_task
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(ValueError) as err:
+        build_task(TaskConfig(name="dataset", path="nobody-here/no-such-dataset"))
+    assert time.time() - t0 < 10
+    assert str(err.value).startswith("task.path=nobody-here/no-such-dataset could not be loaded (the hub is unreachable "
+                                     "and it is not in the local datasets cache)")
+    assert "\n" not in str(err.value)
+
+
+def test_malformed_rows_of_your_own_data_are_named(tmp_path):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import build_task
+
+    rows = [{"prompt": "What is 1 + 1?", "answer": 2}, {"prompt": [{"role": "user"}], "answer": "3"},
+            {"prompt": "What is 2 + 2?", "answer": None}, {"prompt": "", "answer": "5"}]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(ValueError) as err:
+        build_task(TaskConfig(name="dataset", path=str(tmp_path / "data.jsonl")))
+    assert str(err.value) == (
+        f"{tmp_path / 'data.jsonl'}: 3 malformed lines: line 2: column 'prompt' (the prompt) must be non-empty text or a "
+        "list of {role, content} messages with text content, got list; line 3: column 'answer' (the answer) is empty; "
+        "line 4: column 'prompt' (the prompt) must be non-empty text or a list of {role, content} messages with text "
+        "content, got str")
+    (tmp_path / "data.csv").write_text("question,solution,level\nWhat is 1 + 1?,2,a\nWhat is 2 + 3?,5,b\n"
+                                       "What is 4 + 4?,8,a\nWhat is 9 - 3?,6,b\n")
+    task = build_task(TaskConfig(name="dataset", path=str(tmp_path / "data.csv")))  # question and solution columns
+    assert sorted((p.question, p.answer, dict(p.columns)) for p in task.train + task.held_out)[0] == \
+        ("What is 1 + 1?", "2", {"solution": 2, "level": "a"})
+    assert task.columns == ("answer", "solution", "level") and not task.conversational
+
+
+def test_held_out_problems_come_from_a_split_or_another_source(example):
+    import datasets
+
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import build_task
+
+    rows = datasets.load_dataset("json", data_files=str(example / "data.jsonl"))["train"]
+    splits = datasets.DatasetDict({"train": rows.select(range(12)), "test": rows.select(range(10, 16))})
+    splits.save_to_disk(str(example / "splits"))
+    test = build_task(TaskConfig(name="dataset", path=str(example / "splits"), eval_split="test"))
+    # the test split less the two prompts training also has
+    assert [p.question for p in test.held_out] == [r["prompt"][-1]["content"] for r in rows.select(range(12, 16))]
+    assert len(test.train) == 12
+    rows.select(range(12)).to_json(str(example / "train.jsonl"))
+    rows.select(range(10, 16)).to_json(str(example / "held.jsonl"))
+    other = build_task(TaskConfig(name="dataset", path=str(example / "train.jsonl"), eval_path=str(example / "held.jsonl")))
+    assert (other.train, other.held_out) == (test.train, test.held_out)
+    with pytest.raises(ValueError, match=r"has the splits train, test; name the one to evaluate on with task.eval_split$"):
+        build_task(TaskConfig(name="dataset", path=str(example / "data.jsonl"), eval_path=str(example / "splits")))
+
+
+def test_completions_no_function_applies_to_are_named_once(tmp_path, capsys):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import Problem
+    from qerl_exp.tasks.reward_funcs import load
+
+    (tmp_path / "some.py").write_text("def only_hard(prompts, completions, level, **kwargs):\n"
+                                      "    return [1.0 if l == 'hard' else None for l in level]\n")
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/some.py:only_hard"]), ("answer", "level"))
+    problems = [Problem("q", "1", columns={"level": level}) for level in ("hard", "easy", "easy")]
+    scores = rewards.compute(problems, ["a", "b", "c"], "step 4")
+    assert scores["only_hard"][0] == 1.0 and all(math.isnan(v) for v in scores["only_hard"][1:])
+    rewards.compute(problems, ["a", "b", "c"], "step 5")
+    assert capsys.readouterr().err == ("warning: no reward function applies to 2 completion(s) at step 4 (each returned "
+                                       "None): they get no reward and advantage 0, as in TRL (shown once)\n")
