@@ -106,8 +106,10 @@ def other_runs(path: str | Path, skip: tuple[str, ...] = ()) -> Path | None:
     return None
 
 
-def _lock(run_dir: Path, create: bool):
-    """Open and flock `run_dir/.lock`; None when `create` is False and there is no lock file."""
+def _lock(run_dir: Path, create: bool, shared: bool = False):
+    """Open and flock `run_dir/.lock`; None when `create` is False and there is no lock file.
+    `shared`: a check's lock, which only an owner's refuses (the ranks of one torchrun command
+    check the same directory at once)."""
     path = run_dir / LOCK_FILE
     try:
         f = open(path, "r+" if not create else "a+")
@@ -116,7 +118,7 @@ def _lock(run_dir: Path, create: bool):
             raise
         return None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         owner = f.read().strip() or "unknown"
@@ -164,7 +166,7 @@ def claim(run_dir: str | Path, config: dict, fresh: bool = False) -> RunDir:
 def check(run_dir: str | Path, config: dict) -> None:
     """What `claim` would refuse, read-only: a command checks its run_dir before it starts."""
     run_dir = Path(run_dir).absolute()
-    lock = _lock(run_dir, create=False) if run_dir.is_dir() else None  # refused when another process holds it
+    lock = _lock(run_dir, create=False, shared=True) if run_dir.is_dir() else None  # refused when a run owns it
     try:
         _check(run_dir, config, fresh=False)
     finally:

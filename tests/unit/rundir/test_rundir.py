@@ -46,6 +46,18 @@ def test_a_default_name_in_use_is_passed_over_and_a_named_one_is_refused(tmp_pat
         rundir.claim(name, _record(lora={"r": 8}))
 
 
+def test_checks_of_one_directory_at_once_pass_and_a_running_owner_refuses_them(tmp_path):
+    # the ranks of one torchrun command check the run_dir at the same moment: neither may refuse the other
+    run_dir = tmp_path / "run"
+    rundir.claim(run_dir, _record()).release()  # an unfinished run, to be continued
+    another_rank = rundir._lock(run_dir, create=False, shared=True)
+    rundir.check(run_dir, _record())
+    another_rank.close()
+    with rundir.claim(run_dir, _record()):
+        with pytest.raises(rundir.RunDirBusy, match=f"in use by process {os.getpid()}"):
+            rundir.check(run_dir, _record())
+
+
 def test_a_run_dir_holding_other_runs_or_a_model_is_refused_and_left_as_it_is(tmp_path):
     for run in ("a", "2026-11-30/b"):
         rundir.claim(tmp_path / "runs" / run, _record()).release()
