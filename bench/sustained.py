@@ -31,8 +31,6 @@ from bench import engine_kernels as kb
 from bench import record
 from bench.gpu_power import PowerMeter
 
-from qerl_exp.engine import dispatch, linear, nvfp4_wgmma
-from qerl_exp.engine.triton_util import capability
 
 FLOP_PER_CLOCK_SM = 4096  # Hopper (sm_90) dense fp16/bf16 tensor rate
 
@@ -87,6 +85,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dev = torch.device("cuda")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(dev) != (9, 0):
         sys.exit("bench.sustained needs a Hopper GPU ('% peak' is sm_90's tensor rate): run it on an H100 or H200")
+    # Triton and Gluon, which a CPU install may lack, only where the kernels run
+    from qerl_exp.engine import dispatch, linear, nvfp4_wgmma
+    from qerl_exp.engine.triton_util import capability
+
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; each case replayed for {a.seconds} s")
     rows = []
