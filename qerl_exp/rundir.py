@@ -218,15 +218,10 @@ def _check(run_dir: Path, config: dict, fresh: bool) -> None:
         length = "" if steps in (None, record.flatten(config).get("train.steps")) else (
             f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
         raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
-    try:
-        now = record.current(saved, run_dir / "config.json")
-    except record.RecordError as e:
-        raise RunDirError(str(e)) from None
-    changes = record.changes(now, config)
+    changes, listed = _changes(saved, run_dir / "config.json", config)
     if changes:
         raise ConfigChangedError(
-            f"{run_dir} holds an unfinished run started with another config ({'; '.join(changes[:6])}"
-            f"{'; ...' if len(changes) > 6 else ''}); {_advice(changes, run_dir)}")
+            f"{run_dir} holds an unfinished run started with another config ({listed}); {_advice(changes, run_dir)}")
 
 
 def _advice(changes: list[str], run_dir: Path, resuming: bool = False) -> str:
@@ -288,13 +283,19 @@ def check_checkpoint(path: Path, saved: dict | None, config: dict) -> None:
     """
     if saved is None:
         return
-    try:
-        now = record.current(saved, path / "state.pt")
-    except record.RecordError as e:
-        raise RunDirError(str(e)) from None
-    changes = record.changes(now, config)
+    changes, listed = _changes(saved, path / "state.pt", config)
     if changes:
         raise ConfigChangedError(
             f"{path} was written under another config than {path.parent.parent / 'config.json'} now holds "
-            f"({'; '.join(changes[:6])}{'; ...' if len(changes) > 6 else ''}): that file was edited or replaced; "
-            "restore it, or start a new run in another run_dir")
+            f"({listed}): that file was edited or replaced; restore it, or start a new run in another run_dir")
+
+
+def _changes(saved: dict, where: Path, config: dict) -> tuple[list[str], str]:
+    """How `config` differs from the record `saved` (read from `where`, with today's schema), and
+    the first six differences as one line."""
+    try:
+        now = record.current(saved, where)
+    except record.RecordError as e:
+        raise RunDirError(str(e)) from None
+    changes = record.changes(now, config)
+    return changes, "; ".join(changes[:6]) + ("; ..." if len(changes) > 6 else "")
