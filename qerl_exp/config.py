@@ -129,6 +129,7 @@ class ModelConfig:
 
 
 QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
+FAKE_QUANT = ("none", "round", "noise")
 
 
 @schema
@@ -140,11 +141,18 @@ class QuantConfig:
             `nvfp4` (E2M1 + E4M3 scales per 16 + FP32 tensor scale), `mxfp4` (E2M1 + E8M0 per 32).
         double_quant: nf4 only: quantize the absmax scales again to 8 bits (QLoRA double quant).
         targets: decoder linear names to quantize; embeddings, norms and lm_head never are.
+        fake: a diagnostic that keeps the targeted linears dense (plain layers in model.dtype):
+            `none` (the format's own 4-bit layers), `round` (the weights rounded to the format, the
+            damage without the 4-bit layer: is a failure the damage or training through a
+            quantized layer?), `noise` (the weights plus Gaussian noise whose RMS equals the
+            format's rounding error in each output row: an error of the same size without its
+            structure). The noise is drawn from a fixed seed, the same for every run.
     """
 
     format: str = "none"
     double_quant: bool = False
     targets: list[str] = field(default_factory=lambda: list(DECODER_LINEARS))
+    fake: str = "none"
 
     def __post_init__(self) -> None:
         _choice("quant.format", self.format, QUANT_FORMATS)
@@ -153,6 +161,9 @@ class QuantConfig:
             _choice("quant.targets entry", t, DECODER_LINEARS)
         _check(self.format == "none" or len(self.targets) > 0,
                f"quant.targets must name at least one linear for quant.format={self.format} (else nothing is quantized)")
+        _choice("quant.fake", self.fake, FAKE_QUANT)
+        _check(self.fake == "none" or self.format != "none",
+               f"quant.fake={self.fake} needs a format to imitate; set quant.format (e.g. quant=nvfp4)")
 
 
 @schema

@@ -18,6 +18,20 @@ format: `noise.AQN`, absolute or `noise.relative=true` as the run config says). 
 | KL to full precision | KL(full precision \\|\\| format) over the vocabulary (`metrics.kl_full`) |
 | top-1 agreement | whether the format's most likely next token is full precision's |
 
+`layers=true` also checks each format's layers, in fp32: its policy, with random LoRA matrices
+(B too, so that every adapter acts), against the same model whose targeted linears are plain layers holding
+the dequantized weights (`quant.fake=round`), on the first `batch` completions, AQN as in the row:
+the largest logit difference, the loss difference and the largest relative error of a LoRA gradient
+(the 4-bit layers' forward and backward, and LoRA and AQN on them, against an independent path).
+
+And per prompt, from each format's own greedy reply (`greedy=true`, the default; `eval.grade` with
+the run's reward functions, `algo.max_new_tokens` and stop strings, AQN applied as in the row):
+
+| column | definition |
+| --- | --- |
+| greedy pass@1 | whether the greedy reply is correct (the task's `correct` function) |
+| greedy replies ended | whether the greedy reply ended (EOS or a stop string) within `algo.max_new_tokens` |
+
 Token means per prompt (over its completions' tokens), then the mean over prompts with a 95 %
 t-interval: the prompts are the replication (`bases=1,2,3` pools the prompts of several embedded
 bases). `match=FORMAT` also finds T*, the temperature at
@@ -46,11 +60,12 @@ from qerl_exp.compose import compose
 from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
 from qerl_exp.learner import chunks, rows
-from qerl_exp.loss import completion_logits
+from qerl_exp.loss import completion_logits, token_logp
 from qerl_exp.metrics import entropy_from_logits, kl_full
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
-from qerl_exp.rollout import make_generator, row_seeds, sample
+from qerl_exp.eval import grade
+from qerl_exp.rollout import engine_for, make_generator, row_seeds, sample
 from qerl_exp.record import source_commit
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT
@@ -58,7 +73,7 @@ from qerl_exp.tasks.base import HELD_OUT
 REFERENCE = "bf16"  # the quant preset that keeps the base in model.dtype
 FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4", "nf4_dq")
 COLUMNS = {"entropy": "entropy", "gain": "entropy gain", "first": "first-token entropy", "kl": "KL to full precision",
-           "top1": "top-1 agreement"}
+           "top1": "top-1 agreement", "pass1": "greedy pass@1", "ended": "greedy replies ended"}
 
 
 @dataclass
@@ -78,6 +93,9 @@ class ProbeArgs:
             (empty: the run config's own).
         match: a format of `quant` whose entropy full precision is matched to by temperature (empty: none).
         match_on: `first` (the first completion token's entropy) or `all` (the token mean).
+        greedy: also decode each format's greedy reply to every prompt: its pass@1 and whether it
+            ended within `algo.max_new_tokens`.
+        layers: also check each format's layers against plain linears holding its dequantized weights.
         out: a JSON file for every number (empty: none).
         verbose: show the third-party notices hidden by default.
     """
@@ -92,6 +110,8 @@ class ProbeArgs:
     bases: list[int] = field(default_factory=list)
     match: str = ""
     match_on: str = "first"
+    greedy: bool = True
+    layers: bool = False
     out: str = ""
     verbose: bool = False
 
@@ -115,7 +135,7 @@ def parse(argv: list[str]) -> tuple[ProbeArgs, list[str]]:
                 own[key] = [int(b) for b in raw.split(",") if b]
             elif key in ("limit", "samples", "seed", "batch"):
                 own[key] = int(raw)
-            elif key == "verbose":
+            elif key in ("verbose", "greedy", "layers"):
                 own[key] = raw.lower() in ("true", "1", "yes")
             else:
                 own[key] = raw
@@ -174,6 +194,68 @@ def _score(model, batch, reference_logits: list[torch.Tensor], temperature: floa
     return {k: torch.cat(v) for k, v in parts.items()}, raw
 
 
+def _greedy(policy, tokenizer, task, problems, cfg, args: ProbeArgs, aqn: AQN | None) -> dict[str, list[float]]:
+    """Per prompt: whether the policy's greedy reply is correct, and whether it ended within
+    `algo.max_new_tokens` (AQN applied as `aqn` draws it)."""
+    device = next(policy.parameters()).device
+    with aqn.applied() if aqn is not None else nullcontext():
+        _, graded = grade(policy, tokenizer, task, problems=problems, k=0, n=0, temperature=cfg.algo.temperature,
+                          top_p=1.0, max_new_tokens=cfg.algo.max_new_tokens, batch_size=args.batch, seed=args.seed,
+                          system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, device),
+                          split=args.split, stop=cfg.algo.stop)
+    return {"pass1": [float(bool(r["correct"])) for r in graded], "ended": [float(r["terminated"]) for r in graded]}
+
+
+def _random_lora(model, seed: int) -> None:
+    """Every LoRA matrix drawn from `seed` in parameter order, B at a small scale too (peft starts it
+    at 0, where an adapter does nothing and A gets no gradient), so two builds hold one adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                scale = 0.02 if "lora_B" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def _loss_and_grads(model, batch, aqn: AQN | None) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with aqn.applied() if aqn is not None else nullcontext():  # (the noisy scales are needed in backward too)
+        logits = completion_logits(model, batch, 1.0)
+        logp = token_logp(logits, batch.completion_ids)
+        loss = -(logp * batch.completion_mask).sum() / batch.completion_mask.sum()
+        loss.backward()
+    return logits.detach(), loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}
+
+
+def layer_check(overrides: list[str], preset: str, task, device, batch, args: ProbeArgs, sigma: float | None,
+                noise_cfg) -> dict[str, float]:
+    """`layers=true`: the format's policy (its 4-bit layers) against the same model built with
+    `quant.fake=round` (plain layers holding the dequantized weights), both in fp32 with the same
+    random LoRA and the same AQN draw, on the batch's first `args.batch` completions.
+
+    Returns:
+        `logits` (largest absolute logit difference), `loss` (absolute loss difference), `grads` (the
+        largest relative error |g - g_ref| / |g_ref| over the LoRA matrices), `params` (how many).
+    """
+    sub = rows(batch, torch.arange(min(args.batch, len(batch.completion_ids))), cut=(0, batch.completion_ids.shape[1]))
+    results = []
+    for fake in ("none", "round"):
+        _, models = _policy([*overrides, "model.dtype=float32", f"quant.fake={fake}"], preset, task, device)
+        _random_lora(models.policy, args.seed)
+        aqn = None
+        if sigma is not None:
+            aqn = AQN(models.policy, replace(noise_cfg, schedule="fixed", sigma=sigma), seed=args.seed + 1)
+            aqn.draw(sigma)
+        with torch.enable_grad():
+            results.append(_loss_and_grads(models.policy, sub, aqn))
+        del models
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results
+    errors = [float((grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in ref_grads.items()]
+    return {"logits": float((logits - ref_logits).abs().max()), "loss": abs(loss - ref_loss),
+            "grads": max(errors), "params": len(errors)}
+
+
 def match_temperature(raw: list[tuple[torch.Tensor, torch.Tensor]], target: float, first: bool) -> float:
     """The temperature in [0.5, 2] at which the reference's mean entropy (first token, or token mean)
     equals `target`, by bisection to 1e-3 (an end of the range when the target lies beyond it).
@@ -214,7 +296,7 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
     task = build_task(cfg.task)
     problems = task.eval_problems(args.split)[: args.limit]
     cfg, models = _policy(overrides, REFERENCE, task, device)
-    prompts = [models.tokenizer.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    prompts = [models.tokenizer.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     algo = replace(cfg.algo, group_size=args.samples)
     batch = sample(make_generator(cfg.rollout.engine, models.policy, models.tokenizer, device), models.tokenizer, prompts,
                    algo, device, seeds=row_seeds(args.seed, 0, range(len(prompts)), args.samples))
@@ -222,7 +304,7 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
     reference, raw = _score(models.policy, batch, [], T, args.batch, None, keep=True)
     facts = {"temperature": T, "prompts": len(prompts), "tokens": int(mask.sum()),
              "dtype": str(next(models.policy.parameters()).dtype)}
-    rows, matched = {}, None
+    rows, checks, matched = {}, {}, None
     for preset in args.quant:
         if preset != REFERENCE:
             del models
@@ -237,6 +319,11 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
                    "top1": scores["top1"]}
             rows[(preset, sigma)] = {name: _per_prompt(v * mask, mask, args.samples) for name, v in per.items()}
             rows[(preset, sigma)]["first"] = scores["entropy"][:, 0].view(-1, args.samples).mean(1).tolist()
+            if args.greedy:
+                rows[(preset, sigma)].update(_greedy(models.policy, models.tokenizer, task, problems, cfg, args, aqn))
+            if args.layers and preset != REFERENCE:
+                checks[f"{preset} sigma={sigma:g}"] = layer_check(overrides, preset, task, device, batch, args,
+                                                                  None if aqn is None else sigma, cfg.noise)
             if preset == args.match and sigma == args.sigma[0]:
                 matched = scores["entropy"]
     parts = [(logits, mask[idx]) for logits, idx in zip(raw, chunks(torch.arange(len(mask)), args.batch))]
@@ -244,6 +331,8 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
         first = args.match_on == "first"
         facts["matched"] = (float(matched[:, 0].sum()), len(matched)) if first else \
             (float((matched * mask).sum()), float(mask.sum()))
+    if checks:
+        facts["layers"] = checks
     return rows, parts, matched, facts
 
 
@@ -265,6 +354,10 @@ def probe(args: ProbeArgs, overrides: list[str]) -> dict:
                           "prompts": sum(f["prompts"] for f in facts), "samples": args.samples,
                           "tokens": sum(f["tokens"] for f in facts), "dtype": facts[0]["dtype"]},
                "rows": [{"quant": q, "sigma": s, "per_prompt": row} for (q, s), row in pooled.items()]}
+    checks = [{"base": b, "row": row, **check} for b, f in zip(args.bases or [None], facts)
+              for row, check in f.get("layers", {}).items()]
+    if checks:
+        results["layers"] = checks
     if args.match:
         value = sum(f["matched"][0] for f in facts) / sum(f["matched"][1] for f in facts)
         results["match"] = {"format": args.match, "sigma": args.sigma[0], "on": args.match_on, "target": value,
@@ -274,11 +367,12 @@ def probe(args: ProbeArgs, overrides: list[str]) -> dict:
 
 def table(results: dict) -> str:
     """The per-format table: each column's mean over prompts [95 % t-interval]."""
-    head = ["format", "sigma", *COLUMNS.values()]
+    columns = [name for name in COLUMNS if name in results["rows"][0]["per_prompt"]]  # greedy=false: no greedy ones
+    head = ["format", "sigma", *(COLUMNS[name] for name in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         cells = [r["quant"], f"{r['sigma']:g}"]
-        for name in COLUMNS:
+        for name in columns:
             cells.append(t_interval(r["per_prompt"][name]).text(4))
         lines.append("| " + " | ".join(cells) + " |")
     c = results["config"]
@@ -286,6 +380,12 @@ def table(results: dict) -> str:
     lines += ["", f"{c['prompts']} prompts{bases} x {c['samples']} completions sampled from full precision ({c['dtype']}) "
               f"at temperature {c['temperature']:g}, {c['tokens']} tokens; mean over prompts [95 % t-interval]"
               + (f"; commit `{c['commit'][:7]}`" if c.get("commit") else "")]
+    for check in results.get("layers", []):
+        base = "" if check["base"] is None else f" (base {check['base']})"
+        lines.append(f"layers, {check['row']}{base}: 4-bit layers against plain linears holding the dequantized "
+                     f"weights (fp32): largest logit difference {check['logits']:.2e}, loss difference "
+                     f"{check['loss']:.2e}, largest relative LoRA-gradient error {check['grads']:.2e} "
+                     f"over {check['params']} matrices")
     if "match" in results:
         m = results["match"]
         lines.append(f"full precision at temperature {m['temperature']:g} matches {m['format']}'s "

@@ -179,8 +179,8 @@ def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
                              task.rewards.weights).tolist()
     is_correct, in_format = ([v > 0 for v in scores[name]] if name in scores else [] for name in (JUDGE, FORMAT))
     rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": is_correct[i] if is_correct else None,
-             "rewards": {name: None if math.isnan(v[i]) else v[i] for name, v in scores.items()},
-             "solution_logp": float(lp)} for i, (p, t, lp) in enumerate(zip(problems, greedy, logp))]
+             "terminated": ended, "rewards": {name: None if math.isnan(v[i]) else v[i] for name, v in scores.items()},
+             "solution_logp": float(lp)} for i, (p, t, ended, lp) in enumerate(zip(problems, greedy, terminated, logp))]
     verdicts = task.rewards.verdicts([p for p in problems for _ in range(n)], sampled, where) if k else None
     counts = [sum(verdicts[i * n:(i + 1) * n]) for i in range(len(problems))] if verdicts else []
     for row, c in zip(rows, counts):

@@ -144,7 +144,9 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     # With no full-precision copy wanted, each block is quantized as soon as it exists, so loading
     # never holds more than the quantized model and one block.
     dense_copies = cfg.monitor.every > 0 or cfg.rollout.quant != "none"
-    on_block = None if dense_copies or cfg.quant.format == "none" else lambda block: quantize_model(block, cfg.quant, dtype)
+    # (a fake-quantized base stays dense and is changed in place: once, after loading)
+    blockwise = not dense_copies and cfg.quant.format != "none" and cfg.quant.fake == "none"
+    on_block = (lambda block: quantize_model(block, cfg.quant, dtype)) if blockwise else None
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
     # the padding-free learner and the CUDA engine (rollout.engine=fast, or auto on CUDA) compute the
     # architectures `blocks` declares: refuse any other before LoRA and quantization look for its layers

@@ -74,10 +74,30 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
     if cfg.format == "none":
         return model
     handler = _handler(cfg, compute_dtype)
+    noise = torch.Generator().manual_seed(0) if cfg.fake == "noise" else None
     for _, parent, attr, linear in decoder_linears(model, cfg.targets):
-        if type(linear) is nn.Linear:  # already quantized layers (a block done while loading) stay
+        if type(linear) is not nn.Linear:  # already quantized layers (a block done while loading) stay
+            continue
+        if cfg.fake == "none":
             setattr(parent, attr, handler.quantize_linear(linear))
+        else:
+            _fake_quantize(linear, handler, noise)
     return model
+
+
+@torch.no_grad()
+def _fake_quantize(linear: nn.Linear, handler, noise: torch.Generator | None) -> None:
+    """`quant.fake`: the dense weight replaced, in place, by its rounding to the handler's format
+    (`noise` None) or by itself plus Gaussian noise with each output row's RMS rounding error
+    (drawn on the CPU from `noise`, so every device gets the same draw)."""
+    w = linear.weight.detach().float()
+    rounded = dense_weight(handler.quantize_linear(linear)).to(w.device)
+    if noise is None:
+        new = rounded
+    else:
+        rms = (rounded - w).pow(2).mean(dim=1, keepdim=True).sqrt()
+        new = w + torch.randn(w.shape, generator=noise).to(w.device) * rms
+    linear.weight.copy_(new.to(linear.weight.dtype))
 
 
 def _is_format(module: nn.Module) -> bool:

@@ -122,3 +122,46 @@ def test_the_probe_on_smollm2_prints_the_per_format_table(capsys):
     assert len(rows) == 3
     kl = {r.split("|")[1].strip(): float(r.split("|")[6].split()[0]) for r in rows}
     assert kl["bf16"] == 0 and kl["nvfp4"] > 0 and kl["nf4_dq"] > 0 and not math.isnan(kl["nvfp4"])
+
+
+def test_greedy_columns_are_each_formats_own_greedy_replies(probed):
+    """pass@1 and ended per prompt, as `eval.grade` finds them for the same policy and prompts."""
+    from qerl_exp.eval import grade
+
+    args, overrides, results = probed
+    row = next(r["per_prompt"] for r in results["rows"] if (r["quant"], r["sigma"]) == ("nvfp4", 0.0))
+    assert len(row["pass1"]) == len(row["ended"]) == args.limit
+    cfg, models = P._policy(overrides, "nvfp4", build_task(compose(overrides)[0].task), torch.device("cpu"))
+    task = build_task(cfg.task)
+    _, graded = grade(models.policy, models.tokenizer, task, problems=task.eval_problems(args.split)[:args.limit],
+                      k=0, n=0, temperature=1.0, top_p=1.0, max_new_tokens=cfg.algo.max_new_tokens, batch_size=16,
+                      seed=0, system_prompt=cfg.task.system_prompt)
+    assert row["pass1"] == [float(bool(r["correct"])) for r in graded]
+    assert row["ended"] == [float(r["terminated"]) for r in graded]
+
+
+@pytest.fixture(scope="module")
+def layer_checks():
+    args, overrides = P.parse(["quant=bf16,nvfp4,nf4_dq", "sigma=0,2e-2", "limit=2", "samples=2", "greedy=false",
+                               "layers=true"])
+    return args, overrides, P.probe(args, overrides)["layers"]
+
+
+def test_the_layer_check_finds_4bit_layers_equal_to_plain_linears_holding_their_weights(layer_checks):
+    _, _, checks = layer_checks
+    assert {c["row"] for c in checks} == {"nvfp4 sigma=0", "nvfp4 sigma=0.02", "nf4_dq sigma=0", "nf4_dq sigma=0.02"}
+    for c in checks:
+        assert c["params"] == 2 * 2 * 7  # A and B of seven projections in each of the two blocks
+        assert c["logits"] < 1e-4 and c["loss"] < 1e-6 and c["grads"] < 1e-4, c
+
+
+def test_the_layer_check_sees_a_wrong_backward(layer_checks, monkeypatch):
+    """A 4-bit layer whose backward is 1 % off (forward right) is caught in the gradients alone."""
+    from qerl_exp.quant import fp4
+
+    args, overrides, _ = layer_checks
+    backward = fp4._FrozenLinear.backward
+    monkeypatch.setattr(fp4._FrozenLinear, "backward", staticmethod(lambda ctx, g: backward(ctx, g * 1.01)))
+    args.quant, args.sigma = ["bf16", "nvfp4"], [0.0]
+    (check,) = P.probe(args, overrides)["layers"]
+    assert check["logits"] < 1e-4 and check["grads"] > 1e-3

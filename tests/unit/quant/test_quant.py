@@ -511,3 +511,35 @@ def test_dense_weight_is_what_the_layer_multiplies_by(fmt):
     if fmt != "none":  # a real quantization: close to the original, not equal
         err = (w - linear.weight).abs().max().item()
         assert 0 < err < 0.2 * linear.weight.abs().max().item()
+
+
+# ---------------------------------------------------------------- quant.fake: the damage without the 4-bit layer
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
+def test_fake_round_keeps_plain_linears_holding_what_the_format_multiplies_by(fmt):
+    real = quantize_model(tiny_qwen2(), QuantConfig(format=fmt), torch.float32)
+    fake = quantize_model(tiny_qwen2(), QuantConfig(format=fmt, fake="round"), torch.float32)
+    for name, module in fake.named_modules():
+        if name.endswith("_proj") and ".layers." in name:
+            assert type(module) is torch.nn.Linear
+            assert torch.equal(module.weight, dense_weight(real.get_submodule(name)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nf4"])
+def test_fake_noise_has_the_rounding_errors_size_in_every_row_and_not_its_values(fmt):
+    dense = tiny_qwen2()
+    real = quantize_model(tiny_qwen2(), QuantConfig(format=fmt), torch.float32)
+    noisy = quantize_model(tiny_qwen2(), QuantConfig(format=fmt, fake="noise"), torch.float32)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        w = dense.get_submodule(name).weight
+        error = dense_weight(real.get_submodule(name)) - w
+        noise = noisy.get_submodule(name).weight - w
+        ratio = noise.pow(2).mean(1).sqrt() / error.pow(2).mean(1).sqrt()
+        assert ratio.mean().item() == pytest.approx(1.0, abs=0.05) and ratio.min() > 0.6
+        assert abs(torch.corrcoef(torch.stack((noise.flatten(), error.flatten())))[0, 1]) < 0.1
+
+
+def test_fake_quant_needs_a_format():
+    with pytest.raises(ValueError, match="quant.fake=round needs a format"):
+        QuantConfig(format="none", fake="round")
