@@ -14,50 +14,50 @@ from qerl_exp import blocks
 from qerl_exp.engine.decode import Cache, LinearGroup, Model, qk_norm
 from qerl_exp.engine.norm import norm_shrink
 from qerl_exp.engine.rope_cache import rope_cache
-from qerl_exp.engine.triton_util import HAS_TRITON, pow2, tl, triton
+from qerl_exp.engine.triton_util import pow2, tl, triton
 from qerl_exp.quant.layout import weight_of
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride, stride_t, offs_m, offs_n, m_ok, n_ok, r, R: tl.constexpr):
-        # y + scale * t @ B^T over one tile, in fp32 (peft: the bf16 base output plus the LoRA term
-        # in the adapters' dtype, promoted to fp32)
-        y = tl.load(y_ptr + offs_m[:, None] * stride + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if R > 0:
-            rr = tl.arange(0, R)
-            tt = tl.load(t_ptr + offs_m[:, None] * stride_t + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < r),
-                         other=0.0).to(tl.float32)
-            bb = tl.load(b_ptr + offs_n[None, :] * r + rr[:, None], mask=n_ok[None, :] & (rr[:, None] < r),
-                         other=0.0).to(tl.float32)
-            # tf32x3: fp32 accuracy on tensor cores (an ieee dot runs on the far slower FMA units)
-            y += tl.dot(tt, bb, input_precision="tf32x3") * scale
-        return y
+@triton.jit
+def _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride, stride_t, offs_m, offs_n, m_ok, n_ok, r, R: tl.constexpr):
+    # y + scale * t @ B^T over one tile, in fp32 (peft: the bf16 base output plus the LoRA term
+    # in the adapters' dtype, promoted to fp32)
+    y = tl.load(y_ptr + offs_m[:, None] * stride + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                other=0.0).to(tl.float32)
+    if R > 0:
+        rr = tl.arange(0, R)
+        tt = tl.load(t_ptr + offs_m[:, None] * stride_t + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < r),
+                     other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + offs_n[None, :] * r + rr[:, None], mask=n_ok[None, :] & (rr[:, None] < r),
+                     other=0.0).to(tl.float32)
+        # tf32x3: fp32 accuracy on tensor cores (an ieee dot runs on the far slower FMA units)
+        y += tl.dot(tt, bb, input_precision="tf32x3") * scale
+    return y
 
-    @triton.jit
-    def _prefill_epilogue_kernel(
-        y_ptr, y2_ptr, stride_y, t_ptr, t2_ptr, stride_t, b_ptr, b2_ptr, scale, scale2,
-        res_ptr, stride_r, out_ptr, stride_o, M, N, r,
-        GLU: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        # out = y + scale * t @ B^T (R = 0: no LoRA), rounded once; GLU: silu(out) * (the same of
-        # y2, t2, B2), each rounded as HF; HAS_RES: + res after rounding (HF's residual add)
-        ACT = out_ptr.dtype.element_ty
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        ok = m_ok[:, None] & n_ok[None, :]
-        y = _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
-        if GLU:
-            u = _lora_fp32(y2_ptr, t2_ptr, b2_ptr, scale2, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
-            g = y.to(ACT).to(tl.float32)
-            y = (g * tl.sigmoid(g)).to(ACT).to(tl.float32) * u.to(ACT).to(tl.float32)
-        if HAS_RES:
-            res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=ok, other=0.0)
-            y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], y.to(ACT), mask=ok)
+
+@triton.jit
+def _prefill_epilogue_kernel(
+    y_ptr, y2_ptr, stride_y, t_ptr, t2_ptr, stride_t, b_ptr, b2_ptr, scale, scale2,
+    res_ptr, stride_r, out_ptr, stride_o, M, N, r,
+    GLU: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # out = y + scale * t @ B^T (R = 0: no LoRA), rounded once; GLU: silu(out) * (the same of
+    # y2, t2, B2), each rounded as HF; HAS_RES: + res after rounding (HF's residual add)
+    ACT = out_ptr.dtype.element_ty
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    y = _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
+    if GLU:
+        u = _lora_fp32(y2_ptr, t2_ptr, b2_ptr, scale2, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
+        g = y.to(ACT).to(tl.float32)
+        y = (g * tl.sigmoid(g)).to(ACT).to(tl.float32) * u.to(ACT).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=ok, other=0.0)
+        y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], y.to(ACT), mask=ok)
 
 
 def prefill_epilogue(y: Tensor, out: Tensor, *, t: Tensor | None = None, b: Tensor | None = None,

@@ -659,6 +659,23 @@ def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
         "before triton is imported (the rollout engine runs on CUDA)"), proc.stderr[-3000:]
 
 
+def test_every_kernel_module_imports_without_triton_and_a_launch_says_what_is_missing():
+    # kernels are defined at module level as with Triton; without it they refuse a launch in one line
+    code = ("import sys\n"
+            "sys.modules['triton'] = None\n"
+            "from qerl_exp.engine import attention, fast_engine, linear, linear_kernels, norm, prefill, rope_cache, sampling\n"
+            "from qerl_exp.quant import fp4_decode\n"
+            "assert not fp4_decode.HAS_TRITON\n"
+            "norm._norm_shrink_kernel[(1,)]()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: _norm_shrink_kernel is a Triton kernel and the triton package is not installed; install it "
+        "(it comes with torch's CUDA builds)"), proc.stderr[-3000:]
+    indented = [p.name for p in sorted((ROOT / "qerl_exp").rglob("*.py")) if "if HAS_TRITON:" in p.read_text()]
+    assert indented == []
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
