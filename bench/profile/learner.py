@@ -77,7 +77,7 @@ def main() -> None:
 
         def step():
             logp, _ = score_packed(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing,
-                                         fused=not args.eager)
+                                   fused=not args.eager)
             logp.sum().backward()
 
         step()

@@ -1,5 +1,5 @@
 """The padding-free learner (`qerl_exp.padding_free`) against the padded one (HF forward through peft,
-`loss.score_completions`), the independent computation: log-probs, entropies and gradients in fp32
+`scoring.score_completions`), the independent computation: log-probs, entropies and gradients in fp32
 on the CPU for every base format, with and without shared prompts; its micro-batch plan; its fused
 LoRA product against peft's layer; and on CUDA its FlashAttention path against the dense mask."""
 
@@ -10,12 +10,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from conftest import run_in_process, tiny_decoder, tiny_models, tiny_qwen2, with_lora
 from qerl_exp import blocks, packing, padding_free
 from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp.config import TrainConfig
-from qerl_exp.learner import update_policy
+from qerl_exp.learner import LEARNER_ATTENTION, update_policy
 from qerl_exp.scoring import score_completions, score_packed
 from qerl_exp.batch import Rollout, Sequences
 from qerl_exp.rollout import HFGenerator, sample
@@ -250,10 +251,12 @@ def test_flash_attention_equals_sdpa_under_the_block_mask(shared_prefix):
 BF16_GRAD_ERROR = 1.5
 
 
+@sdpa_kernel(LEARNER_ATTENTION)
 def _bf16_errors(family: str, device: str, fused: bool) -> dict[str, tuple[float, float]]:
     """`{path: (max |logp - fp32|, max over LoRA tensors of |grad - fp32| / |fp32|)}` of HF's padded
     forward (`hf`) and the packed pass (`packed`, every block checkpointed) in bf16, against HF's
-    padded forward in fp32, on one random `family` model (heads of 64, norm scales away from 1)."""
+    padded forward in fp32, on one random `family` model (heads of 64, norm scales away from 1), under
+    the learner's attention backends."""
     torch.manual_seed(0)
     model = tiny_decoder(family, hidden=256, inter=256, heads=4, kv=2, head_dim=64)
     policy = with_lora(model).to(device)
