@@ -33,17 +33,12 @@ from pathlib import Path
 import torch
 
 from bench import record
+from qerl_exp.architectures import projections
+from qerl_exp.compose import compose, group_options
 from qerl_exp.config import QuantConfig
-from qerl_exp.quant import decoder_linears, memory_bytes, quantize_model
+from qerl_exp.quant import memory_bytes, quantize_model
 
 DTYPE = torch.bfloat16
-FORMATS = {
-    "bf16": QuantConfig(format="none"),
-    "nf4": QuantConfig(format="nf4"),
-    "nf4_dq": QuantConfig(format="nf4", double_quant=True),
-    "nvfp4": QuantConfig(format="nvfp4"),
-    "mxfp4": QuantConfig(format="mxfp4"),
-}
 # What the issue asks of the Qwen2.5-0.5B shape: quantized-linear bytes / bf16 at most this.
 LIMITS = {"nvfp4": 0.29, "mxfp4": 0.27, "nf4_dq": 0.27}
 SHAPES = {"prefill 1x64": (1, 64), "decode 8x1": (8, 1)}  # (batch, tokens); no KV cache
@@ -84,23 +79,29 @@ def build(config, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-def quantized(base, fmt: str):
-    """A quantized copy of `base` (bf16 itself for `bf16`)."""
-    if fmt == "bf16":
+def presets() -> dict[str, QuantConfig]:
+    """Every quant preset (`conf/quant/*.yaml`, bf16 first) as a run composes it."""
+    names = sorted(group_options("quant"), key=lambda name: name != "bf16")
+    return {name: compose([f"quant={name}"])[0].quant for name in names}
+
+
+def quantized(base, quant: QuantConfig):
+    """A quantized copy of `base` (`base` itself for `format=none`)."""
+    if quant.format == "none":
         return base
-    return quantize_model(copy.deepcopy(base), FORMATS[fmt], DTYPE)
+    return quantize_model(copy.deepcopy(base), quant, DTYPE)
 
 
 def measure_bytes(config) -> dict[str, tuple[int, int, int]]:
     """format -> (quantized-linear bytes, whole-model bytes, number of linear weights)."""
     base = build(config)
-    targets = FORMATS["nvfp4"].targets
-    linears = [m for *_, m in decoder_linears(base, targets)]
+    quants = presets()
+    linears = [m for *_, m in projections(base, quants["nvfp4"].targets)]
     n_weights = sum(m.weight.numel() for m in linears)
     dense = sum(p.numel() * p.element_size() for m in linears for p in m.parameters())
     out = {}
-    for fmt in FORMATS:
-        model = quantized(base, fmt)
+    for fmt, quant in quants.items():
+        model = quantized(base, quant)
         mem = memory_bytes(model)
         linear_bytes = dense if fmt == "bf16" else mem["mem/quantized_linear_bytes"]
         out[fmt] = (linear_bytes, mem["mem/weights_bytes"], n_weights)
@@ -112,7 +113,7 @@ def measure_bytes(config) -> dict[str, tuple[int, int, int]]:
 def measure_time(config, repeats: int) -> tuple[dict, dict]:
     """(format -> shape -> sorted timed seconds, format -> shape -> warm-up seconds)."""
     base = build(config)
-    models = {fmt: quantized(base, fmt) for fmt in FORMATS}
+    models = {fmt: quantized(base, quant) for fmt, quant in presets().items()}
     gen = torch.Generator().manual_seed(0)
     inputs = {s: torch.randint(0, config.vocab_size, bs, generator=gen) for s, bs in SHAPES.items()}
     warm = {fmt: {} for fmt in models}

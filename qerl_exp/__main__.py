@@ -93,7 +93,8 @@ def _job_failed(hc, line: str) -> float:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
     # torch and the models: a refused config or --help answers without them
-    from qerl_exp.train import DecoderMismatch, NonFiniteError, run, run_config
+    from qerl_exp.blocks import DecoderMismatch
+    from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
     # the run's config is Hydra's composition of its overrides (also recorded in .hydra/), validated

@@ -1,84 +1,37 @@
-"""The one reader of a decoder: the architectures the harness runs by its own decoder passes, and a
-(peft-wrapped) HF causal LM read into what both of those passes compute with.
+"""The one tensor reader of a decoder: a (peft-wrapped) HF causal LM of a declared architecture
+(`qerl_exp.architectures`) read into what both hand-written decoder passes compute with, and the
+guard that they compute the model the sampler samples from.
 
 Two decoders run the policy besides HF's own forward: the rollout engine (`qerl_exp.engine`) and
 the padding-free learner (`qerl_exp.padding_free`). Both read the model through `read`, so they
 agree on which tensors make a block and how its projections are grouped, and both refuse a model
-whose architecture is not declared here (HF's forward through peft, `train.padding_free=false
-rollout.engine=hf`, runs any causal LM).
+whose family is not declared or whose variant they do not compute (HF's forward through peft,
+`train.padding_free=false rollout.engine=hf`, runs those).
 
-Every declared architecture is the Llama block: RMSNorm before attention and before the MLP,
-rotary position embeddings (HF's own `rotary_emb` computes the tables, so rope scaling is the
-checkpoint's), grouped-query attention over all earlier tokens, a SiLU-gated MLP; each family says
-what it adds. Adding a family is one `Architecture` entry, plus code in both decoders only where it
-computes something new (as Qwen3's per-head q/k norm did).
+Every declared architecture is the Llama block (`qerl_exp.architectures` says what each family adds,
+where its pre-norms are, which variants it refuses). Adding a family is one `Architecture` entry,
+plus code in both decoders only where it computes something new (as Qwen3's per-head q/k norm did).
 
 Projections that read the same input form one group (q|k|v, o, gate|up, down): one product each
 in both decoders. A group's dense base weights may lie end to end in one buffer (`stack_dense`,
 which the engine calls so that cuBLAS multiplies q, k and v in one GEMM); `Group.base_weight` then
 views that buffer instead of copying the three matrices, and this module is the one that knows it.
+
+Before step 0 a run compares the sampler's log-probs of a short rollout with the learner's
+(`check_agreement`): two decoders of one model differ by rounding only, below `DECODER_GAP`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from qerl_exp.architectures import (FALLBACK, PROJECTIONS, Architecture, UnsupportedModel, architecture, body, causal_lm,
+                                    final_norm, layers)
 from qerl_exp.quant import base_weight, stacked_base_weight
-
-FALLBACK = "train.padding_free=false rollout.engine=hf"
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """A decoder family by its HF `model_type`, and what its block adds to the Llama block.
-
-    Args:
-        model_type: the checkpoint config's `model_type`.
-        qk_norm: an RMSNorm over each head's dims of q and k (`self_attn.q_norm`, `k_norm`), after
-            the projections and before RoPE.
-    """
-
-    model_type: str
-    qk_norm: bool = False
-
-
-ARCHITECTURES = {a.model_type: a for a in (
-    Architecture("llama"),  # Llama 2/3, SmolLM2, the embedded model with model.family=llama
-    Architecture("qwen2"),  # Qwen2/2.5 (q/k/v bias), the embedded model's default family
-    Architecture("qwen3", qk_norm=True),
-)}
-
-
-class UnsupportedModel(ValueError):
-    """A model neither decoder of the harness computes; the message names the fallback."""
-
-
-def architecture(config) -> Architecture:
-    """The declared architecture of an HF model config.
-
-    Raises:
-        UnsupportedModel: one line naming the model type and the fallback settings, for a family
-            that is not declared or a declared one with a variant neither decoder computes
-            (another MLP activation, a biased MLP, sliding-window layers).
-    """
-    model_type = getattr(config, "model_type", type(config).__name__)
-    arch = ARCHITECTURES.get(model_type)
-    why = None
-    if arch is None:
-        why = f"model type {model_type!r} is not one the harness's decoders read ({', '.join(ARCHITECTURES)})"
-    elif getattr(config, "hidden_act", "silu") != "silu":
-        why = f"{model_type} with hidden_act={config.hidden_act!r} (the decoders compute SiLU-gated MLPs)"
-    elif getattr(config, "mlp_bias", False):
-        why = f"{model_type} with mlp_bias=true (the decoders compute bias-free MLPs)"
-    elif getattr(config, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        why = f"{model_type} with sliding-window layers (the decoders attend to every earlier token)"
-    if why is not None:
-        raise UnsupportedModel(f"{why}; set {FALLBACK}, which run any HF causal LM through its own forward")
-    return arch
 
 
 @dataclass
@@ -136,19 +89,20 @@ class Group:
 
 @dataclass
 class Block:
-    """One decoder block: its norm scales (the tensors AQN perturbs in place), its projection groups
-    and its attention shape.
+    """One decoder block: its pre-norm scales (the tensors AQN perturbs in place), its projection
+    groups and its attention shape.
 
     Args:
-        input_norm: the RMSNorm scale before attention `[H]`. post_attention_norm: before the MLP.
+        attention_norm: the RMSNorm scale before attention `[H]` (`Architecture.attention_norm`).
+        mlp_norm: the RMSNorm scale before the MLP `[H]` (`Architecture.mlp_norm`).
         q_norm, k_norm: per-head RMSNorm scales `[head_dim]` (`Architecture.qk_norm`), else None.
-        eps: the norms' epsilon.
+        eps: the block's norms' epsilon.
         qkv, o, gate_up, down: the projection groups.
         heads, kv_heads, head_dim: the attention shape. scaling: the softmax scale.
     """
 
-    input_norm: Tensor
-    post_attention_norm: Tensor
+    attention_norm: Tensor
+    mlp_norm: Tensor
     q_norm: Tensor | None
     k_norm: Tensor | None
     eps: float
@@ -165,6 +119,10 @@ class Block:
     def groups(self) -> dict[str, Group]:
         return {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
 
+    def trainable(self) -> list[Tensor]:
+        """The block's tensors that take gradients: its adapters' A and B."""
+        return [t for g in self.groups.values() for a in g.adapters or [] for t in (a.a, a.b) if t.requires_grad]
+
 
 @dataclass
 class Decoder:
@@ -175,6 +133,8 @@ class Decoder:
         embed: the token embedding `[V, H]`. blocks: the decoder blocks. norm: the final norm's
             scale. eps: its epsilon. lm_head: the output layer (its base layer, no adapter).
         rotary: HF's rotary embedding module (`rotary(x, position_ids) -> (cos, sin)`).
+        heads, kv_heads, head_dim, scaling: the attention shape, one for every block (`read` refuses
+            a model whose blocks differ): the KV cache's and the rotary tables'.
         config: the HF model config.
     """
 
@@ -185,6 +145,10 @@ class Decoder:
     eps: float
     lm_head: nn.Module
     rotary: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
     config: object
 
 
@@ -194,11 +158,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     kernels are held to)."""
     h = x.float()
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The HF causal LM inside a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _is_lora(module: nn.Module) -> bool:
@@ -235,8 +194,21 @@ def _group(modules: list[nn.Module], use_adapters: bool) -> Group:
     return Group([b for b, _ in read], adapters)
 
 
-def _norm_weight(module: nn.Module | None) -> Tensor | None:
-    return None if module is None else module.weight
+def _block(layer: nn.Module, arch: Architecture, adapters: bool) -> Block:
+    attn, norm = layer.self_attn, getattr(layer, arch.attention_norm)
+    d = attn.head_dim
+
+    def group(*names: str) -> Group:
+        return _group([layer.get_submodule(PROJECTIONS[n]) for n in names], adapters)
+
+    qkv = group("q_proj", "k_proj", "v_proj")
+    return Block(
+        attention_norm=norm.weight, mlp_norm=getattr(layer, arch.mlp_norm).weight,
+        q_norm=attn.q_norm.weight if arch.qk_norm else None, k_norm=attn.k_norm.weight if arch.qk_norm else None,
+        eps=float(norm.variance_epsilon), qkv=qkv, o=group("o_proj"), gate_up=group("gate_proj", "up_proj"),
+        down=group("down_proj"), heads=qkv.out_features[0] // d, kv_heads=qkv.out_features[1] // d, head_dim=d,
+        scaling=float(getattr(attn, "scaling", d ** -0.5)),
+    )
 
 
 def read(model: nn.Module, adapters: bool = True) -> Decoder:
@@ -247,31 +219,25 @@ def read(model: nn.Module, adapters: bool = True) -> Decoder:
         adapters: read the active LoRA adapters (False: the base alone, the reference policy).
 
     Raises:
-        UnsupportedModel: the architecture is not declared (`architecture`), or its adapters are
-            not the plain unmerged LoRA both decoders apply.
+        UnsupportedModel: the architecture is not declared or its variant not computed
+            (`architectures.architecture`), its blocks differ in attention shape, or its adapters
+            are not the plain unmerged LoRA both decoders apply.
     """
     lm = causal_lm(model)
     arch = architecture(lm.config)
-    inner = lm.model
-    blocks = []
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        blocks.append(Block(
-            input_norm=layer.input_layernorm.weight, post_attention_norm=layer.post_attention_layernorm.weight,
-            q_norm=_norm_weight(attn.q_norm) if arch.qk_norm else None,
-            k_norm=_norm_weight(attn.k_norm) if arch.qk_norm else None,
-            eps=float(layer.input_layernorm.variance_epsilon),
-            qkv=_group([attn.q_proj, attn.k_proj, attn.v_proj], adapters), o=_group([attn.o_proj], adapters),
-            gate_up=_group([mlp.gate_proj, mlp.up_proj], adapters), down=_group([mlp.down_proj], adapters),
-            heads=attn.q_proj.out_features // d, kv_heads=attn.k_proj.out_features // d, head_dim=d,
-            scaling=float(getattr(attn, "scaling", d ** -0.5)),
-        ))
+    blocks = [_block(layer, arch, adapters) for layer in layers(lm)]
+    shapes = {(b.heads, b.kv_heads, b.head_dim, b.scaling) for b in blocks}
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"{arch.model_type} with blocks of different attention shapes ({sorted(shapes)}); "
+                               f"the decoders keep one KV cache shape; set {FALLBACK}")
+    heads, kv_heads, head_dim, scaling = shapes.pop()
     head, head_adapter = _adapter(lm.lm_head, adapters)
     if head_adapter is not None:
         raise UnsupportedModel(f"LoRA on lm_head; the decoders apply adapters inside the blocks; set {FALLBACK}")
-    return Decoder(arch=arch, embed=inner.embed_tokens.weight, blocks=blocks, norm=inner.norm.weight,
-                   eps=float(inner.norm.variance_epsilon), lm_head=head, rotary=inner.rotary_emb, config=lm.config)
+    inner, norm = body(lm), final_norm(lm)
+    return Decoder(arch=arch, embed=inner.embed_tokens.weight, blocks=blocks, norm=norm.weight,
+                   eps=float(norm.variance_epsilon), lm_head=head, rotary=inner.rotary_emb, heads=heads,
+                   kv_heads=kv_heads, head_dim=head_dim, scaling=scaling, config=lm.config)
 
 
 def _adjacent(ws: list[Tensor]) -> bool:
@@ -302,3 +268,48 @@ def stack_dense(group: Group) -> Tensor:
         w.data = stacked[row: row + w.shape[0]]
         row += w.shape[0]
     return stacked
+
+
+class DecoderMismatch(RuntimeError):
+    """The sampler and the learner compute different models (`check_agreement`)."""
+
+
+# How far the sampler's and the learner's log-probs of the same tokens may lie apart (token mean of
+# |difference|, nats) when both compute one model: rounding, by the model's dtype. The rounding gap
+# grows with how peaked the model's next-token distributions are: measured in bf16, 2e-4 to 7e-4
+# on HF-initialised tiny checkpoints (nearly uniform, about log V nats a token), 0.003 to 0.012 on
+# the same with their LM head scaled to a trained model's peakedness (about 1 nat a token), 0.030
+# for SmolLM2-135M on the CPU and 0.036 to 0.045 on an H200 (the engine against the learner); in
+# float32 at most 4e-6. Qwen3 read without its q/k norms (the defect this guard was built for) lies
+# at 1.56 to 1.67 on those peaked checkpoints in either dtype: 6x above the bf16 bound, which is 5.5x
+# above the largest rounding gap measured. On HF-initialised checkpoints that defect gives only 0.05
+# to 0.07 (float32 catches it, bf16 cannot: no model that samples near uniformly moves far).
+# float16 rounds finer than bf16 and keeps bf16's bound.
+DECODER_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+
+
+def logp_gap(sampler_logp: Tensor, learner_logp: Tensor, mask: Tensor) -> float:
+    """The token mean of |sampler - learner| log-probs `[B, T]` over the tokens of `mask` (0: none)."""
+    on = mask.bool()
+    return float((sampler_logp - learner_logp).abs()[on].mean()) if on.any() else 0.0
+
+
+def check_agreement(model: nn.Module, gap: float, any_rank: Callable[[bool], bool] = bool) -> None:
+    """Stop unless the sampler's and the learner's log-probs of one rollout (`logp_gap`) agree to
+    rounding in the model's dtype (`DECODER_GAP`).
+
+    Args:
+        model: the policy both decoded.
+        gap: their `logp_gap`.
+        any_rank: whether a condition holds on any rank of a data-parallel run (`distributed.any_rank`).
+
+    Raises:
+        DecoderMismatch: one line naming the architecture, the gap, its bound and the fallback settings.
+    """
+    lm = causal_lm(model)
+    limit = DECODER_GAP.get(lm.get_input_embeddings().weight.dtype, DECODER_GAP[torch.bfloat16])
+    if any_rank(gap > limit):
+        raise DecoderMismatch(
+            f"the sampler's and the learner's log-probs of the same tokens differ by {gap:.3g} nats a token before "
+            f"step 0 (rounding allows {limit:g}): they compute different models for {lm.config.model_type} "
+            f"({type(lm).__name__}); set {FALLBACK}")

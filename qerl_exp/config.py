@@ -16,13 +16,14 @@ from dataclasses import field
 
 from omegaconf import DictConfig, OmegaConf
 
+from qerl_exp.architectures import ARCHITECTURES, PROJECTIONS
 from qerl_exp.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
 from qerl_exp.schema import check as _check
 from qerl_exp.schema import choice as _choice
 from qerl_exp.schema_history import RETIRED, unknown_key_line, upgrade
 from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
 
-DECODER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DECODER_LINEARS = list(PROJECTIONS)
 
 
 @schema
@@ -65,7 +66,8 @@ class ModelConfig:
         source: `synthetic` builds the model from the fields below (the embedded tiny model, the
             shape presets); `pretrained` loads the checkpoint `name` or `gguf_file` names; `auto`
             is synthetic for `name=tiny` and pretrained for any other name.
-        family: architecture of a synthetic model (`qwen2`, `qwen3` or `llama`).
+        family: architecture of a synthetic model: a declared one (`qerl_exp.architectures`: `llama`,
+            `qwen2`, `qwen3`).
         hidden_size: synthetic model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: synthetic model MLP width; a multiple of 64.
         num_layers: decoder blocks of a synthetic model.
@@ -107,7 +109,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("model.source", self.source, ("auto", "synthetic", "pretrained"))
-        _choice("model.family", self.family, ("qwen2", "qwen3", "llama"))
+        _choice("model.family", self.family, tuple(ARCHITECTURES))
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _check(bool(self.cache_dir.strip()), "model.cache_dir must name a folder (default ~/.cache/qerl_exp)")
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
@@ -128,7 +130,9 @@ class ModelConfig:
             _check(self.max_positions >= 64, f"model.max_positions must be >= 64, got {self.max_positions}")
 
 
-QUANT_FORMATS = ("none", "nf4", "nvfp4", "mxfp4")
+# The weight formats, each with the module of `qerl_exp.quant` that implements it (`none`: the
+# model's dtype, nothing quantized): the one list every other reads.
+QUANT_FORMATS = {"none": None, "nf4": "qerl_exp.quant.nf4", "nvfp4": "qerl_exp.quant.fp4", "mxfp4": "qerl_exp.quant.fp4"}
 FAKE_QUANT = ("none", "round", "noise")
 
 
@@ -155,7 +159,7 @@ class QuantConfig:
     fake: str = "none"
 
     def __post_init__(self) -> None:
-        _choice("quant.format", self.format, QUANT_FORMATS)
+        _choice("quant.format", self.format, tuple(QUANT_FORMATS))
         _check(not self.double_quant or self.format == "nf4", "quant.double_quant applies only to quant.format=nf4")
         for t in self.targets:
             _choice("quant.targets entry", t, DECODER_LINEARS)
@@ -506,7 +510,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("auto", "hf", "fast"))
-        _choice("rollout.quant", self.quant, QUANT_FORMATS)
+        _choice("rollout.quant", self.quant, tuple(QUANT_FORMATS))
         _check(all(n >= 1 for n in self.lengths) and (self.ignore_eos or not self.lengths),
                "rollout.lengths needs rollout.ignore_eos=true and entries >= 1")
 

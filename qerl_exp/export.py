@@ -38,7 +38,7 @@ import torch
 from qerl_exp import logs
 from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
 from qerl_exp.eval.__main__ import load_run, run_config
-from qerl_exp.loss import completion_logits
+from qerl_exp.scoring import completion_logits
 from qerl_exp.metrics import kl_full
 from qerl_exp.batch import Sequences
 from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate

@@ -11,9 +11,10 @@ What the ratio is taken against, in QeRL's setting: three policies score the sam
 The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler / old mismatch
 (noise, a separately quantized sampler) with weights min(old / sampler, cap).
 
-Each update accumulates gradients over micro-batches: with `train.padding_free` (the default),
-rows packed up to `train.micro_batch_tokens` tokens and scored by `qerl_exp.padding_free`; otherwise
-`train.micro_batch_size` left-padded rows through the HF forward (`loss.score_completions`). The
+Each update accumulates gradients over micro-batches, each scored by `scoring.score`: with
+`train.padding_free` (the default), rows packed up to `train.micro_batch_tokens` tokens and run
+through `qerl_exp.padding_free`; otherwise `train.micro_batch_size` left-padded rows through the HF
+forward. The
 loss is normalised by a count over the whole mini-batch (`loss.loss_normalizer`: its tokens, its
 completions, or its completions times `max_new_tokens`, by `algo.loss_type`), and a row is never
 split (GSPO's ratio is a whole completion's), so the gradient equals that of one pass over the
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl_exp import distributed, padding_free
+from qerl_exp import distributed, packing, padding_free
 from qerl_exp.config import AlgoConfig, TrainConfig
-from qerl_exp.loss import aggregate, loss_normalizer, policy_loss, score_completions
+from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
+from qerl_exp.scoring import score
 from qerl_exp.metrics import clip_metrics
 from qerl_exp.batch import Rollout, Sequences
 
@@ -117,24 +119,8 @@ def micro_batches(host: Sequences, index: torch.Tensor, train: TrainConfig) -> l
     """The learner's micro-batches of the rows `index` (CPU) of a batch (`host`: `on_host`'s copy):
     by packed tokens when padding-free, else by rows."""
     if train.padding_free:
-        return padding_free.plan(host, index, train.micro_batch_tokens, train.shared_prefix)
+        return packing.plan(host, index, train.micro_batch_tokens, train.shared_prefix)
     return chunks(index, train.micro_batch_size)
-
-
-def score(policy, batch: Rollout, temperature: float, train: TrainConfig, *, adapter: bool = True,
-          entropy_grad: bool = False, host: Sequences | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies `[b, t]` of `batch`'s completion tokens under the policy (`adapter`
-    False: the base alone, the reference policy), by the learner's scorer; `host`: the same rows'
-    ids and masks on the CPU, which the padding-free scorer packs from."""
-    if train.padding_free:
-        fused = train.fused_ops and batch.completion_ids.is_cuda
-        return padding_free.score(policy, batch if host is None else host, temperature, shared_prefix=train.shared_prefix,
-                            fused=fused, checkpointing=train.gradient_checkpointing, adapter=adapter,
-                            entropy_grad=entropy_grad)
-    if adapter:
-        return score_completions(policy, batch, temperature, entropy_grad=entropy_grad)
-    with policy.disable_adapter():
-        return score_completions(policy, batch, temperature, entropy_grad=entropy_grad)
 
 
 def score_all(policy, rollout: Rollout, temperature: float, train: TrainConfig,

@@ -1,4 +1,4 @@
-"""The learner side: scoring completions with the policy and the clipped policy-gradient loss.
+"""The clipped policy-gradient loss of the learner, from advantages to one micro-batch's share.
 
 The loss follows TRL's `GRPOTrainer` under TRL's option names (`AlgoConfig`; `docs/losses.md`
 writes each out): advantages centred within each group and scaled by the group's or the batch's
@@ -9,9 +9,7 @@ fields, the clip range (DAPO's clip-higher) and the dropping of groups with zero
 of truncated completions. The k3 KL term and the entropy bonus are off by default, as in QeRL; the
 KL is measured either way.
 
-Scoring never materialises [B, T, vocabulary] logits: `score_completions` runs the decoder to its
-hidden states and applies the LM head to `LOGIT_CHUNK` elements' worth of completion tokens at a
-time, each chunk checkpointed (its fp32 logits are recomputed in backward, not kept).
+The log-probs it takes come from the one scorer, `qerl_exp.scoring`.
 """
 
 from __future__ import annotations
@@ -19,13 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from qerl_exp.config import AlgoConfig
 from qerl_exp.metrics import kl_k3
-from qerl_exp.batch import Sequences
-
-LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
 
 
 def _nan_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,95 +60,6 @@ def tokens_in_loss(completion_mask: torch.Tensor, terminated: torch.Tensor, rewa
     if algo.mask_truncated_completions:
         keep = keep * terminated
     return completion_mask * keep.unsqueeze(1)
-
-
-def _model_inputs(batch: Sequences) -> dict[str, torch.Tensor]:
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
-    # Prompts are left-padded: positions count real tokens only.
-    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}
-
-
-def _hidden_states(model, batch: Sequences):
-    """The teacher-forced decoder pass every score starts from: `(lm, hidden [B, P + T, H])`, `lm`
-    the HF causal LM (`.model`, `.lm_head`) inside a peft wrapper or the model itself."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return lm, lm.model(**_model_inputs(batch)).last_hidden_state
-
-
-def completion_logits(model, batch: Sequences, temperature: float) -> torch.Tensor:
-    """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced: the whole
-    vocabulary at every position, for the monitor's exact KL (small models; the learner and
-    evaluation use `score_completions`)."""
-    lm, hidden = _hidden_states(model, batch)
-    prompt_len, new = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    return lm.lm_head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
-
-
-def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-prob `[B, T]` of `tokens` under softmax(logits)."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float, entropy_grad: bool):
-    logp_all = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    # An entropy with grad saves two [chunk, V] fp32 tensors per chunk that backward frees only
-    # if the loss uses the entropy; as a metric it would keep them all until backward ends.
-    p = logp_all if entropy_grad else logp_all.detach()
-    entropy = -(p.exp() * p).sum(dim=-1)
-    return logp, entropy
-
-
-def score_completions(
-    model, batch: Sequences, temperature: float, entropy_grad: bool = False, chunk: int = LOGIT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probs and entropies of the completion tokens, in chunks of the vocabulary:
-    the one scorer of the learner (`learner`) and of evaluation (`eval.solution_logprobs`).
-
-    Equal to `token_logp(completion_logits(...))` and `entropy_from_logits(completion_logits(...))`
-    on the completion tokens, without ever holding more than `chunk` fp32 logits (times a few for
-    softmax), in forward or in backward.
-
-    Args:
-        model: the policy (a peft model or a plain HF causal LM of the Llama/Qwen2 family).
-        batch: a `Rollout` or other `Sequences`; only positions with `completion_mask == 1` are scored.
-        temperature: logits are divided by it.
-        entropy_grad: whether the entropy is differentiable (an entropy bonus in the loss); else it
-            is a metric and keeps no activations for backward.
-        chunk: most logits (tokens x vocabulary) per chunk.
-
-    Returns:
-        `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; `logp` is
-        differentiable when grad is enabled, `entropy` only with `entropy_grad`.
-    """
-    lm, hidden = _hidden_states(model, batch)
-    prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
-    hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
-    where = batch.completion_mask.reshape(-1).nonzero().squeeze(1)
-    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], lm.lm_head, temperature,
-                                 entropy_grad, chunk)
-    zeros = hidden.new_zeros(b * t, dtype=torch.float32)
-    return zeros.index_put((where,), logp).view(b, t), zeros.index_put((where,), entropy).view(b, t)
-
-
-def chunk_scores(hidden: torch.Tensor, tokens: torch.Tensor, lm_head, temperature: float, entropy_grad: bool = False,
-                 chunk: int = LOGIT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies `[M]` (fp32) of `tokens` `[M]` predicted from `hidden` `[M, H]`,
-    `chunk // vocabulary` tokens at a time, each chunk checkpointed under grad (its logits are
-    recomputed in backward, not kept): what both the padded and the padding-free scorer end in."""
-    step = max(1, chunk // lm_head.out_features)
-    logp, entropy = [], []
-    for i in range(0, len(tokens), step):
-        args = (hidden[i : i + step], tokens[i : i + step], lm_head, temperature, entropy_grad)
-        lp, ent = checkpoint(_chunk_scores, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_scores(*args)
-        logp.append(lp)
-        entropy.append(ent)
-    if not logp:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logp), torch.cat(entropy)
 
 
 def loss_normalizer(mask: torch.Tensor, algo: AlgoConfig, total: Callable[[float], float] = float,

@@ -1,8 +1,9 @@
 """Adaptive Quantization Noise (AQN): where the noise goes, and how large it is at each step.
 
 Placement (paper; docs/method.md, section 2): for each decoder block, one Gaussian vector z ~ N(0, sigma^2 I)
-is added to the scale (gamma) of `input_layernorm`, which feeds q, k and v, and another to
-`post_attention_layernorm`, which feeds gate and up. o_proj and down_proj get none; the final
+is added to the scale (gamma) of the RMSNorm before attention (`input_layernorm` in Llama and Qwen),
+which feeds q, k and v, and another to the one before the MLP (`post_attention_layernorm` there),
+which feeds gate and up; each family names its two in `qerl_exp.architectures`. o_proj and down_proj get none; the final
 norm gets none unless `noise.include_final_norm`. This equals row-wise multiplicative noise on the
 quantized weights: (z / gamma + 1) * RMSNorm(x).
 
@@ -39,6 +40,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from qerl_exp import architectures
 from qerl_exp.config import NoiseConfig
 from qerl_exp.metrics import noise_controller_metrics
 
@@ -155,18 +157,17 @@ class Schedule:
 
 
 def noisy_norms(model: nn.Module, include_final_norm: bool) -> list[tuple[str, nn.Module]]:
-    """The RMSNorms that receive AQN, in model order."""
-    found = []
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        in_block = ".layers." in f".{name}"
-        if in_block and leaf in ("input_layernorm", "post_attention_layernorm"):
-            found.append((name, module))
-        elif include_final_norm and not in_block and leaf == "norm" and hasattr(module, "weight"):
-            found.append((name, module))
-    if not found:
-        raise ValueError("no input_layernorm/post_attention_layernorm found: AQN needs a Llama/Qwen2-family model")
-    return found
+    """The RMSNorms that receive AQN, in model order, named as in `model`: each block's two pre-norms
+    (its family's, `architectures.pre_norms`), then the final norm when included.
+
+    Raises:
+        architectures.UnsupportedModel: the model's family is not declared.
+    """
+    norms = [m for pair in architectures.pre_norms(model) for m in pair]
+    if include_final_norm:
+        norms.append(architectures.final_norm(model))
+    names = {id(m): name for name, m in model.named_modules()}
+    return [(names[id(m)], m) for m in norms]
 
 
 class AQN:

@@ -1,26 +1,21 @@
-"""The padding-free learner: a micro-batch's rows packed into one sequence and scored by an explicit
-decoder pass (`train.padding_free`).
+"""The padding-free pass: the decoder run by hand over a packed micro-batch (`qerl_exp.packing`),
+to the final-norm hidden states at the scored positions (`train.padding_free`).
 
-Three pieces, each replacing a generic one of the padded path (`loss.score_completions` through
-the HF forward and peft):
-- **Packing** (`plan`, `pack`): the rows' real tokens laid end to end, no padding. With
-  `train.shared_prefix`, the G completions of one prompt share one copy of it: the prompt is one
-  attention sequence, and each completion is another whose keys are the prompt's tokens then its
-  own (causal, aligned to the end). Micro-batches are filled up to `train.micro_batch_tokens`.
-- **The decoder pass** (`hidden_states`): the HF model's own parameters (so optimizer, checkpoints
-  and AQN are untouched), read through `qerl_exp.blocks` (the architectures it declares; any other
-  is refused there) and run by hand. Attention is FlashAttention over variable-length sequences
-  on CUDA, a block mask over the packed tokens elsewhere. RMSNorm
-  (with the residual add before it), RoPE and SwiGLU are one hand-fused Triton launch each way on
-  CUDA (`qerl_exp.elementwise`, `train.fused_ops`); each projection group (q/k/v, o, gate/up,
-  down) is one base product with its LoRA term added in the same GEMM's epilogue (`_LoraLinear`),
-  and 4-bit bases are decoded for that product and again in backward, never kept. Checkpointed
-  blocks run without autograd in forward and again under it in backward (`_Recomputed`).
-- **Scoring**: the LM head and log-probs on the scored (completion) positions only, in chunks
-  (`loss.chunk_scores`).
+It replaces the padded path's HF forward through peft (`scoring.score_completions`):
+- **The decoder**: the HF model's own parameters (so optimizer, checkpoints and AQN are untouched),
+  read through `qerl_exp.blocks` (the architectures it declares; any other is refused there) and
+  run by hand. Attention is FlashAttention over variable-length sequences on CUDA, the packing's
+  block mask elsewhere. RMSNorm (with the residual add before it), RoPE and SwiGLU are one
+  hand-fused Triton launch each way on CUDA (`qerl_exp.elementwise`, `train.fused_ops`); each
+  projection group (q/k/v, o, gate/up, down) is one base product with its LoRA term added in the
+  same GEMM's epilogue (`_LoraLinear`), and 4-bit bases are decoded for that product and again in
+  backward, never kept. Checkpointed blocks run without autograd in forward and again under it in
+  backward (`_Recomputed`).
+- **Its memory**: `gradient_checkpointing=auto` recomputes the fewest decoder blocks that let the
+  micro-batch's activations fit in the free device memory (`checkpointed_layers`, from the block
+  shapes `blocks.read` gives).
 
-`gradient_checkpointing=auto` recomputes the fewest decoder blocks that let the micro-batch's
-activations fit in the free device memory (`checkpointed_layers`).
+`scoring.score_packed` packs, runs this pass and applies the LM head.
 """
 
 from __future__ import annotations
@@ -28,154 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qerl_exp import blocks
-from qerl_exp.batch import Sequences
-from qerl_exp.loss import chunk_scores
-
-
-class PackingError(ValueError):
-    """A batch the padding-free learner cannot score; the message names the setting to change."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing
-
-
-@dataclass
-class Pack:
-    """One micro-batch as a single packed sequence (N tokens) and its attention sequences (S).
-
-    Args:
-        input_ids: `[N]` token ids. position_ids: `[N]` each token's position in its own row.
-        cu_q: `[S + 1]` int32 offsets of each attention sequence's queries (contiguous in packed order).
-        cu_k: `[S + 1]` int32 offsets of each sequence's keys in `kv_index`.
-        kv_index: `[Nk]` the packed token behind each key, sequence after sequence.
-        gather: whether keys differ from the queries' own tokens (shared prompts); else
-            `kv_index` is `arange(N)` and `cu_k == cu_q`.
-        max_q, max_k: the longest query and key sequence.
-        predict: `[M]` the packed token whose hidden state predicts each scored token.
-        targets: `[M]` the scored tokens. rows, cols: `[M]` where each goes in the `[b, t]` result.
-        shape: `(b, t)` of the result.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    kv_index: torch.Tensor
-    gather: bool
-    max_q: int
-    max_k: int
-    predict: torch.Tensor
-    targets: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    shape: tuple[int, int]
-
-
-def _row_tokens(batch: Sequences) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each row's prompt tokens and completion tokens (CPU), without padding."""
-    pm, cm = batch.prompt_mask.cpu().bool(), batch.completion_mask.cpu().bool()
-    prompt_ids, completion_ids = batch.prompt_ids.cpu(), batch.completion_ids.cpu()
-    lengths = cm.sum(1)
-    if not bool((cm == (torch.arange(cm.shape[1]) < lengths.unsqueeze(1))).all()):
-        raise PackingError("the completion mask is not a prefix of each row; set train.padding_free=false")
-    prompts = [prompt_ids[i][pm[i]] for i in range(len(pm))]
-    if any(len(p) == 0 for p in prompts):
-        raise PackingError("a row has an empty prompt; set train.padding_free=false")
-    return prompts, [completion_ids[i, : lengths[i]] for i in range(len(cm))]
-
-
-def _shares_prompt(prompts: list[torch.Tensor]) -> list[bool]:
-    """Row i has the same prompt as row i - 1 (a group's rows are adjacent)."""
-    return [False] + [torch.equal(a, b) for a, b in zip(prompts, prompts[1:])]
-
-
-def plan(batch: Sequences, index: torch.Tensor, budget: int, shared_prefix: bool) -> list[torch.Tensor]:
-    """Split the rows `index` of `batch` into micro-batches of at most `budget` packed tokens.
-
-    Rows keep their order; a row longer than the budget is a micro-batch alone. With
-    `shared_prefix`, a prompt is counted once per micro-batch for the rows that share it.
-
-    Args:
-        batch: the rollout.
-        index: `[n]` row indices (a mini-batch).
-        budget: most tokens per micro-batch; 0 puts every row in one.
-
-    Returns:
-        The micro-batches' row indices, each a tensor on `index`'s device.
-    """
-    sub = Sequences(batch.prompt_ids[index], batch.prompt_mask[index], batch.completion_ids[index],
-                    batch.completion_mask[index])
-    prompts, completions = _row_tokens(sub)
-    shares = _shares_prompt(prompts)
-    parts, current, used = [], [], 0
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        cost = len(c) + (0 if shared_prefix and shares[i] and current else len(p))
-        if budget and current and used + cost > budget:
-            parts.append(current)
-            current, used = [], 0
-            cost = len(c) + len(p)
-        current.append(i)
-        used += cost
-    parts.append(current)
-    return [index[torch.tensor(part, device=index.device)] for part in parts if part]
-
-
-def pack(batch: Sequences, shared_prefix: bool, device: torch.device) -> Pack:
-    """Lay the rows of `batch` end to end (see the module docstring) and index what is scored."""
-    prompts, completions = _row_tokens(batch)
-    shares = _shares_prompt(prompts) if shared_prefix else [False] * len(prompts)
-    ids, pos, cu_q, cu_k, kv, predict, targets, rows, cols = [], [], [0], [0], [], [], [], [], []
-    n = 0
-    prompt_at = 0  # packed index of the current prompt's first token
-
-    def sequence(queries: range, keys: list[range]) -> None:
-        cu_q.append(cu_q[-1] + len(queries))
-        cu_k.append(cu_k[-1] + sum(len(k) for k in keys))
-        kv.extend(torch.arange(k.start, k.stop) for k in keys)
-
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        lp, lc = len(p), len(c)
-        if not shares[i]:
-            prompt_at = n
-            ids.append(p)
-            pos.append(torch.arange(lp))
-            n += lp
-            if shared_prefix:
-                sequence(range(prompt_at, n), [range(prompt_at, n)])
-        start = n
-        ids.append(c)
-        pos.append(torch.arange(lp, lp + lc))
-        n += lc
-        if shared_prefix:
-            sequence(range(start, n), [range(prompt_at, prompt_at + lp), range(start, n)])
-        else:
-            sequence(range(prompt_at, n), [range(prompt_at, n)])
-        if lc:  # completion token 0 is predicted by the prompt's last token, token j by completion token j - 1
-            predict.append(torch.cat([torch.tensor([prompt_at + lp - 1]), torch.arange(start, start + lc - 1)]))
-            targets.append(c)
-            rows.append(torch.full((lc,), i))
-            cols.append(torch.arange(lc))
-
-    def put(parts, dtype=torch.long):
-        return torch.cat(parts).to(device=device, dtype=dtype) if parts else torch.zeros(0, dtype=dtype, device=device)
-
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    width = max([len(c) for c in completions] + [1])
-    return Pack(
-        input_ids=put(ids), position_ids=put(pos),
-        cu_q=torch.tensor(cu_q, dtype=torch.int32, device=device), cu_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-        kv_index=put(kv), gather=shared_prefix, max_q=max(q_lens), max_k=max(k_lens),
-        predict=put(predict), targets=put(targets), rows=put(rows), cols=put(cols), shape=(len(prompts), width),
-    )
+from qerl_exp.packing import Pack, block_mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,17 +57,6 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def block_mask(p: Pack) -> torch.Tensor:
-    """`[N, N]` bool: query i may attend key j (the same masking as the flash path, written densely)."""
-    n = len(p.input_ids)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    cu_q, cu_k, kv = p.cu_q.tolist(), p.cu_k.tolist(), p.kv_index.cpu()
-    for s in range(len(cu_q) - 1):
-        tq, keys = cu_q[s + 1] - cu_q[s], kv[cu_k[s] : cu_k[s + 1]]
-        mask[cu_q[s] : cu_q[s + 1], keys] = torch.ones(tq, len(keys), dtype=torch.bool).tril(len(keys) - tq)
-    return mask.to(p.input_ids.device)
-
-
 def uses_flash(q: torch.Tensor) -> bool:
     """FlashAttention on CUDA for fp16/bf16 heads of at most 256; the dense block mask otherwise."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
@@ -221,7 +64,7 @@ def uses_flash(q: torch.Tensor) -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: float, mask: torch.Tensor | None):
     """Attention `[N, Hq, D]` of packed queries over their sequences' keys (`[N, Hkv, D]`): with
-    FlashAttention when `mask` is None, else SDPA under `mask` (`block_mask(p)`)."""
+    FlashAttention when `mask` is None, else SDPA under `mask` (`packing.block_mask(p)`)."""
     if mask is None:
         k, v = (k.index_select(0, p.kv_index), v.index_select(0, p.kv_index)) if p.gather else (k.contiguous(), v.contiguous())
         return _FlashVarlen.apply(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale)
@@ -392,16 +235,16 @@ def _block(blk: blocks.Block, x, delta, cos, sin, p: Pack, mask, fused: bool):
     norm, add_norm, rope, swiglu = _elementwise(fused)
     n, d = x.shape[0], blk.head_dim
     if delta is None:  # the first block: x is the embedding
-        h = norm(x, blk.input_norm, blk.eps)
+        h = norm(x, blk.attention_norm, blk.eps)
     else:
-        x, h = add_norm(x, delta, blk.input_norm, blk.eps)
+        x, h = add_norm(x, delta, blk.attention_norm, blk.eps)
     q, k, v = _group(blk.qkv, h).split([blk.heads * d, blk.kv_heads * d, blk.kv_heads * d], dim=-1)
     if blk.q_norm is not None:  # per head, before RoPE
         q = norm(q.reshape(n * blk.heads, d), blk.q_norm, blk.eps)
         k = norm(k.reshape(n * blk.kv_heads, d), blk.k_norm, blk.eps)
     q, k = rope(q.reshape(n, blk.heads, d), k.reshape(n, blk.kv_heads, d), cos, sin)
     a = attend(q, k, v.reshape(n, blk.kv_heads, d), p, blk.scaling, mask).reshape(n, blk.heads * d)
-    x, h = add_norm(x, _group(blk.o, a), blk.post_attention_norm, blk.eps)
+    x, h = add_norm(x, _group(blk.o, a), blk.mlp_norm, blk.eps)
     return x, _group(blk.down, swiglu(_group(blk.gate_up, h)))
 
 
@@ -443,88 +286,59 @@ class _Recomputed(torch.autograd.Function):
         return (None, *[next(grads) if t is not None and t.requires_grad else None for t in (xi, di, *ctx.params)])
 
 
-def hidden_states(lm, p: Pack, adapter: bool = True, checkpointed: int = 0, fused: bool = False) -> torch.Tensor:
+def hidden_states(dec: blocks.Decoder, p: Pack, checkpointed: int = 0, fused: bool = False) -> torch.Tensor:
     """Final-norm hidden states `[M, H]` at the scored positions (`p.predict`).
 
     Args:
-        lm: the HF causal LM (inside the peft wrapper, LoRA layers in place).
+        dec: the model read by `blocks.read` (with its adapters, or without: the reference policy).
         p: the packed micro-batch.
-        adapter: apply the LoRA adapters (False: the base alone, the reference policy).
         checkpointed: decoder blocks (the first ones) recomputed in backward instead of kept.
         fused: use the hand-fused elementwise kernels (CUDA).
     """
-    dec = blocks.read(lm, adapters=adapter)
     x = F.embedding(p.input_ids, dec.embed)
     cos, sin = dec.rotary(x.unsqueeze(0), p.position_ids.unsqueeze(0))
     cos, sin = cos[0], sin[0]
-    mask = None if uses_flash(x.new_empty(1, 1, dec.blocks[0].head_dim)) else block_mask(p)
+    mask = None if uses_flash(x.new_empty(1, 1, dec.head_dim)) else block_mask(p)
     delta = None
-    for i, (blk, layer) in enumerate(zip(dec.blocks, lm.model.layers)):
+    for i, blk in enumerate(dec.blocks):
         if i < checkpointed and torch.is_grad_enabled():
             if delta is not None:  # the residual sum: one saved input instead of two
                 x, delta = x + delta, None
             run = functools.partial(_block, blk, cos=cos, sin=sin, p=p, mask=mask, fused=fused)
-            x, delta = _Recomputed.apply(run, x, delta, *[q for q in layer.parameters() if q.requires_grad])
+            x, delta = _Recomputed.apply(run, x, delta, *blk.trainable())
         else:
             x, delta = _block(blk, x, delta, cos, sin, p, mask, fused)
     x, delta = x.index_select(0, p.predict), delta.index_select(0, p.predict)
     return _elementwise(fused)[1](x, delta, dec.norm, dec.eps)[1]
 
 
-def activation_bytes(lm, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+def activation_bytes(dec: blocks.Decoder, tokens: int, dtype: torch.dtype) -> tuple[int, int]:
     """What backward keeps per decoder block for `tokens` packed tokens: `(kept, checkpointed)`
     bytes, from the block's shapes (an estimate: the block's saved inputs, projections and
     attention statistics; the shared-prompt key copies counted at their most, two per token)."""
-    c = lm.config
-    h, inter = c.hidden_size, c.intermediate_size
-    d = getattr(c, "head_dim", None) or h // c.num_attention_heads  # Qwen3's heads may be wider than h / heads
-    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    blk = dec.blocks[0]
+    h, inter = dec.embed.shape[1], blk.gate_up.out_features[0]
+    q, kv = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
     size = torch.finfo(dtype).bits // 8
-    kept = tokens * (size * (4 * h + 2 * q + 4 * kv + 3 * inter) + 4 * (c.num_attention_heads + 2))
+    kept = tokens * (size * (4 * h + 2 * q + 4 * kv + 3 * inter) + 4 * (dec.heads + 2))
     return kept, tokens * size * h
 
 
-def checkpointed_layers(lm, tokens: int, dtype: torch.dtype, device: torch.device, setting: str) -> int:
+def checkpointed_layers(dec: blocks.Decoder, tokens: int, dtype: torch.dtype, device: torch.device,
+                        setting: str) -> int:
     """How many decoder blocks to recompute for a micro-batch of `tokens`: all (`true`), none
     (`false`), or with `auto` the fewest that fit its activations in 80 % of the device memory free
     now (CUDA; none elsewhere)."""
-    layers = lm.config.num_hidden_layers
+    layers = len(dec.blocks)
     if setting != "auto":
         return layers if setting == "true" else 0
     if device.type != "cuda":
         return 0
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    kept, saved = activation_bytes(lm, tokens, dtype)
+    kept, saved = activation_bytes(dec, tokens, dtype)
     budget = 0.8 * free
     for k in range(layers + 1):
         if (layers - k) * kept + k * saved + kept <= budget:  # + one block recomputed in backward
             return k
     return layers
-
-
-def score(policy, batch: Sequences, temperature: float, *, shared_prefix: bool, checkpointing: str = "false",
-          fused: bool = False, adapter: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probs and entropies `[B, T]` of the completion tokens, packed: equal to
-    `loss.score_completions(policy, batch, ...)` (same zeros where the mask is 0), without padding.
-
-    Args:
-        policy: the peft model (or a plain causal LM), of an architecture `qerl_exp.blocks` declares.
-        batch: the rows to score (their ids and masks; on the CPU, packing them waits for nothing).
-        temperature: logits are divided by it.
-        shared_prefix: pack one copy of the prompt of adjacent rows that share it.
-        checkpointing: `train.gradient_checkpointing` (`auto`, `true`, `false`).
-        fused: use the hand-fused elementwise kernels (CUDA).
-        adapter: apply LoRA (False: the reference policy, the base alone).
-        entropy_grad: whether the entropy is differentiable.
-    """
-    lm = blocks.causal_lm(policy)
-    device = lm.lm_head.weight.device
-    p = pack(batch, shared_prefix, device)
-    dtype = lm.lm_head.weight.dtype
-    k = checkpointed_layers(lm, len(p.input_ids), dtype, device, checkpointing) if torch.is_grad_enabled() else 0
-    hidden = hidden_states(lm, p, adapter=adapter, checkpointed=k, fused=fused)
-    logp, entropy = chunk_scores(hidden, p.targets, lm.lm_head, temperature, entropy_grad)
-    b, t = p.shape
-    zeros = hidden.new_zeros(b, t, dtype=torch.float32)
-    return zeros.index_put((p.rows, p.cols), logp), zeros.index_put((p.rows, p.cols), entropy)

@@ -6,7 +6,7 @@ before any training? The probe builds the run's base as full precision (the `bf1
 `model.dtype`, fp32 on the CPU) and samples `samples` completions for each of the first `limit`
 prompts of the task's held-out split from it, at the run's temperature (`qerl_exp.rollout`, seeded).
 Then every format of `quant` (presets of the quant group, each built by `models.build_models` from
-the same base) scores exactly those tokens, teacher-forced (`loss.completion_logits`, the noise
+the same base) scores exactly those tokens, teacher-forced (`scoring.completion_logits`, the noise
 monitor's scorer), with AQN off and at each `sigma` (one fixed draw per sigma, the same for every
 format: `noise.AQN`, absolute or `noise.relative=true` as the run config says). Per token:
 
@@ -56,11 +56,11 @@ import torch
 
 from analysis.stats import t_interval
 from qerl_exp import logs
-from qerl_exp.compose import compose
+from qerl_exp.compose import compose, group_options
 from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
 from qerl_exp.learner import chunks, rows
-from qerl_exp.loss import completion_logits, token_logp
+from qerl_exp.scoring import completion_logits, token_logp
 from qerl_exp.metrics import entropy_from_logits, kl_full
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.noise import AQN
@@ -71,9 +71,13 @@ from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT
 
 REFERENCE = "bf16"  # the quant preset that keeps the base in model.dtype
-FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4", "nf4_dq")
 COLUMNS = {"entropy": "entropy", "gain": "entropy gain", "first": "first-token entropy", "kl": "KL to full precision",
            "top1": "top-1 agreement", "pass1": "greedy pass@1", "ended": "greedy replies ended"}
+
+
+def quant_presets() -> list[str]:
+    """The quant presets (`conf/quant/*.yaml`), the full-precision reference first."""
+    return sorted(group_options("quant"), key=lambda name: name != REFERENCE)
 
 
 @dataclass
@@ -100,7 +104,7 @@ class ProbeArgs:
         verbose: show the third-party notices hidden by default.
     """
 
-    quant: list[str] = field(default_factory=lambda: list(FORMATS))
+    quant: list[str] = field(default_factory=lambda: quant_presets())
     sigma: list[float] = field(default_factory=lambda: [0.0])
     limit: int = 32
     samples: int = 4
@@ -142,9 +146,10 @@ def parse(argv: list[str]) -> tuple[ProbeArgs, list[str]]:
         except ValueError:
             raise UsageError(f"bad value for {key}: {raw!r}") from None
     args = ProbeArgs(**own)
-    bad = [q for q in args.quant if q not in FORMATS]
+    presets = quant_presets()
+    bad = [q for q in args.quant if q not in presets]
     if bad or not args.quant:
-        raise UsageError(f"quant={','.join(args.quant)}: {bad[0] if bad else 'empty'} is not a quant preset; choose from {','.join(FORMATS)}")
+        raise UsageError(f"quant={','.join(args.quant)}: {bad[0] if bad else 'empty'} is not a quant preset; choose from {','.join(presets)}")
     if any(not (s >= 0 and math.isfinite(s)) for s in args.sigma):
         raise UsageError("sigma takes finite values >= 0, e.g. sigma=0,1e-2")
     if min(args.limit, args.batch) < 1 or args.samples < 2:

@@ -1,10 +1,12 @@
-"""Rollouts: sample G completions per prompt from the sampling policy; and the one HF generation
-path (`hf_generate`, `complete`) that evaluation and the embedded model's warm-up use too.
+"""Rollouts: sample G completions per prompt from the sampling policy (`sample`); and completions
+of prompt texts (`complete`) for evaluation and the embedded model's warm-up, through the same
+generators.
 
 The sampler is the policy as it stands (quantized base + LoRA), with AQN applied by the caller
-around `sample`. Two generators share one contract (`Rollout`): `HFGenerator`, through HF
-`generate` (any device), and `EngineGenerator`, through our static-cache CUDA-graph engine
-(`qerl_exp.engine`, CUDA only); `rollout.engine=auto` picks the engine on CUDA.
+around `sample`. Two generators share one contract (`generate(ids, mask, Sampling, ...)`):
+`HFGenerator`, through HF `generate` (`hf_generate`, any device), and `EngineGenerator`, through our
+static-cache CUDA-graph engine (`qerl_exp.engine`, CUDA only), the one place a `FastEngine` is built
+and sized; `make_generator` picks one (`rollout.engine=auto`: the engine on CUDA).
 
 What a token is drawn from, in both engines: softmax of the logits / temperature, cut by HF's
 top-k, top-p and min-p filters in that order (`warpers`; the engine's `engine.sampling` keeps the
@@ -21,6 +23,7 @@ learner scores the plain softmax.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -32,6 +35,34 @@ from qerl_exp.batch import Rollout
 from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import FastEngine
 from qerl_exp.metrics import entropy_from_logits
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one generator call draws its completions.
+
+    Args:
+        max_new_tokens: completion length cap.
+        temperature: sampling temperature; 0 decodes greedily.
+        top_p, top_k, min_p: HF's filters (1, 0, 0: off).
+        stop: strings after which a row stops (the caller cuts the completion there: `cut_at_stop`).
+        group: the rows come in groups of this many adjacent rows with one prompt (prefilled once
+            by the engine).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    group: int = 1
+
+    @classmethod
+    def of(cls, algo: AlgoConfig) -> Sampling:
+        """A run's rollouts: `algo`'s sampling settings, its groups of `group_size` completions."""
+        return cls(algo.max_new_tokens, algo.temperature, algo.top_p, algo.top_k, algo.min_p, tuple(algo.stop),
+                   algo.group_size)
 
 
 class NonFiniteLogitsError(FloatingPointError):
@@ -223,35 +254,26 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
         max_new_tokens: completion length cap.
         batch_size: sequences per `generate` call.
         on_batch: called with the number of rows after each generated batch.
-        engine: `hf` (transformers `generate`) or `fast` (a `FastEngine` over `model` for this
-            call, released at its end: on CUDA it decodes from 4-bit weights directly, where
-            `generate` dequantizes every weight at every token).
+        engine: `hf` or `fast` (`make_generator`: a `FastEngine` over `model` for this call, released
+            at its end; on CUDA it decodes from 4-bit weights directly, where `generate`
+            dequantizes every weight at every token).
         top_k: sample among the k most likely tokens (0: off).
         min_p: drop tokens less likely than min_p times the most likely (0: off).
         stop: strings that end a completion (kept in its text).
 
     Returns:
         `(texts, terminated)`: each completion up to (without) its EOS or through its stop string,
-        and whether EOS or a stop string came.
+        and whether EOS or a stop string came. Sampling draws from torch's global generator.
     """
     rows = [p for p in prompts for _ in range(samples)]
     device = next(model.parameters()).device
+    generator = make_generator(engine, model, tokenizer, device, min(batch_size, len(rows)), max_new_tokens)
+    how = Sampling(max_new_tokens, temperature, top_p, top_k, min_p, tuple(stop))
     texts, terminated = [], []
-    fast: FastEngine | None = None
     try:
         for start in range(0, len(rows), batch_size):
             ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
-            if engine == "fast":
-                if fast is None:  # sized by the first batch (the largest); a longer prompt grows it
-                    fast = FastEngine(model, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + 64 + max_new_tokens)
-                stream = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))  # from the caller's RNG
-                out = fast.generate(ids, mask, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p, eos_id=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
-                                    generator=stream).completion_ids
-            else:
-                out = hf_generate(model, ids, mask, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_ids,
-                                  pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  min_p=min_p, stop=stop, tokenizer=tokenizer).sequences[:, ids.shape[1]:]
+            out, _, _ = generator.generate(ids, mask, how, tokenizer.eos_ids, scores=False)
             cmask, ended = completion_mask(out, tokenizer.eos_ids)
             cmask, stopped = cut_at_stop(tokenizer, out, cmask, stop)
             texts += decode_completions(tokenizer, out, cmask, tokenizer.eos_ids)
@@ -259,55 +281,75 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
             if on_batch is not None:
                 on_batch(len(out))
     finally:
-        if fast is not None:
-            fast.release()
+        generator.release()
     return texts, terminated
 
 
 class HFGenerator:
-    """Generating through `transformers` `generate` (the reference engine; works on CPU)."""
+    """Generating through `transformers` `generate` (the reference engine; works on CPU).
+
+    `generate(ids, mask, how, eos_ids, seeds=None, scores=True)` -> `(completion [B, T], logp, entropy)`:
+    with `scores`, each sampled token's log-prob under the distribution it was drawn from and the
+    entropy of the unfiltered softmax (`[B, T]` each; non-finite logits raise
+    `NonFiniteLogitsError`), else None for both. `seeds`: one per row, each row sampled from its own
+    stream (`RowSampling`); None samples with torch's global generator.
+    """
+
+    nbytes = 0  # HF's generate holds no cache between calls
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
 
     @torch.no_grad()
-    def generate(self, ids, mask, algo: AlgoConfig, eos_ids: Sequence[int], seeds: list[int]):
-        out = hf_generate(self.model, ids, mask, max_new_tokens=algo.max_new_tokens, eos_id=eos_ids,
-                          pad_id=self.tokenizer.pad_id, temperature=algo.temperature, top_p=algo.top_p,
-                          top_k=algo.top_k, min_p=algo.min_p, stop=algo.stop, tokenizer=self.tokenizer,
-                          processors=[_FiniteLogits()], output_logits=True, seeds=seeds)
+    def generate(self, ids, mask, how: Sampling, eos_ids: Sequence[int], seeds: list[int] | None = None,
+                 scores: bool = True):
+        out = hf_generate(self.model, ids, mask, max_new_tokens=how.max_new_tokens, eos_id=eos_ids,
+                          pad_id=self.tokenizer.pad_id, temperature=how.temperature, top_p=how.top_p,
+                          top_k=how.top_k, min_p=how.min_p, stop=how.stop, tokenizer=self.tokenizer,
+                          processors=[_FiniteLogits()] if scores else None, output_logits=scores, seeds=seeds)
         completion = out.sequences[:, ids.shape[1]:]
+        if not scores:
+            return completion, None, None
         # the generated positions' raw logits through the same warpers again: the distribution drawn from
-        chain = warpers(algo.temperature, algo.top_p, algo.top_k, algo.min_p)
+        chain = warpers(how.temperature, how.top_p, how.top_k, how.min_p)
         logp, entropy = [], []
         for t, raw in enumerate(out.logits):
             raw = raw.float()
-            entropy.append(entropy_from_logits(raw / algo.temperature))
+            entropy.append(entropy_from_logits(raw / how.temperature))
             for warp in chain:
                 raw = warp(None, raw)
             logp.append(torch.log_softmax(raw, dim=-1).gather(1, completion[:, t, None])[:, 0])
         return completion, torch.stack(logp, dim=1), torch.stack(entropy, dim=1)
 
+    def release(self) -> None:
+        """Nothing to give back."""
+
 
 class EngineGenerator:
-    """Generating through our CUDA-graph engine (`qerl_exp.engine.FastEngine`), built on the first
-    call for `max_batch_size` rows (at least that call's) and its prompts + `max_new_tokens`; a
-    later, larger call grows it."""
+    """Generating through our CUDA-graph engine (`qerl_exp.engine.FastEngine`): the one place one is
+    built, on the first call, for `max_batch_size` rows (at least that call's) and its prompts +
+    `max_new_tokens`; a later, larger call grows it.
+
+    `generate` as `HFGenerator`'s; the engine's log-probs and entropies come whatever `scores` says,
+    and the batch samples from one stream, seeded by its first row's seed (None: drawn from torch's
+    global generator).
+    """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 0, max_new_tokens: int = 0):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_new_tokens = max_batch_size, max_new_tokens
         self.engine: FastEngine | None = None
 
-    def generate(self, ids, mask, algo: AlgoConfig, eos_ids: Sequence[int], seeds: list[int]):
+    def generate(self, ids, mask, how: Sampling, eos_ids: Sequence[int], seeds: list[int] | None = None,
+                 scores: bool = True):
         if self.engine is None:  # room for prompts somewhat longer than the first batch's
             self.engine = FastEngine(self.model, max_batch_size=max(ids.shape[0], self.max_batch_size),
-                                     max_seq_len=ids.shape[1] + 64 + max(algo.max_new_tokens, self.max_new_tokens))
+                                     max_seq_len=ids.shape[1] + 64 + max(how.max_new_tokens, self.max_new_tokens))
+        seed = seeds[0] if seeds is not None else int(torch.randint(0, 2**62, (1,)))
         out = self.engine.generate(  # stop strings end rows only afterwards (`cut_at_stop`)
-            ids, mask, algo.max_new_tokens, temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
-            min_p=algo.min_p, eos_id=eos_ids, pad_id=self.tokenizer.pad_id,
-            generator=torch.Generator().manual_seed(seeds[0]),  # one stream for the batch, from its first row's seed
-            group=algo.group_size,  # a group's rows repeat one prompt: prefilled once
+            ids, mask, how.max_new_tokens, temperature=how.temperature, top_p=how.top_p, top_k=how.top_k,
+            min_p=how.min_p, eos_id=eos_ids, pad_id=self.tokenizer.pad_id, generator=torch.Generator().manual_seed(seed),
+            group=how.group,  # a group's rows repeat one prompt: prefilled once
         )
         return out.completion_ids, out.logprobs, out.entropy
 
@@ -369,7 +411,7 @@ def sample(generator, tokenizer, prompts: list[str], algo: AlgoConfig, device: t
     eos_ids = [] if ignore_eos else tokenizer.eos_ids  # none: no token ends a completion
     if seeds is None:
         seeds = torch.randint(0, 2**62, (len(repeated),)).tolist()
-    completion, logp, entropy = generator.generate(ids, mask, algo, eos_ids, seeds)
+    completion, logp, entropy = generator.generate(ids, mask, Sampling.of(algo), eos_ids, seeds)
     cmask, terminated = completion_mask(completion, eos_ids)
     cmask, stopped = cut_at_stop(tokenizer, completion, cmask, algo.stop)
     terminated = terminated | stopped

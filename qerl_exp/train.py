@@ -33,7 +33,8 @@ from qerl_exp.config import Config, as_dict
 from qerl_exp.eval import evaluate_in_training
 from qerl_exp.files import write_atomic
 from qerl_exp import learner
-from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
+from qerl_exp.loss import group_advantages, tokens_in_loss
+from qerl_exp.scoring import completion_logits
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.models.pretrained import base_digest
 from qerl_exp.noise import AQN, Schedule
@@ -70,27 +71,15 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
 
-class DecoderMismatch(RuntimeError):
-    """The sampler and the learner compute different models (`check_decoders`)."""
-
-
-# How far the sampler's and the learner's log-probs of the same tokens may lie apart (token mean of
-# |difference|, nats) when both compute one model: rounding, far smaller in float32 than in bf16,
-# where the CUDA engine and the padding-free learner round differently (docs/learner.md measures
-# both). A decoder that computes another model (a missing norm) lies above.
-DECODER_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
-
-
 def check_decoders(cfg: Config, task: Task, models: Models, generator, device: torch.device) -> None:
     """Before step 0: sample a short clean rollout (no noise) of two prompts from the sampler and
     score its tokens with the learner; stop the run unless their log-probs agree to rounding
-    (`DECODER_GAP`). Its prompts, seeds and passes draw from no stream of the run's.
+    (`blocks.check_agreement`). Its prompts, seeds and passes draw from no stream of the run's.
 
     Raises:
-        DecoderMismatch: one line naming the architecture, the gap and the fallback settings.
+        blocks.DecoderMismatch: one line naming the architecture, the gap and the fallback settings.
     """
     module, tok = models.sampler.module, models.tokenizer
-    lm = blocks.causal_lm(module)
     problems = task.sample(min(2, cfg.train.prompts_per_step), np.random.default_rng([cfg.seed, 2**31]))
     # unfiltered sampling: the sampler's log-probs are then the plain softmax's, as the learner's are
     algo = dataclasses.replace(cfg.algo, max_new_tokens=min(16, cfg.algo.max_new_tokens), top_p=1.0, top_k=0,
@@ -103,14 +92,8 @@ def check_decoders(cfg: Config, task: Task, models: Models, generator, device: t
     except NonFiniteLogitsError:  # nothing to compare; the loop's own guard takes such steps
         return
     logp, _ = learner.score_all(module, rollout, algo.temperature, cfg.train)
-    mask = rollout.completion_mask.bool()
-    gap = float((rollout.sampler_logp - logp).abs()[mask].mean()) if mask.any() else 0.0
-    limit = DECODER_GAP.get(lm.get_input_embeddings().weight.dtype, 0.25)
-    if distributed.any_rank(gap > limit):
-        raise DecoderMismatch(
-            f"the sampler's and the learner's log-probs of the same tokens differ by {gap:.3g} nats a token before "
-            f"step 0 (rounding allows {limit:g}): they compute different models for {lm.config.model_type} "
-            f"({type(lm).__name__}); set {blocks.FALLBACK}")
+    gap = blocks.logp_gap(rollout.sampler_logp, logp, rollout.completion_mask)
+    blocks.check_agreement(module, gap, distributed.any_rank)
 
 
 def _logged(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp.config import DECODER_LINEARS
 from qerl_exp.metrics import MACHINE_METRICS
 
@@ -110,6 +111,28 @@ def tiny_qwen2(seed: int = 0, *, vocab: int = 96, hidden: int = 128, inter: int 
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def tiny_decoder(family: str, seed: int = 0, *, vocab: int = 96, hidden: int = 128, inter: int = 256, layers: int = 2,
+                 heads: int = 4, kv: int = 2, head_dim: int | None = None, max_positions: int = 256, **extra):
+    """A causal LM of a declared `family`, built from its registered config class at HF's random
+    initialisation after `torch.manual_seed(seed)`, with every norm scale (Qwen3's q/k norms included)
+    drawn from U(0.5, 1.5): float32, CPU, eval mode, untied head. `extra`: more config fields."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(transformers, ARCHITECTURES[family].config_class)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim or hidden // heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
 def with_lora(model, seed: int | None = 1, random_b: bool = True):
     """`model` wrapped by peft with LoRA r=8, alpha 16 on the seven decoder projections. `random_b`: B is
     random as well as A (peft's init_lora_weights=False), so both get a gradient and the adapter
@@ -182,28 +205,24 @@ def char_tokenizer():
     return tok
 
 
-def save_checkpoint(folder: Path, family: str = "qwen2", seed: int = 0) -> Path:
-    """A small random checkpoint of `family` (`qwen2`, `qwen3`, `llama` or `gpt2`) saved with
-    `save_pretrained`, with `char_tokenizer()` beside it; every norm scale (Qwen3's q/k norms
-    included) drawn away from 1."""
+def save_checkpoint(folder: Path, family: str = "qwen2", seed: int = 0, head_scale: float = 1.0) -> Path:
+    """A small random checkpoint of a declared `family` (`tiny_decoder`), or of `gpt2` (undeclared),
+    saved with `save_pretrained`, with `char_tokenizer()` beside it. `head_scale` multiplies the LM
+    head: HF's initialisation gives nearly uniform next-token distributions (about log V nats a
+    token), 30 makes them as peaked as a trained model's (about 1 nat)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     tok = char_tokenizer()
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
-    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    if family == "qwen3":
-        dims["head_dim"] = 32
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if family == "gpt2":
-        dims = dict(n_embd=128, n_layer=2, n_head=4, n_positions=512)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **ids, **dims))
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4,
+                                                            n_positions=512, **ids))
+    else:
+        model = tiny_decoder(family, seed, vocab=len(tok), max_positions=512, **ids)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+        model.get_output_embeddings().weight.mul_(head_scale)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

@@ -25,7 +25,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def linear(lin, x: Tensor) -> Tensor:
-    """A `decode._Linear` group as HF and peft compute it: base (+ bias) + lora_B(lora_A(x)) * scaling
+    """A `decode.LinearGroup` group as HF and peft compute it: base (+ bias) + lora_B(lora_A(x)) * scaling
     per projection, the LoRA term and its addition in the adapters' dtype (fp32 under a bf16 base);
     GLU: silu(gate) * up; else the projections side by side."""
     outs = []

@@ -6,7 +6,7 @@
 Builds the 7B-shape model (random weights, block by block on the GPU), quantizes it per format,
 adds LoRA r32 on all seven projections, and scores a packed micro-batch of `--tokens` tokens
 (groups of 8 rows: a 256-token prompt and 512-token completions, the prompt shared) with
-`qerl_exp.padding_free.score`, then backward of its log-probs. It prints the mean time of `--iters`
+`qerl_exp.scoring.score_packed`, then backward of its log-probs. It prints the mean time of `--iters`
 timed iterations after a warm-up (compilation), the model TFLOPS at 4 x (matmul parameters) FLOP a
 row token, and the GPU kernels of one iteration summed by kind (torch.profiler), with the time the
 host took to issue them (the call's return before the GPU is done).
@@ -20,12 +20,13 @@ from collections import defaultdict
 
 import torch
 
-from qerl_exp import padding_free
+from qerl_exp import packing
 from qerl_exp.config import LoraConfig, ModelConfig, QuantConfig
 from qerl_exp.models import add_lora
 from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
 from qerl_exp.batch import Sequences
+from qerl_exp.scoring import score_packed
 
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                 vocab_size=152064, max_positions=32768, tie_embeddings=False)
@@ -75,8 +76,8 @@ def main() -> None:
         policy = add_lora(model, LoraConfig(r=32, alpha=32))
 
         def step():
-            logp, _ = padding_free.score(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing,
-                                         fused=not args.eager)
+            logp, _ = score_packed(policy, batch, 1.0, shared_prefix=True, checkpointing=args.checkpointing,
+                                   fused=not args.eager)
             logp.sum().backward()
 
         step()
@@ -102,7 +103,7 @@ def main() -> None:
                 by_kind[kind(ev.name)] += ev.device_time / 1e3
                 by_name[ev.name[:90]] += ev.device_time / 1e3
         busy = sum(by_kind.values())
-        print(f"\n{fmt}: {rows} rows, {row_tokens} row tokens, {len(padding_free.pack(batch, True, 'cpu').input_ids)} packed, "
+        print(f"\n{fmt}: {rows} rows, {row_tokens} row tokens, {len(packing.pack(batch, True, 'cpu').input_ids)} packed, "
               f"checkpointing {args.checkpointing}: {seconds * 1e3:.0f} ms fwd+bwd, {row_tokens / seconds:.0f} row tok/s, "
               f"{flops / seconds / 1e12:.0f} model TFLOPS; GPU busy {busy:.0f} ms; host {host * 1e3:.0f} ms; peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         print(" | ".join(f"{k} {v:.0f} ms" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))

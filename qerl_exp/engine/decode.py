@@ -31,6 +31,7 @@ from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.norm import norm_shrink
 from qerl_exp.engine.rope_cache import rope_cache
 from qerl_exp.engine.sampling import Filters, fused_sample, keep_threshold, sample
+from qerl_exp.quant import is_quantized
 
 PREFILL_GRAPHS = 8  # most (batch, prompt length) shapes whose prefill a FastEngine keeps captured
 MAX_EOS = 8  # most token ids that end a sequence (instruct checkpoints name two or three)
@@ -61,7 +62,7 @@ class GenerateOutput:
 
 
 @dataclass
-class _Linear:
+class LinearGroup:
     """1-3 projections sharing one input (q/k/v; gate/up as GLU; o; down), as one launch."""
 
     fmt: str
@@ -80,25 +81,30 @@ class _Linear:
 
 
 @dataclass
-class _Layer:
-    ln1: Tensor  # the engine's copies of the norm scales
+class Layer:
+    """One decoder block as the engine runs it (`blocks.Block` read by `build_model`)."""
+
+    ln1: Tensor  # the engine's copies of the pre-norm scales (before attention, before the MLP)
     ln2: Tensor
+    eps: float  # their epsilon
     q_norm: Tensor | None  # Qwen3's per-head q/k norm scales [d], else None
     k_norm: Tensor | None
-    qkv: _Linear
-    o: _Linear
-    gate_up: _Linear
-    down: _Linear
+    qkv: LinearGroup
+    o: LinearGroup
+    gate_up: LinearGroup
+    down: LinearGroup
 
 
 @dataclass
-class _Model:
+class Model:
+    """The model as the engine runs it (`build_model`): what prefill and the decode step read."""
+
     embed: Tensor
-    norm: Tensor  # the engine's copy
+    norm: Tensor  # the engine's copy of the final norm's scale
     lm_head: Tensor
     layers: list
-    eps: float
-    hq: int
+    eps: float  # the final norm's epsilon
+    hq: int  # the attention shape, one for every block (`blocks.Decoder`)
     hkv: int
     d: int
     scaling: float
@@ -108,15 +114,14 @@ class _Model:
 
 def _base_weight(base: nn.Module):
     """(format, weight, bias): a dense layer's own weight, or a weight format's layer's weight in
-    the kernel layout (`runtime_weight`: an `FP4Linear` on CUDA converts itself to it, so the engine
-    holds no second copy; NF4 is laid out again, a copy counted by `FastEngine.nbytes`)."""
+    the kernel layout (`QuantizedLinear.runtime_weight`: an `FP4Linear` on CUDA converts itself to
+    it, so the engine holds no second copy; NF4 is laid out again, a copy counted by `FastEngine.nbytes`)."""
     if type(base) is nn.Linear:
         return "dense", base.weight, base.bias
-    runtime = getattr(type(base), "runtime_weight", None)
-    if runtime is None:
+    if not is_quantized(base):
         raise TypeError(f"the rollout engine has no kernels for a {type(base).__name__} projection; "
                         "set rollout.engine=hf")
-    w = runtime(base)
+    w = base.runtime_weight()
     return w.fmt, w, base.bias
 
 
@@ -124,7 +129,7 @@ def _copy(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().clone()
 
 
-def _linear(group: blocks.Group, glu: bool = False) -> _Linear:
+def _linear(group: blocks.Group, glu: bool = False) -> LinearGroup:
     stacked = None
     if all(type(b) is nn.Linear for b in group.bases):  # stacked by every engine, so that none re-points what another read
         stacked = blocks.stack_dense(group)
@@ -141,35 +146,34 @@ def _linear(group: blocks.Group, glu: bool = False) -> _Linear:
         r = ranks.pop()
         lora_a, lora_b = [_copy(a.a) for a in group.adapters], [_copy(a.b) for a in group.adapters]
         scale = [a.scale for a in group.adapters]
-    return _Linear(fmts.pop(), [w for _, w, _ in parts], [b for _, _, b in parts], lora_a, lora_b, scale, r, glu,
+    return LinearGroup(fmts.pop(), [w for _, w, _ in parts], [b for _, _, b in parts], lora_a, lora_b, scale, r, glu,
                    list(group.bases), [getattr(b, "updates", None) for b in group.bases], stacked)
 
 
-def build_model(dec: blocks.Decoder, max_seq_len: int) -> _Model:
+def build_model(dec: blocks.Decoder, max_seq_len: int) -> Model:
     """The engine's view of a model read by `blocks.read`: references to its frozen tensors (dense
     base weights, embeddings, lm_head; 4-bit bases in the kernel layout), copies of what changes
     between rollouts (LoRA A/B, norm scales: `refresh` brings them up to date)."""
-    layers = [_Layer(ln1=_copy(b.input_norm), ln2=_copy(b.post_attention_norm), q_norm=_copy(b.q_norm),
-                     k_norm=_copy(b.k_norm), **{name: _linear(g, glu=name == "gate_up") for name, g in b.groups.items()})
+    layers = [Layer(ln1=_copy(b.attention_norm), ln2=_copy(b.mlp_norm), eps=b.eps, q_norm=_copy(b.q_norm),
+                    k_norm=_copy(b.k_norm), **{name: _linear(g, glu=name == "gate_up") for name, g in b.groups.items()})
               for b in dec.blocks]
-    first = dec.blocks[0]
     pos = torch.arange(max_seq_len, device=dec.embed.device)[None]
     cos, sin = dec.rotary(dec.embed[:1][None], pos)
-    return _Model(
-        embed=dec.embed, norm=_copy(dec.norm), lm_head=dec.lm_head.weight, layers=layers, eps=first.eps,
-        hq=first.heads, hkv=first.kv_heads, d=first.head_dim, scaling=first.scaling,
+    return Model(
+        embed=dec.embed, norm=_copy(dec.norm), lm_head=dec.lm_head.weight, layers=layers, eps=dec.eps,
+        hq=dec.heads, hkv=dec.kv_heads, d=dec.head_dim, scaling=dec.scaling,
         cos=cos[0].contiguous(), sin=sin[0].contiguous(),
     )
 
 
-def refresh(m: _Model, dec: blocks.Decoder) -> None:
+def refresh(m: Model, dec: blocks.Decoder) -> None:
     """Copy what changes between rollouts from the model (`dec`, read now) into the engine's
     buffers: LoRA A and B (an optimizer step) and every norm scale (AQN's noise, added to the
     model's scales around a rollout)."""
     m.norm.copy_(dec.norm)
     for ly, blk in zip(m.layers, dec.blocks):
-        ly.ln1.copy_(blk.input_norm)
-        ly.ln2.copy_(blk.post_attention_norm)
+        ly.ln1.copy_(blk.attention_norm)
+        ly.ln2.copy_(blk.mlp_norm)
         if ly.q_norm is not None:
             ly.q_norm.copy_(blk.q_norm)
             ly.k_norm.copy_(blk.k_norm)
@@ -179,7 +183,7 @@ def refresh(m: _Model, dec: blocks.Decoder) -> None:
                 lin.lora_b[s].copy_(adapter.b)
 
 
-def frozen(m: _Model) -> list[Tensor]:
+def frozen(m: Model) -> list[Tensor]:
     """The model's tensors the engine reads in place (its frozen ones): a re-allocated one means a rebuild."""
     out = [m.embed, m.lm_head]
     for ly in m.layers:
@@ -188,7 +192,7 @@ def frozen(m: _Model) -> list[Tensor]:
     return out
 
 
-def same_layout(m: _Model, dec: blocks.Decoder) -> bool:
+def same_layout(m: Model, dec: blocks.Decoder) -> bool:
     """`dec` (the model read now) has the base layers and the adapters' presence and ranks the
     engine was built from: else it must be built again."""
     for ly, blk in zip(m.layers, dec.blocks):
@@ -206,24 +210,26 @@ def same_layout(m: _Model, dec: blocks.Decoder) -> bool:
 
 
 @dataclass
-class _Cache:
+class Cache:
+    """The static KV cache (`setup_caches`), one slot per position of every sequence."""
+
     k: Tensor  # [L, B_max, hkv, S, d]
     v: Tensor
 
 
-def setup_caches(m: _Model, max_batch_size: int, max_seq_len: int, cache: _Cache | None = None) -> _Cache:
+def setup_caches(m: Model, max_batch_size: int, max_seq_len: int, cache: Cache | None = None) -> Cache:
     """Allocate the static KV cache once; reuse `cache` when it is already large enough."""
     shape = (len(m.layers), max_batch_size, m.hkv, max_seq_len, m.d)
     if cache is not None and all(a >= b for a, b in zip(cache.k.shape, shape)):
         return cache
     kw = dict(dtype=m.embed.dtype, device=m.embed.device)
-    return _Cache(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+    return Cache(torch.zeros(shape, **kw), torch.zeros(shape, **kw))
 
 
-class _State:
+class State:
     """Static per-batch-size buffers that the captured decode step reads and writes."""
 
-    def __init__(self, m: _Model, b: int, s: int, rt: int):
+    def __init__(self, m: Model, b: int, s: int, rt: int):
         dev, dt = m.embed.device, m.embed.dtype
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.b = b
@@ -252,11 +258,12 @@ class _State:
 # ---------------------------------------------------------------------------------------------
 
 
-def _qk_norm(m: _Model, ly: _Layer) -> tuple[Tensor, Tensor, float] | None:
-    return (ly.q_norm, ly.k_norm, m.eps) if ly.q_norm is not None else None
+def qk_norm(ly: Layer) -> tuple[Tensor, Tensor, float] | None:
+    """The layer's per-head q/k norm scales and epsilon (Qwen3), as `rope_cache` takes them."""
+    return (ly.q_norm, ly.k_norm, ly.eps) if ly.q_norm is not None else None
 
 
-def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
+def _forward(m: Model, cache: Cache, st: State) -> Tensor:
     # one token per sequence (st.tok [B] at cache slot st.slot, rotary position st.pos [B]), per
     # layer: qkv (norm and LoRA shrink, on load where the kernel does), rope + cache, attention, o
     # (+ its shrink, residual), gate/up (norm, shrink; GLU and the down shrink in the epilogue),
@@ -270,16 +277,16 @@ def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
         t = st.t[li]  # [4, B, RT]
         lora = [lin.a_tab is not None for lin in (ly.qkv, ly.o, ly.gate_up, ly.down)]
         qkv_out = torch.empty(b, ly.qkv.plan.n, dtype=x.dtype, device=x.device)
-        fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, m.eps, st.ss),
+        fused_linear(ly.qkv.plan, x, qkv_out, t=t[0] if lora[0] else None, norm=(ly.ln1, ly.eps, st.ss),
                      shrink=ly.qkv.a_tab)
         rope_cache(qkv_out, m.cos, m.sin, st.pos, st.slot, st.q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d,
-                   qk_norm=_qk_norm(m, ly))
+                   qk_norm=qk_norm(ly))
         att = decode_attention(st.q, cache.k[li], cache.v[li], st.pad, st.slot, m.scaling, st.att, st.att_work)
         fused_linear(ly.o.plan, att, x, t=t[1] if lora[1] else None, shrink=ly.o.a_tab, residual=x, ss_out=st.ss)
         # where down takes nvfp4_wgmma, the GLU epilogue writes its operand (inter / 16 in fp16)
         down16 = ly.down.plan.takes_x16(b, x.device)
         inter = torch.empty(b, ly.gate_up.plan.n, dtype=torch.float16 if down16 else x.dtype, device=x.device)
-        fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, m.eps, st.ss),
+        fused_linear(ly.gate_up.plan, x, inter, t=t[2] if lora[2] else None, norm=(ly.ln2, ly.eps, st.ss),
                      shrink=ly.gate_up.a_tab, a_next=ly.down.lora_a[0] if lora[3] else None,
                      t_next=t[3] if lora[3] else None, r_next=ly.down.r, out16=down16)
         fused_linear(ly.down.plan, inter, x, t=t[3] if lora[3] else None, residual=x, ss_out=st.ss, x16=down16)
@@ -287,7 +294,7 @@ def _forward(m: _Model, cache: _Cache, st: _State) -> Tensor:
     return F.linear(st.h, m.lm_head)  # bf16: fused_sample reads it as fp32, as .float() would
 
 
-def sample_next(st: _State, logits: Tensor, greedy: bool, filters: Filters) -> None:
+def sample_next(st: State, logits: Tensor, greedy: bool, filters: Filters) -> None:
     """Sample every row's next token from `logits` and advance: in one fused pass
     (`sampling.fused_sample`, keyed by st.seed and st.step; top-k and min-p as a threshold per row)
     unless top-p needs a sort."""
@@ -300,7 +307,7 @@ def sample_next(st: _State, logits: Tensor, greedy: bool, filters: Filters) -> N
     _advance(st, *drawn)
 
 
-def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
+def _advance(st: State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
     # record this step's outputs, apply EOS stopping, move every sequence one slot on
     live = ~st.done
     tok = torch.where(live, tok, st.pad_id)
@@ -315,12 +322,12 @@ def _advance(st: _State, tok: Tensor, lp: Tensor, ent: Tensor) -> None:
     st.pos += 1
 
 
-def decode_one_token(m: _Model, cache: _Cache, st: _State, greedy: bool, filters: Filters) -> None:
+def decode_one_token(m: Model, cache: Cache, st: State, greedy: bool, filters: Filters) -> None:
     """One decode step for every sequence: forward st.tok, sample, record, advance (captured)."""
     sample_next(st, _forward(m, cache, st), greedy, filters)
 
 
-def decode_n_tokens(step, st: _State, n: int, check_every: int = 16) -> int:
+def decode_n_tokens(step, st: State, n: int, check_every: int = 16) -> int:
     """Run `step()` n times, stopping early (checked every `check_every` steps) once all are done."""
     for i in range(n):
         step()

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from qerl_exp import blocks
-from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, _Cache, _State, build_model,
+from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, Cache, State, build_model,
                                     decode_n_tokens, decode_one_token, frozen, refresh, same_layout, sample_next,
                                     setup_caches)
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
@@ -66,7 +66,7 @@ class FastEngine:
         if dense_gemm == "auto":
             dense_gemm = "cublas" if max_batch_size >= DENSE_CUBLAS_MIN_BATCH else "triton"
         self.dense_gemm = dense_gemm
-        self.cache: _Cache | None = None
+        self.cache: Cache | None = None
         self.build_s = 0.0
         self.capture_s = 0.0
         self._build()
@@ -97,7 +97,7 @@ class FastEngine:
             self.scratch = torch.empty(max(w.n * w.k for w in nvfp4), dtype=self.m.embed.dtype, device=dev) \
                 if nvfp4 else None
         self._refs = [(t, t.data_ptr()) for t in frozen(self.m)]
-        self._states: dict[int, _State] = {}
+        self._states: dict[int, State] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._prefills: dict[tuple, tuple] = {}  # (B, P) -> (graph, its ids, mask and logits buffers)
         self._prefill_seen: set = set()
@@ -134,12 +134,12 @@ class FastEngine:
                 rt = max(rt, pow2(nseg * pow2(lin.r)))
         return rt
 
-    def _state(self, b: int) -> _State:
+    def _state(self, b: int) -> State:
         if b not in self._states:
-            self._states[b] = _State(self.m, b, self.seq_cap, self._rt())
+            self._states[b] = State(self.m, b, self.seq_cap, self._rt())
         return self._states[b]
 
-    def _step_fn(self, st: _State, greedy: bool, filters: Filters):
+    def _step_fn(self, st: State, greedy: bool, filters: Filters):
         return lambda: decode_one_token(self.m, self.cache, st, greedy, filters)
 
     def _capture(self, fn, reset, warmups: int):
@@ -164,7 +164,7 @@ class FastEngine:
         self.capture_s += time.perf_counter() - t0
         return g, out
 
-    def _graph(self, st: _State, greedy: bool, filters: Filters):
+    def _graph(self, st: State, greedy: bool, filters: Filters):
         key = (st.b, greedy, filters)
         if key not in self._graphs:
             def reset():

@@ -9,91 +9,91 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qerl_exp.engine.triton_util import HAS_TRITON, dummy_tensor, pow2, tl, tl_dtype, triton
+from qerl_exp.engine.triton_util import _dot, _dot_as_peft, _f16_div16, dummy_tensor, pow2, tl, tl_dtype, triton
 
-if HAS_TRITON:
-    from qerl_exp.engine.triton_util import _dot, _dot_as_peft, _f16_div16
 
-    @triton.jit
-    def _norm_shrink_kernel(
-        x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
-        M, K, r, eps, KCHUNK, T,
-        NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
-        LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        H16: tl.constexpr, SS_HERE: tl.constexpr, EXACT: tl.constexpr,
-    ):
-        # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
-        # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
-        # has to read whole rows; SS_HERE: summed here over whole rows instead, the prefill's
-        # case); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk (split-K with fp32
-        # atomics; t is zeroed once per decode step), in x's dtype, or EXACT: in the adapters'
-        # (peft's rounding, as the prefill keeps it). H16: h holds h / 16 in fp16 instead (the
-        # wgmma kernel's operand), also without the norm (then h = x / 16).
-        ACT = x_ptr.dtype.element_ty
-        pid_k = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
+@triton.jit
+def _norm_shrink_kernel(
+    x_ptr, stride_xm, g_ptr, h_ptr, stride_hm, a_tab_ptr, t_ptr, stride_tm, ss_ptr, stride_ss,
+    M, K, r, eps, KCHUNK, T,
+    NORM: tl.constexpr, LORA: tl.constexpr, NSEG: tl.constexpr, R: tl.constexpr, RT: tl.constexpr,
+    LDT: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    H16: tl.constexpr, SS_HERE: tl.constexpr, EXACT: tl.constexpr,
+):
+    # h = RMSNorm(x) * g (HF rounding), written to h, with the rows' sums of squares given as
+    # T partial sums ss[:T, m] (written by the residual epilogue that produced x, so no program
+    # has to read whole rows; SS_HERE: summed here over whole rows instead, the prefill's
+    # case); t[:, s*R + j] += h @ A_s[j]^T over this program's K chunk (split-K with fp32
+    # atomics; t is zeroed once per decode step), in x's dtype, or EXACT: in the adapters'
+    # (peft's rounding, as the prefill keeps it). H16: h holds h / 16 in fp16 instead (the
+    # wgmma kernel's operand), also without the norm (then h = x / 16).
+    ACT = x_ptr.dtype.element_ty
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if NORM:
+        if SS_HERE:
+            sq = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xf = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, 1)
+            rstd = tl.rsqrt(sq / K + eps)
+        else:
+            rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
+    jj = tl.arange(0, RT)
+    seg = jj // R
+    j_ok = (seg < NSEG) & ((jj % R) < r)
+    a_row = tl.multiple_of(tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(LDT)), 16)
+    a_row = a_row + (jj % R) * K
+    acc = tl.zeros((BLOCK_M, RT), tl.float32)
+    for k0 in range(pid_k * KCHUNK, pid_k * KCHUNK + KCHUNK, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
-            if SS_HERE:
-                sq = tl.zeros((BLOCK_M,), tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    xf = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                                 mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-                    sq += tl.sum(xf * xf, 1)
-                rstd = tl.rsqrt(sq / K + eps)
-            else:
-                rstd = _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD)
-        jj = tl.arange(0, RT)
-        seg = jj // R
-        j_ok = (seg < NSEG) & ((jj % R) < r)
-        a_row = tl.multiple_of(tl.load(a_tab_ptr + seg, mask=seg < NSEG, other=0).to(tl.pointer_type(LDT)), 16)
-        a_row = a_row + (jj % R) * K
-        acc = tl.zeros((BLOCK_M, RT), tl.float32)
-        for k0 in range(pid_k * KCHUNK, pid_k * KCHUNK + KCHUNK, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM:
-                hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
-                gam = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0)
-                x = (gam[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
-            if H16:
-                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], _f16_div16(x),
-                         mask=m_ok[:, None] & k_ok[None, :])
-            elif NORM:
-                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
-                         mask=m_ok[:, None] & k_ok[None, :])
-            if LORA:
-                a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-                if EXACT:
-                    acc = _dot_as_peft(x, a, acc)
-                else:
-                    acc = _dot(x, a.to(ACT), acc)
-        if LORA:
-            tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
-                          mask=m_ok[:, None] & j_ok[None, :])
-
-    @triton.jit
-    def _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD: tl.constexpr):
-        # 1 / RMS of rows offs_m from T partial sums of squares ss[:T, m] (written by the residual
-        # epilogue that produced the rows, so no program has to read whole rows)
-        tt = tl.arange(0, T_PAD)
-        ssp = tl.load(ss_ptr + tt[:, None] * stride_ss + offs_m[None, :], mask=(tt[:, None] < T) & m_ok[None, :],
-                      other=0.0)
-        return tl.rsqrt(tl.sum(ssp, 0) / K + eps)
-
-    @triton.jit
-    def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: tl.constexpr):
-        # activations [BM, BK] in the model dtype; NORM: RMSNorm(x) * gamma, rounded where HF rounds
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-        if NORM:
-            ACT = x_ptr.dtype.element_ty
             hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
-            x = (tl.load(g_ptr + offs_k)[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
-        return x
+            gam = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0)
+            x = (gam[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
+        if H16:
+            tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], _f16_div16(x),
+                     mask=m_ok[:, None] & k_ok[None, :])
+        elif NORM:
+            tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], x,
+                     mask=m_ok[:, None] & k_ok[None, :])
+        if LORA:
+            a = tl.load(a_row[None, :] + offs_k[:, None], mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            if EXACT:
+                acc = _dot_as_peft(x, a, acc)
+            else:
+                acc = _dot(x, a.to(ACT), acc)
+    if LORA:
+        tl.atomic_add(t_ptr + offs_m[:, None] * stride_tm + jj[None, :], acc,
+                      mask=m_ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _rstd(ss_ptr, stride_ss, T, offs_m, m_ok, K, eps, T_PAD: tl.constexpr):
+    # 1 / RMS of rows offs_m from T partial sums of squares ss[:T, m] (written by the residual
+    # epilogue that produced the rows, so no program has to read whole rows)
+    tt = tl.arange(0, T_PAD)
+    ssp = tl.load(ss_ptr + tt[:, None] * stride_ss + offs_m[None, :], mask=(tt[:, None] < T) & m_ok[None, :],
+                  other=0.0)
+    return tl.rsqrt(tl.sum(ssp, 0) / K + eps)
+
+
+@triton.jit
+def _x_tile(x_ptr, stride_xm, offs_m, m_ok, offs_k, g_ptr, rstd, NORM: tl.constexpr):
+    # activations [BM, BK] in the model dtype; NORM: RMSNorm(x) * gamma, rounded where HF rounds
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+    if NORM:
+        ACT = x_ptr.dtype.element_ty
+        hn = (x.to(tl.float32) * rstd[:, None]).to(ACT)
+        x = (tl.load(g_ptr + offs_k)[None, :].to(tl.float32) * hn.to(tl.float32)).to(ACT)
+    return x
 
 
 def norm_shrink(x: Tensor, gamma: Tensor | None, eps: float, h_out: Tensor | None,

@@ -11,53 +11,53 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qerl_exp import blocks
-from qerl_exp.engine.decode import _Cache, _Linear, _Model, _qk_norm
+from qerl_exp.engine.decode import Cache, LinearGroup, Model, qk_norm
 from qerl_exp.engine.norm import norm_shrink
 from qerl_exp.engine.rope_cache import rope_cache
-from qerl_exp.engine.triton_util import HAS_TRITON, pow2, tl, triton
+from qerl_exp.engine.triton_util import pow2, tl, triton
 from qerl_exp.quant.layout import weight_of
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride, stride_t, offs_m, offs_n, m_ok, n_ok, r, R: tl.constexpr):
-        # y + scale * t @ B^T over one tile, in fp32 (peft: the bf16 base output plus the LoRA term
-        # in the adapters' dtype, promoted to fp32)
-        y = tl.load(y_ptr + offs_m[:, None] * stride + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if R > 0:
-            rr = tl.arange(0, R)
-            tt = tl.load(t_ptr + offs_m[:, None] * stride_t + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < r),
-                         other=0.0).to(tl.float32)
-            bb = tl.load(b_ptr + offs_n[None, :] * r + rr[:, None], mask=n_ok[None, :] & (rr[:, None] < r),
-                         other=0.0).to(tl.float32)
-            # tf32x3: fp32 accuracy on tensor cores (an ieee dot runs on the far slower FMA units)
-            y += tl.dot(tt, bb, input_precision="tf32x3") * scale
-        return y
+@triton.jit
+def _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride, stride_t, offs_m, offs_n, m_ok, n_ok, r, R: tl.constexpr):
+    # y + scale * t @ B^T over one tile, in fp32 (peft: the bf16 base output plus the LoRA term
+    # in the adapters' dtype, promoted to fp32)
+    y = tl.load(y_ptr + offs_m[:, None] * stride + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                other=0.0).to(tl.float32)
+    if R > 0:
+        rr = tl.arange(0, R)
+        tt = tl.load(t_ptr + offs_m[:, None] * stride_t + rr[None, :], mask=m_ok[:, None] & (rr[None, :] < r),
+                     other=0.0).to(tl.float32)
+        bb = tl.load(b_ptr + offs_n[None, :] * r + rr[:, None], mask=n_ok[None, :] & (rr[:, None] < r),
+                     other=0.0).to(tl.float32)
+        # tf32x3: fp32 accuracy on tensor cores (an ieee dot runs on the far slower FMA units)
+        y += tl.dot(tt, bb, input_precision="tf32x3") * scale
+    return y
 
-    @triton.jit
-    def _prefill_epilogue_kernel(
-        y_ptr, y2_ptr, stride_y, t_ptr, t2_ptr, stride_t, b_ptr, b2_ptr, scale, scale2,
-        res_ptr, stride_r, out_ptr, stride_o, M, N, r,
-        GLU: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        # out = y + scale * t @ B^T (R = 0: no LoRA), rounded once; GLU: silu(out) * (the same of
-        # y2, t2, B2), each rounded as HF; HAS_RES: + res after rounding (HF's residual add)
-        ACT = out_ptr.dtype.element_ty
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        ok = m_ok[:, None] & n_ok[None, :]
-        y = _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
-        if GLU:
-            u = _lora_fp32(y2_ptr, t2_ptr, b2_ptr, scale2, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
-            g = y.to(ACT).to(tl.float32)
-            y = (g * tl.sigmoid(g)).to(ACT).to(tl.float32) * u.to(ACT).to(tl.float32)
-        if HAS_RES:
-            res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=ok, other=0.0)
-            y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], y.to(ACT), mask=ok)
+
+@triton.jit
+def _prefill_epilogue_kernel(
+    y_ptr, y2_ptr, stride_y, t_ptr, t2_ptr, stride_t, b_ptr, b2_ptr, scale, scale2,
+    res_ptr, stride_r, out_ptr, stride_o, M, N, r,
+    GLU: tl.constexpr, HAS_RES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # out = y + scale * t @ B^T (R = 0: no LoRA), rounded once; GLU: silu(out) * (the same of
+    # y2, t2, B2), each rounded as HF; HAS_RES: + res after rounding (HF's residual add)
+    ACT = out_ptr.dtype.element_ty
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    y = _lora_fp32(y_ptr, t_ptr, b_ptr, scale, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
+    if GLU:
+        u = _lora_fp32(y2_ptr, t2_ptr, b2_ptr, scale2, stride_y, stride_t, offs_m, offs_n, m_ok, n_ok, r, R)
+        g = y.to(ACT).to(tl.float32)
+        y = (g * tl.sigmoid(g)).to(ACT).to(tl.float32) * u.to(ACT).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=ok, other=0.0)
+        y = y.to(ACT).to(tl.float32) + res.to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], y.to(ACT), mask=ok)
 
 
 def prefill_epilogue(y: Tensor, out: Tensor, *, t: Tensor | None = None, b: Tensor | None = None,
@@ -90,7 +90,7 @@ def prefill_epilogue(y: Tensor, out: Tensor, *, t: Tensor | None = None, b: Tens
     return out
 
 
-def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
+def _prefill_linear(lin: LinearGroup, x: Tensor, scratch: Tensor | None, residual: Tensor | None = None,
                     norm: tuple | None = None) -> Tensor:
     """A linear group over the prompts, HF's and peft's result: base (+ bias) + lora_B(lora_A(x')) *
     scaling per projection (GLU: silu(gate) * up) (+ residual), x' = x or RMSNorm(x) * gamma with
@@ -131,7 +131,7 @@ def _prefill_linear(lin: _Linear, x: Tensor, scratch: Tensor | None, residual: T
     return out.view(*lead, -1)
 
 
-def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
+def prefill(m: Model, cache: Cache, ids: Tensor, mask: Tensor, scratch: Tensor | None = None) -> Tensor:
     """Run the left-padded prompts [B, P], fill cache slots 0..P-1, return last logits [B, V] fp32.
 
     Each linear is `_prefill_linear` (cuBLAS with Triton launches around it); rope and the cache
@@ -151,22 +151,22 @@ def prefill(m: _Model, cache: _Cache, ids: Tensor, mask: Tensor, scratch: Tensor
     pos, first = pos.view(-1), torch.zeros(1, dtype=torch.long, device=ids.device)
     bias = bias.repeat(1, 1, g, 1)  # query row j * P + i of a kv head: head j of its group, token i
     for li, ly in enumerate(m.layers):
-        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, m.eps))
+        qkv = _prefill_linear(ly.qkv, x, scratch, norm=(ly.ln1, ly.eps))
         q = torch.empty(b, m.hq, p, m.d, dtype=x.dtype, device=x.device)
-        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p, _qk_norm(m, ly))
+        rope_cache(qkv, m.cos, m.sin, pos, first, q, cache.k[li], cache.v[li], m.hq, m.hkv, m.d, p, qk_norm(ly))
         k, v = cache.k[li, :b, :, :p], cache.v[li, :b, :, :p]
         # [B, hkv, G P, d] -> [B, hq, P, d]; SDPA may return it strided (fp32 on CUDA), so no view
         att = F.scaled_dot_product_attention(q.view(b, m.hkv, g * p, m.d), k, v, attn_mask=bias,
                                              scale=m.scaling).unflatten(2, (g, p)).flatten(1, 2)
         att = att.transpose(1, 2).reshape(*x.shape[:-1], m.hq * m.d)
         x = _prefill_linear(ly.o, att, scratch, residual=x)
-        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, m.eps))
+        inter = _prefill_linear(ly.gate_up, x, scratch, norm=(ly.ln2, ly.eps))
         x = _prefill_linear(ly.down, inter, scratch, residual=x)
     last = x.view(b, p, -1)[:, -1]
     return F.linear(blocks.rms_norm(last, m.norm, m.eps), m.lm_head).float()
 
 
-def share_prompts(cache: _Cache, prompts: int, group: int, p: int) -> None:
+def share_prompts(cache: Cache, prompts: int, group: int, p: int) -> None:
     """Give each of `prompts` prefilled rows' cache slots 0..p-1 to the `group` adjacent rows that
     share its prompt (rows g * group .. (g + 1) * group - 1 get row g's), in place: from the last
     prompt down, so no row is overwritten before it is read."""

@@ -7,59 +7,58 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from qerl_exp.engine.triton_util import HAS_TRITON, tl, triton
+from qerl_exp.engine.triton_util import tl, triton
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _rope_cache_kernel(
-        qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
-        kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs, qn_ptr, kn_ptr, eps,
-        HQ, HKV, P, D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-    ):
-        # One (token row, head) per program, P rows a sequence (decode: 1; the prefill: the prompt
-        # length, row i of sequence b at slot `slot` + i); heads [0, HQ) are queries (rotated,
-        # written to q [B, HQ, P, D]), [HQ, HQ + HKV) keys (rotated, into the cache), the rest
-        # values (copied). QK_NORM (Qwen3): queries and keys are first RMS-normalised over the
-        # head's D values and scaled by qn / kn [D].
-        ACT = qkv_ptr.dtype.element_ty
-        row = tl.program_id(0)
-        h = tl.program_id(1)
-        b = row // P
-        i = row - b * P
-        d = tl.arange(0, HALF)
-        src = qkv_ptr + row * stride_qm + h * D
-        x1 = tl.load(src + d)
-        x2 = tl.load(src + HALF + d)
-        slot = tl.load(slot_ptr) + i
-        if h < HQ + HKV:
-            pos = tl.load(pos_ptr + row)
-            c1 = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-            c2 = tl.load(cos_ptr + pos * D + HALF + d).to(tl.float32)
-            s1 = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-            s2 = tl.load(sin_ptr + pos * D + HALF + d).to(tl.float32)
-            f1 = x1.to(tl.float32)
-            f2 = x2.to(tl.float32)
-            if QK_NORM:  # HF's RMSNorm: in fp32, rounded to the activations' dtype, then times the scale
-                rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
-                w_ptr = qn_ptr if h < HQ else kn_ptr
-                w1 = tl.load(w_ptr + d).to(tl.float32)
-                w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-                f1 = (w1 * (f1 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
-                f2 = (w2 * (f2 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
-            # HF: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
-            y1 = ((f1 * c1).to(ACT).to(tl.float32) + (-f2 * s1).to(ACT).to(tl.float32)).to(ACT)
-            y2 = ((f2 * c2).to(ACT).to(tl.float32) + (f1 * s2).to(ACT).to(tl.float32)).to(ACT)
-            if h < HQ:
-                dst = q_ptr + ((b * HQ + h) * P + i) * D
-            else:
-                dst = kc_ptr + b * stride_cb + (h - HQ) * stride_ch + slot * stride_cs
-            tl.store(dst + d, y1)
-            tl.store(dst + HALF + d, y2)
+@triton.jit
+def _rope_cache_kernel(
+    qkv_ptr, stride_qm, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
+    kc_ptr, vc_ptr, stride_cb, stride_ch, stride_cs, qn_ptr, kn_ptr, eps,
+    HQ, HKV, P, D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    # One (token row, head) per program, P rows a sequence (decode: 1; the prefill: the prompt
+    # length, row i of sequence b at slot `slot` + i); heads [0, HQ) are queries (rotated,
+    # written to q [B, HQ, P, D]), [HQ, HQ + HKV) keys (rotated, into the cache), the rest
+    # values (copied). QK_NORM (Qwen3): queries and keys are first RMS-normalised over the
+    # head's D values and scaled by qn / kn [D].
+    ACT = qkv_ptr.dtype.element_ty
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    b = row // P
+    i = row - b * P
+    d = tl.arange(0, HALF)
+    src = qkv_ptr + row * stride_qm + h * D
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + HALF + d)
+    slot = tl.load(slot_ptr) + i
+    if h < HQ + HKV:
+        pos = tl.load(pos_ptr + row)
+        c1 = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * D + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * D + HALF + d).to(tl.float32)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        if QK_NORM:  # HF's RMSNorm: in fp32, rounded to the activations' dtype, then times the scale
+            rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+            w_ptr = qn_ptr if h < HQ else kn_ptr
+            w1 = tl.load(w_ptr + d).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+            f1 = (w1 * (f1 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
+            f2 = (w2 * (f2 * rstd).to(ACT).to(tl.float32)).to(ACT).to(tl.float32)
+        # HF: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
+        y1 = ((f1 * c1).to(ACT).to(tl.float32) + (-f2 * s1).to(ACT).to(tl.float32)).to(ACT)
+        y2 = ((f2 * c2).to(ACT).to(tl.float32) + (f1 * s2).to(ACT).to(tl.float32)).to(ACT)
+        if h < HQ:
+            dst = q_ptr + ((b * HQ + h) * P + i) * D
         else:
-            dst = vc_ptr + b * stride_cb + (h - HQ - HKV) * stride_ch + slot * stride_cs
-            tl.store(dst + d, x1)
-            tl.store(dst + HALF + d, x2)
+            dst = kc_ptr + b * stride_cb + (h - HQ) * stride_ch + slot * stride_cs
+        tl.store(dst + d, y1)
+        tl.store(dst + HALF + d, y2)
+    else:
+        dst = vc_ptr + b * stride_cb + (h - HQ - HKV) * stride_ch + slot * stride_cs
+        tl.store(dst + d, x1)
+        tl.store(dst + HALF + d, x2)
 
 
 def rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slot: Tensor, q_out: Tensor,

@@ -25,110 +25,112 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from qerl_exp.engine.triton_util import HAS_TRITON, pow2, sm_count, tl, triton
+from qerl_exp.engine.triton_util import pow2, sm_count, tl, triton
 
 Q = 512  # logits a sub-block (4 warps: 4 a thread); one Philox call gives four sub-blocks' noise
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _update(z, idx, u, thr, m, s, sk, t, best, bidx, GREEDY: tl.constexpr, FILTER: tl.constexpr):
-        # fold logits z / T into each lane's running max m, sum of exp s = sum e^(z - m), the same sum
-        # over the kept logits (z >= thr) sk, and entropy term t = sum e^(z - m) (z - m) (rescaled when m
-        # grows), and its Gumbel-max argmax over the kept logits (best, bidx)
-        m_new = tl.maximum(m, z)
-        a = tl.exp(m - m_new)
-        e = tl.exp(z - m_new)
-        t = a * (t + (m - m_new) * s) + tl.where(e > 0, e * (z - m_new), 0.0)
-        s = a * s + e
-        key = z
+@triton.jit
+def _update(z, idx, u, thr, m, s, sk, t, best, bidx, GREEDY: tl.constexpr, FILTER: tl.constexpr):
+    # fold logits z / T into each lane's running max m, sum of exp s = sum e^(z - m), the same sum
+    # over the kept logits (z >= thr) sk, and entropy term t = sum e^(z - m) (z - m) (rescaled when m
+    # grows), and its Gumbel-max argmax over the kept logits (best, bidx)
+    m_new = tl.maximum(m, z)
+    a = tl.exp(m - m_new)
+    e = tl.exp(z - m_new)
+    t = a * (t + (m - m_new) * s) + tl.where(e > 0, e * (z - m_new), 0.0)
+    s = a * s + e
+    key = z
+    if not GREEDY:
+        key = z - tl.log(-tl.log(u))  # + Gumbel noise: argmax is a draw from softmax(z)
+    if FILTER:
+        keep = z >= thr
+        sk = a * sk + tl.where(keep, e, 0.0)
+        key = tl.where(keep, key, float("-inf"))
+    else:
+        sk = s
+    better = key > best
+    return m_new, s, sk, t, tl.where(better, key, best), tl.where(better, idx, bidx)
+
+
+@triton.jit
+def _combine(m, s, sk, t, best, idx):
+    # running values side by side (lanes, or a row's slices) -> one: the max mm, the sums of exp and
+    # the entropy term rescaled to it, the best key and its index (the first of equal keys)
+    mm = tl.max(m, 0)
+    a = tl.exp(m - mm)
+    bb = tl.max(best, 0)
+    tok = tl.min(tl.where(best == bb, idx, 2147483647), 0)
+    return mm, tl.sum(a * s, 0), tl.sum(a * sk, 0), tl.sum(a * (t + (m - mm) * s), 0), bb, tok
+
+
+@triton.jit
+def _partial_kernel(x_ptr, stride_x, V, temp_ptr, seed_ptr, step_ptr, thr_ptr, part_ptr, ipart_ptr, CHUNK,
+                    GREEDY: tl.constexpr, FILTER: tl.constexpr, Q: tl.constexpr):
+    # program (row, slice): logits [slice * CHUNK, + CHUNK) of the row -> (max, sum, entropy term,
+    # best key, kept sum) and the best key's index, in part[row, slice, :5] and ipart[row, slice]
+    row = tl.program_id(0)
+    sl = tl.program_id(1)
+    x_ptr += row.to(tl.int64) * stride_x
+    inv_t = 1.0 / tl.load(temp_ptr)
+    thr = 0.0
+    if FILTER:
+        thr = tl.load(thr_ptr + row)
+    lo = sl * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    seed = tl.load(seed_ptr) + tl.load(step_ptr) * 65536 + row  # one key per (call, step, row)
+    lane = tl.arange(0, Q)
+    m = tl.full([Q], -1e30, tl.float32)  # finite before any finite logit: exp(m - m_new) is never NaN
+    s = tl.zeros([Q], tl.float32)
+    sk = tl.zeros([Q], tl.float32)
+    t = tl.zeros([Q], tl.float32)
+    best = tl.full([Q], float("-inf"), tl.float32)
+    bidx = tl.zeros([Q], tl.int32) + lo
+    for base in range(lo, hi, 4 * Q):
+        i0, i1, i2, i3 = base + lane, base + Q + lane, base + 2 * Q + lane, base + 3 * Q + lane
+        # the four loads first, so their latencies overlap
+        z0 = tl.load(x_ptr + i0, mask=i0 < hi, other=float("-inf")).to(tl.float32) * inv_t
+        z1 = tl.load(x_ptr + i1, mask=i1 < hi, other=float("-inf")).to(tl.float32) * inv_t
+        z2 = tl.load(x_ptr + i2, mask=i2 < hi, other=float("-inf")).to(tl.float32) * inv_t
+        z3 = tl.load(x_ptr + i3, mask=i3 < hi, other=float("-inf")).to(tl.float32) * inv_t
+        u0, u1, u2, u3 = s, s, s, s  # unused when greedy
         if not GREEDY:
-            key = z - tl.log(-tl.log(u))  # + Gumbel noise: argmax is a draw from softmax(z)
-        if FILTER:
-            keep = z >= thr
-            sk = a * sk + tl.where(keep, e, 0.0)
-            key = tl.where(keep, key, float("-inf"))
-        else:
-            sk = s
-        better = key > best
-        return m_new, s, sk, t, tl.where(better, key, best), tl.where(better, idx, bidx)
+            u0, u1, u2, u3 = tl.rand4x(seed, base // 4 + lane)  # counters unique in the row
+        m, s, sk, t, best, bidx = _update(z0, i0, u0, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
+        m, s, sk, t, best, bidx = _update(z1, i1, u1, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
+        m, s, sk, t, best, bidx = _update(z2, i2, u2, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
+        m, s, sk, t, best, bidx = _update(z3, i3, u3, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
+    mm, ss, ssk, tt, bb, tok = _combine(m, s, sk, t, best, bidx)
+    out = part_ptr + (row * tl.num_programs(1) + sl) * 5
+    tl.store(out, mm)
+    tl.store(out + 1, ss)
+    tl.store(out + 2, tt)
+    tl.store(out + 3, bb)
+    tl.store(out + 4, ssk)
+    tl.store(ipart_ptr + row * tl.num_programs(1) + sl, tok)
 
-    @triton.jit
-    def _combine(m, s, sk, t, best, idx):
-        # running values side by side (lanes, or a row's slices) -> one: the max mm, the sums of exp and
-        # the entropy term rescaled to it, the best key and its index (the first of equal keys)
-        mm = tl.max(m, 0)
-        a = tl.exp(m - mm)
-        bb = tl.max(best, 0)
-        tok = tl.min(tl.where(best == bb, idx, 2147483647), 0)
-        return mm, tl.sum(a * s, 0), tl.sum(a * sk, 0), tl.sum(a * (t + (m - mm) * s), 0), bb, tok
 
-    @triton.jit
-    def _partial_kernel(x_ptr, stride_x, V, temp_ptr, seed_ptr, step_ptr, thr_ptr, part_ptr, ipart_ptr, CHUNK,
-                        GREEDY: tl.constexpr, FILTER: tl.constexpr, Q: tl.constexpr):
-        # program (row, slice): logits [slice * CHUNK, + CHUNK) of the row -> (max, sum, entropy term,
-        # best key, kept sum) and the best key's index, in part[row, slice, :5] and ipart[row, slice]
-        row = tl.program_id(0)
-        sl = tl.program_id(1)
-        x_ptr += row.to(tl.int64) * stride_x
-        inv_t = 1.0 / tl.load(temp_ptr)
-        thr = 0.0
-        if FILTER:
-            thr = tl.load(thr_ptr + row)
-        lo = sl * CHUNK
-        hi = tl.minimum(lo + CHUNK, V)
-        seed = tl.load(seed_ptr) + tl.load(step_ptr) * 65536 + row  # one key per (call, step, row)
-        lane = tl.arange(0, Q)
-        m = tl.full([Q], -1e30, tl.float32)  # finite before any finite logit: exp(m - m_new) is never NaN
-        s = tl.zeros([Q], tl.float32)
-        sk = tl.zeros([Q], tl.float32)
-        t = tl.zeros([Q], tl.float32)
-        best = tl.full([Q], float("-inf"), tl.float32)
-        bidx = tl.zeros([Q], tl.int32) + lo
-        for base in range(lo, hi, 4 * Q):
-            i0, i1, i2, i3 = base + lane, base + Q + lane, base + 2 * Q + lane, base + 3 * Q + lane
-            # the four loads first, so their latencies overlap
-            z0 = tl.load(x_ptr + i0, mask=i0 < hi, other=float("-inf")).to(tl.float32) * inv_t
-            z1 = tl.load(x_ptr + i1, mask=i1 < hi, other=float("-inf")).to(tl.float32) * inv_t
-            z2 = tl.load(x_ptr + i2, mask=i2 < hi, other=float("-inf")).to(tl.float32) * inv_t
-            z3 = tl.load(x_ptr + i3, mask=i3 < hi, other=float("-inf")).to(tl.float32) * inv_t
-            u0, u1, u2, u3 = s, s, s, s  # unused when greedy
-            if not GREEDY:
-                u0, u1, u2, u3 = tl.rand4x(seed, base // 4 + lane)  # counters unique in the row
-            m, s, sk, t, best, bidx = _update(z0, i0, u0, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
-            m, s, sk, t, best, bidx = _update(z1, i1, u1, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
-            m, s, sk, t, best, bidx = _update(z2, i2, u2, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
-            m, s, sk, t, best, bidx = _update(z3, i3, u3, thr, m, s, sk, t, best, bidx, GREEDY, FILTER)
-        mm, ss, ssk, tt, bb, tok = _combine(m, s, sk, t, best, bidx)
-        out = part_ptr + (row * tl.num_programs(1) + sl) * 5
-        tl.store(out, mm)
-        tl.store(out + 1, ss)
-        tl.store(out + 2, tt)
-        tl.store(out + 3, bb)
-        tl.store(out + 4, ssk)
-        tl.store(ipart_ptr + row * tl.num_programs(1) + sl, tok)
-
-    @triton.jit
-    def _finish_kernel(x_ptr, stride_x, temp_ptr, part_ptr, ipart_ptr, tok_ptr, lp_ptr, ent_ptr, NS,
-                       NS_PAD: tl.constexpr):
-        # row: combine its NS slices; token = the best key's index (the first of equal keys), its
-        # log-prob z[tok] - M - log(Sk) under the kept logits, entropy log S - sum p (z - M) with S, Sk, M
-        # the combined sums and max
-        row = tl.program_id(0)
-        k = tl.arange(0, NS_PAD)
-        p = part_ptr + (row * NS + k) * 5
-        live = k < NS
-        m = tl.load(p, mask=live, other=-1e30)
-        s = tl.load(p + 1, mask=live, other=0.0)
-        t = tl.load(p + 2, mask=live, other=0.0)
-        best = tl.load(p + 3, mask=live, other=float("-inf"))
-        sk = tl.load(p + 4, mask=live, other=0.0)
-        idx = tl.load(ipart_ptr + row * NS + k, mask=live, other=2147483647)
-        mm, ss, ssk, tt, _, tok = _combine(m, s, sk, t, best, idx)
-        z = tl.load(x_ptr + row.to(tl.int64) * stride_x + tok).to(tl.float32) * (1.0 / tl.load(temp_ptr))
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, z - mm - tl.log(ssk))
-        tl.store(ent_ptr + row, tl.log(ss) - tt / ss)
+@triton.jit
+def _finish_kernel(x_ptr, stride_x, temp_ptr, part_ptr, ipart_ptr, tok_ptr, lp_ptr, ent_ptr, NS,
+                   NS_PAD: tl.constexpr):
+    # row: combine its NS slices; token = the best key's index (the first of equal keys), its
+    # log-prob z[tok] - M - log(Sk) under the kept logits, entropy log S - sum p (z - M) with S, Sk, M
+    # the combined sums and max
+    row = tl.program_id(0)
+    k = tl.arange(0, NS_PAD)
+    p = part_ptr + (row * NS + k) * 5
+    live = k < NS
+    m = tl.load(p, mask=live, other=-1e30)
+    s = tl.load(p + 1, mask=live, other=0.0)
+    t = tl.load(p + 2, mask=live, other=0.0)
+    best = tl.load(p + 3, mask=live, other=float("-inf"))
+    sk = tl.load(p + 4, mask=live, other=0.0)
+    idx = tl.load(ipart_ptr + row * NS + k, mask=live, other=2147483647)
+    mm, ss, ssk, tt, _, tok = _combine(m, s, sk, t, best, idx)
+    z = tl.load(x_ptr + row.to(tl.int64) * stride_x + tok).to(tl.float32) * (1.0 / tl.load(temp_ptr))
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(lp_ptr + row, z - mm - tl.log(ssk))
+    tl.store(ent_ptr + row, tl.log(ss) - tt / ss)
 
 
 class Filters(NamedTuple):

@@ -21,37 +21,38 @@ from torch import Tensor
 
 from qerl_exp.quant.fp4_decode import HAS_TRITON, interpreting, tl, triton  # noqa: F401 - the engine's too
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _dot(a, b, acc):
-        # tl.dot, exact for fp32 operands (Triton's default there is TF32: a 10-bit mantissa)
-        if a.dtype == tl.float32:
-            return tl.dot(a, b, acc, input_precision="ieee")
-        return tl.dot(a, b, acc)
+@triton.jit
+def _dot(a, b, acc):
+    # tl.dot, exact for fp32 operands (Triton's default there is TF32: a 10-bit mantissa)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
-    @triton.jit
-    def _dot_as_peft(x, a, acc):
-        # x @ a in a's dtype, as peft's lora_A(x.to(A.dtype)). An fp32 a under 16-bit x is taken as
-        # three terms in x's dtype (with bf16 24 significant bits, all of fp32's), each product exact
-        # in the fp32 accumulator: the tensor cores do what an ieee fp32 dot does on the FMA units,
-        # which took most of the 7B prefill's norm + shrink time (docs/engine.md)
-        if a.dtype == tl.float32:
-            if x.dtype != tl.float32:
-                hi = a.to(x.dtype)
-                rest = a - hi.to(tl.float32)
-                mid = rest.to(x.dtype)
-                acc = tl.dot(x, hi, acc)
-                acc = tl.dot(x, mid, acc)
-                return tl.dot(x, (rest - mid.to(tl.float32)).to(x.dtype), acc)
-        return _dot(x.to(a.dtype), a, acc)
 
-    @triton.jit
-    def _f16_div16(x):
-        # x / 16 in fp16 (the fp16 dots' activations): scaled in x's own dtype (exact for bf16),
-        # then one conversion. Written as (x.to(fp32) * 0.0625).to(fp16), the compiler emitted
-        # "round to fp16, then scale" (seen in the sm_90 PTX): inf from |x| = 65520 on.
-        return (x * 0.0625).to(tl.float16)
+@triton.jit
+def _dot_as_peft(x, a, acc):
+    # x @ a in a's dtype, as peft's lora_A(x.to(A.dtype)). An fp32 a under 16-bit x is taken as
+    # three terms in x's dtype (with bf16 24 significant bits, all of fp32's), each product exact
+    # in the fp32 accumulator: the tensor cores do what an ieee fp32 dot does on the FMA units,
+    # which took most of the 7B prefill's norm + shrink time (docs/engine.md)
+    if a.dtype == tl.float32:
+        if x.dtype != tl.float32:
+            hi = a.to(x.dtype)
+            rest = a - hi.to(tl.float32)
+            mid = rest.to(x.dtype)
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            return tl.dot(x, (rest - mid.to(tl.float32)).to(x.dtype), acc)
+    return _dot(x.to(a.dtype), a, acc)
+
+
+@triton.jit
+def _f16_div16(x):
+    # x / 16 in fp16 (the fp16 dots' activations): scaled in x's own dtype (exact for bf16),
+    # then one conversion. Written as (x.to(fp32) * 0.0625).to(fp16), the compiler emitted
+    # "round to fp16, then scale" (seen in the sm_90 PTX): inf from |x| = 65520 on.
+    return (x * 0.0625).to(tl.float16)
 
 
 def pow2(n: int, lo: int = 16) -> int:
@@ -92,7 +93,7 @@ def capability(device: torch.device) -> tuple[int, int] | None:
 def require_device(device: torch.device) -> None:
     """Raise, in one line, unless the engine's kernels can run on `device`: CUDA, or CPU tensors under
     the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported; the CPU tests do)."""
-    if triton is None:
+    if not HAS_TRITON:
         raise RuntimeError("the rollout engine needs the triton package")
     if device.type != "cuda" and not interpreting():
         raise RuntimeError("Triton kernels take CPU tensors only in the Triton interpreter: set TRITON_INTERPRET=1 "

@@ -52,7 +52,7 @@ import torch
 from qerl_exp import metrics as M
 from qerl_exp.batch import Sequences
 from qerl_exp.config import Config
-from qerl_exp.loss import score_completions
+from qerl_exp.scoring import score_completions
 from qerl_exp.rollout import complete, encode_prompts, engine_for
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
 from qerl_exp.tasks.base import HELD_OUT
@@ -103,7 +103,7 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     """Mean per-token log-prob `[N]` of each problem's reference completion under `policy`.
 
     The reference completion is the warm-up's target (`tasks.reference_completion`), teacher-forced
-    after the rendered prompt by the learner's scorer (`loss.score_completions`, temperature 1). A
+    after the rendered prompt by the learner's scorer (`scoring.score_completions`, temperature 1). A
     smooth, sampling-free score: any change of the adapter moves it, which makes it the sharpest
     check that an adapter is applied.
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qerl_exp import blocks
+from qerl_exp import architectures
 from qerl_exp.config import Config, LoraConfig, QuantConfig
 from qerl_exp.models.pretrained import load_pretrained
 from qerl_exp.models.synthetic import build
 from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
 from qerl_exp.models.warmup import load_or_warm_up
-from qerl_exp.quant import decoder_linears, dense_weight, memory_bytes, quantize_linear, quantize_model
+from qerl_exp.quant import dense_weight, memory_bytes, quantize_linear, quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
 
 
@@ -148,10 +148,13 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     blockwise = not dense_copies and cfg.quant.format != "none" and cfg.quant.fake == "none"
     on_block = (lambda block: quantize_model(block, cfg.quant, dtype)) if blockwise else None
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
-    # the padding-free learner and the CUDA engine (rollout.engine=fast, or auto on CUDA) compute the
-    # architectures `blocks` declares: refuse any other before LoRA and quantization look for its layers
+    # every reader finds a model's parts through its declared architecture; the padding-free learner
+    # and the CUDA engine (rollout.engine=fast, or auto on CUDA) also compute its blocks by hand:
+    # refuse an undeclared family, or a variant they do not compute, before anything else reads it
     if cfg.train.padding_free or cfg.rollout.engine == "fast" or (cfg.rollout.engine == "auto" and device.type == "cuda"):
-        blocks.architecture(base.config)
+        architectures.architecture(base.config)
+    else:
+        architectures.declared(base.config)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
     sampler_copy = copy.deepcopy(base) if cfg.rollout.quant != "none" else None
@@ -177,9 +180,8 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
     """
     from peft.tuners.lora import LoraLayer  # imported on use, as in add_lora
 
-    learner = {name.removeprefix("base_model.model."): module for name, module in policy.named_modules()}
-    for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
-        src = learner[path]
+    for (_, _, src), (parent, attr, _) in zip(architectures.projections(policy, quant.targets),
+                                             architectures.projections(sampler, quant.targets), strict=True):
         base = src.get_base_layer() if isinstance(src, LoraLayer) else src
         weight = dense_weight(base).detach()
         if isinstance(src, LoraLayer):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from qerl_exp.batch import Sequences
 from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.loss import score_completions
+from qerl_exp.scoring import score_completions
 from qerl_exp.rollout import complete, encode_prompts
 from qerl_exp.tasks import Problem
 from qerl_exp.tasks.fork import is_correct

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from qerl_exp import architectures
+
 
 def shard_files(folder: Path) -> list[Path]:
     """The checkpoint's safetensors files in their index's order (one file when unsharded).
@@ -45,7 +47,7 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def load_blockwise(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                    on_block: Callable[[nn.Module], None]) -> nn.Module:
-    """An HF Llama/Qwen2-family causal LM read shard by shard, each decoder block passed to
+    """An HF causal LM of a declared architecture read shard by shard, each decoder block passed to
     `on_block` once complete.
 
     Args:
@@ -60,16 +62,19 @@ def load_blockwise(folder: str | Path, dtype: torch.dtype, device: torch.device 
 
     Raises:
         ValueError: a tensor the model needs is not in the checkpoint.
+        architectures.UnsupportedModel: its family is not declared (before anything is read).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder, device = Path(folder), torch.device(device)
     config = AutoConfig.from_pretrained(folder)
+    architectures.declared(config)  # its blocks are found where its family has them
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    blocks = model.model.layers
-    missing = {name for name, _ in model.named_parameters(remove_duplicate=True)}
-    per_block = [{f"model.layers.{i}.{n}" for n, _ in block.named_parameters()} for i, block in enumerate(blocks)]
+    blocks = architectures.layers(model)
+    named = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+    missing = set(named.values())
+    per_block = [{named[id(p)] for p in block.parameters()} for block in blocks]
     done = [False] * len(blocks)
     for path in shard_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -85,7 +90,8 @@ def load_blockwise(folder: str | Path, dtype: torch.dtype, device: torch.device 
                         on_block(blocks[i])
     if missing:
         raise ValueError(f"{folder}: the checkpoint lacks {len(missing)} tensors the model needs, e.g. {sorted(missing)[0]}")
+    inner = architectures.body(model)
     with device:  # buffers computed at construction (rotary frequencies) are made anew on the device
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)
     model.tie_weights()
     return model.eval()

@@ -2,8 +2,8 @@
 
 The embedded tiny model (`model=tiny`, warmed up on the task by `models.warmup`) and the shape
 presets (`model=qwen2.5-{7b,14b,32b}-shape`: a real model's decoder and vocabulary with random
-weights, for memory and speed at scale) are both made here: `hf_config` turns the dims into a
-Qwen2 or Llama config, `build` makes the model at its seeded initialization, on the meta device
+weights, for memory and speed at scale) are both made here: `hf_config` turns the dims into the
+config of the model's family (any declared architecture), `build` makes the model at its seeded initialization, on the meta device
 and block by block when each block is to be quantized as soon as it exists.
 """
 
@@ -12,9 +12,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from qerl_exp import architectures
+from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp.config import ModelConfig
 
 SEED = 1234  # a synthetic model is a fixed artifact, independent of the run's seed (its warm-up draws from it too)
@@ -26,20 +29,19 @@ def base_seed(cfg: ModelConfig) -> int:
     return SEED + SEED_STRIDE * cfg.warmup.seed
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config | Qwen3Config | LlamaConfig:
-    """The HF config of a synthetic model (Qwen2, Qwen3 or Llama shaped).
+def hf_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """The HF config of a synthetic model: its family's config class with the dims.
 
     Args:
         cfg: the model config (`family` and the sizes).
         vocab_size: the tokenizer's vocabulary.
 
     Returns:
-        A `Qwen2Config`, `Qwen3Config` or `LlamaConfig`.
+        An instance of the family's `Architecture.config_class` (`Qwen2Config`, ...).
     """
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[cfg.family]
-    extra = {"head_dim": cfg.hidden_size // cfg.num_heads} if cfg.family == "qwen3" else {}  # Qwen3's default is 128
+    cls = getattr(transformers, ARCHITECTURES[cfg.family].config_class)
     return cls(
-        **extra,
+        head_dim=cfg.hidden_size // cfg.num_heads,  # Qwen3's default is 128 whatever the width
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -75,12 +77,12 @@ def build(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu",
                 return AutoModelForCausalLM.from_config(config, dtype=dtype)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        blocks = model.model.layers
-        for name, child in model.model.named_children():
+        inner, blocks = architectures.body(model), architectures.layers(model)
+        for name, child in inner.named_children():
             if name == "rotary_emb":  # its buffers are computed at construction: make it anew
                 with device:
-                    model.model.rotary_emb = type(child)(config=config)
-            elif child is not blocks:
+                    inner.rotary_emb = type(child)(config=config)
+            elif child is not inner.layers:
                 _materialize(child, device, config.initializer_range)
         if not config.tie_word_embeddings:
             _materialize(model.lm_head, device, config.initializer_range)

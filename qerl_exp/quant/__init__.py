@@ -1,33 +1,59 @@
 """Quantize the frozen base: replace decoder linears by 4-bit layers, and count their bytes.
 
-A weight format is one module here, its name(s) in `FORMATS` (which `config.QUANT_FORMATS` lists
-too, for validation). The module holds the format's linear layer and a `Handler` whose
+A weight format is one module here, named beside the format in `config.QUANT_FORMATS` (the one list
+of formats). The module holds the format's linear layer and a `Handler` whose
 `quantize_linear(linear)` makes one. The layer is a frozen `nn.Linear` subclass whose `weight` is
-its 4-bit codes (so peft attaches LoRA to it with a plain `LoraConfig`), with what every reader of
-a base asks of it:
-- `dequantize(dtype, out=None)`: the dense `[out, in]` weight it multiplies by (the learner's
-  products; `out` a buffer the format may decode into);
-- `runtime_weight()`: the weight in the rollout engine's kernel layout (`layout.KernelWeight`);
-  a format without it runs through HF's generate only;
-- `quantized_bytes()`: everything it stores;
-- optionally `dequantize_stacked(layers, out)`: several layers decoded into one buffer at once.
+its 4-bit codes (so peft attaches LoRA to it with a plain `LoraConfig`), and a `QuantizedLinear`:
+what both readers of a base ask of it (the learner's `base_weight` / `stacked_base_weight`, the
+rollout engine's `runtime_weight`) and the memory count (`quantized_bytes`).
 
 Formats: `nvfp4` and `mxfp4` (`fp4`: our own packing; `docs/quant.md` has the layout), `nf4`
-(`nf4`: bitsandbytes, optionally with double quant). `quantize_model` walks the decoder blocks and
-swaps in the quantized layers; embeddings, norms and lm_head stay in the compute dtype.
+(`nf4`: bitsandbytes, optionally with double quant). `quantize_model` swaps in the quantized layers
+at the projections the model's architecture declares (`architectures.projections`); embeddings,
+norms and lm_head stay in the compute dtype.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from qerl_exp.config import QuantConfig
+from qerl_exp import architectures
+from qerl_exp.config import QUANT_FORMATS, QuantConfig
+from qerl_exp.quant.layout import KernelWeight
 
-# format name -> its module (imported when the format is used: nf4 loads bitsandbytes)
-FORMATS = {"nvfp4": "qerl_exp.quant.fp4", "mxfp4": "qerl_exp.quant.fp4", "nf4": "qerl_exp.quant.nf4"}
+
+@runtime_checkable
+class QuantizedLinear(Protocol):
+    """A weight format's layer, as every reader of a frozen base reads it (besides `in_features`,
+    `out_features`, `bias` and `forward`, which it has as an `nn.Linear`).
+
+    Both dispatchers test for it on the class (`is_quantized`): peft's wrappers forward unknown
+    attributes to their base layer.
+    """
+
+    def dequantize(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense `[out, in]` weight it multiplies by, in `dtype` (the learner's products); `out`
+        a contiguous buffer the format may decode into (the caller copies when it did not)."""
+
+    @staticmethod
+    def dequantize_stacked(layers: list, out: torch.Tensor) -> torch.Tensor:
+        """Several layers of this class decoded into `out` `[sum of out, in]`, one after another by
+        rows (a projection group); returns `out`."""
+
+    def runtime_weight(self) -> KernelWeight:
+        """The weight in the rollout engine's kernel layout."""
+
+    def quantized_bytes(self) -> int:
+        """Everything the layer stores: codes, scales and their state, the bias."""
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """A weight format's layer (`QuantizedLinear`), looked up on the class: a peft wrapper around one is not."""
+    return issubclass(type(module), QuantizedLinear)
 
 
 def _tensor_bytes(t: torch.Tensor | None) -> int:
@@ -35,24 +61,11 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
 
 
 def _handler(cfg: QuantConfig, compute_dtype: torch.dtype):
-    if cfg.format not in FORMATS:
-        raise ValueError(f"quant.format={cfg.format!r} has no handler; valid: none, {', '.join(sorted(FORMATS))}")
-    module = importlib.import_module(FORMATS[cfg.format])
+    # the format's module is imported when the format is used: nf4 loads bitsandbytes
+    module = importlib.import_module(QUANT_FORMATS[cfg.format])
     if cfg.format == "nf4":
         return module.Handler(cfg.format, compute_dtype, double_quant=cfg.double_quant)
     return module.Handler(cfg.format, compute_dtype)
-
-
-def decoder_linears(model: nn.Module, targets: list[str]) -> list[tuple[str, nn.Module, str, nn.Module]]:
-    """(name, parent, attribute, module) for each targeted linear inside the decoder blocks; a
-    decoder block itself (a module with `self_attn` and `mlp`) counts as inside."""
-    found = []
-    is_block = hasattr(model, "self_attn") and hasattr(model, "mlp")
-    for name, module in model.named_modules():
-        parent_name, _, attr = name.rpartition(".")
-        if attr in targets and (is_block or ".layers." in f".{parent_name}."):
-            found.append((name, model.get_submodule(parent_name), attr, module))
-    return found
 
 
 def quantize_linear(linear: nn.Linear, cfg: QuantConfig, compute_dtype: torch.dtype) -> nn.Module:
@@ -64,7 +77,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
     """Replace the targeted decoder linears of `model` in place by frozen quantized layers.
 
     Args:
-        model: a Llama/Qwen2-family causal LM (not yet wrapped by peft), or one decoder block.
+        model: a causal LM of a declared architecture (not yet wrapped by peft), or one decoder block.
         cfg: the quant config; `format=none` leaves the model unchanged.
         compute_dtype: the dtype activations are computed in.
 
@@ -75,7 +88,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, compute_dtype: torch.dtyp
         return model
     handler = _handler(cfg, compute_dtype)
     noise = torch.Generator().manual_seed(0) if cfg.fake == "noise" else None
-    for _, parent, attr, linear in decoder_linears(model, cfg.targets):
+    for parent, attr, linear in architectures.projections(model, cfg.targets):
         if type(linear) is not nn.Linear:  # already quantized layers (a block done while loading) stay
             continue
         if cfg.fake == "none":
@@ -100,12 +113,6 @@ def _fake_quantize(linear: nn.Linear, handler, noise: torch.Generator | None) ->
     linear.weight.copy_(new.to(linear.weight.dtype))
 
 
-def _is_format(module: nn.Module) -> bool:
-    """A weight format's layer (it decodes itself), looked up on the class: peft's wrappers forward
-    unknown attributes to their base layer."""
-    return callable(getattr(type(module), "quantized_bytes", None))
-
-
 def base_weight(module: nn.Module, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The [out, in] matrix a frozen linear multiplies by, in `dtype`, for the learner's products:
     a dense layer's own weight (no copy when the dtype matches), a 4-bit one's decoded anew.
@@ -118,7 +125,7 @@ def base_weight(module: nn.Module, dtype: torch.dtype, out: torch.Tensor | None 
     Returns:
         The weight (`out` itself when given).
     """
-    w = module.dequantize(dtype, out=out) if _is_format(module) else module.weight.to(dtype)
+    w = module.dequantize(dtype, out=out) if is_quantized(module) else module.weight.to(dtype)
     if out is None or w.data_ptr() == out.data_ptr():
         return w if out is None else out
     return out.copy_(w)
@@ -130,9 +137,8 @@ def stacked_base_weight(modules: list[nn.Module], dtype: torch.dtype) -> torch.T
     decodes several layers at once: NVFP4 on CUDA)."""
     rows = [m.out_features for m in modules]
     out = torch.empty(sum(rows), modules[0].in_features, dtype=dtype, device=modules[0].weight.device)
-    stacked = getattr(type(modules[0]), "dequantize_stacked", None)
-    if stacked is not None and all(type(m) is type(modules[0]) for m in modules):
-        return stacked(modules, out)
+    if is_quantized(modules[0]) and all(type(m) is type(modules[0]) for m in modules):
+        return type(modules[0]).dequantize_stacked(modules, out)
     for m, part in zip(modules, out.split(rows)):
         base_weight(m, dtype, out=part)
     return out
@@ -159,7 +165,7 @@ def memory_bytes(model: nn.Module) -> dict[str, int]:
     quantized = 0
     counted: set[int] = set()
     for module in model.modules():
-        if _is_format(module):
+        if is_quantized(module):
             quantized += module.quantized_bytes()
             counted.update(id(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
     rest = 0

@@ -49,7 +49,6 @@ from torch import nn
 
 from qerl_exp.quant.layout import KernelWeight, relayout_nvfp4, stacked_weight, weight_of
 
-FORMATS = ("nvfp4", "mxfp4")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -300,7 +299,7 @@ class FP4Linear(nn.Linear):
             The new frozen layer, on the linear's device.
         """
         if fmt not in QUANTIZERS:
-            raise ValueError(f"unknown FP4 format {fmt!r}; valid: {', '.join(FORMATS)}")
+            raise ValueError(f"unknown FP4 format {fmt!r}; valid: {', '.join(QUANTIZERS)}")
         bias = linear.bias
         if bias is not None and bias_dtype is not None:
             bias = bias.to(bias_dtype)
@@ -414,8 +413,8 @@ class Handler:
     """
 
     def __init__(self, format: str, compute_dtype: torch.dtype):
-        if format not in FORMATS:
-            raise ValueError(f"unknown FP4 format {format!r}; valid: {', '.join(FORMATS)}")
+        if format not in QUANTIZERS:
+            raise ValueError(f"unknown FP4 format {format!r}; valid: {', '.join(QUANTIZERS)}")
         self.format = format
         self.compute_dtype = compute_dtype
 

@@ -16,8 +16,6 @@ from torch import nn
 
 from qerl_exp.quant.layout import KernelWeight, relayout_nf4
 
-FORMATS = ("nf4",)
-
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
@@ -68,6 +66,13 @@ class NF4Linear(bnb.nn.Linear4bit):
         """The dense weight `[out, in]` the layer multiplies by, in `dtype` (`out` is not written:
         the caller copies)."""
         return bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(dtype)
+
+    @staticmethod
+    def dequantize_stacked(layers: list[NF4Linear], out: torch.Tensor) -> torch.Tensor:
+        """The layers' dense weights decoded into `out` `[sum of out, in]`, one after another by rows."""
+        for layer, part in zip(layers, out.split([m.out_features for m in layers])):
+            part.copy_(layer.dequantize(out.dtype))
+        return out
 
     def runtime_weight(self) -> KernelWeight:
         """The weight in the rollout engine's NF4 layout: a copy, re-laid out from bitsandbytes' own

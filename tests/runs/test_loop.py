@@ -24,9 +24,11 @@ from qerl_exp import train
 from qerl_exp.compose import compose
 from qerl_exp.config import AlgoConfig
 from qerl_exp.learner import update_policy
-from qerl_exp.loss import aggregate, completion_logits, loss_normalizer, policy_loss, token_logp
+from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
+from qerl_exp.scoring import completion_logits, token_logp
 from qerl_exp.noise import noisy_norms
-from qerl_exp.quant import decoder_linears, dense_weight
+from qerl_exp.architectures import projections
+from qerl_exp.quant import dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
 from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
@@ -164,11 +166,10 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
     def check(step, metrics):
         # the sampler holds quantize(base + B A * alpha / r) of the policy as it stands after the update
         policy, sampler = keep["models"].policy, keep["models"].sampler.module
-        learner = dict(policy.named_modules())
         changed = 0
-        for path, _, _, module in decoder_linears(sampler, cfg.quant.targets):
+        for path, ((_, _, lora), (_, _, module)) in enumerate(zip(projections(policy, cfg.quant.targets),
+                                                                  projections(sampler, cfg.quant.targets))):
             layers.add(id(module))  # re-quantized in place, so a rollout engine keeps reading it
-            lora = learner["base_model.model." + path]
             base = lora.base_layer.weight.detach().float()
             delta = lora.lora_B["default"].weight @ lora.lora_A["default"].weight * (cfg.lora.alpha / cfg.lora.r)
             want = quantize_nvfp4(base + delta.detach()).dequantize()
@@ -179,7 +180,7 @@ def test_separate_nvfp4_sampler_with_tis_runs_requantized_after_every_update(tmp
     cfg = compose([*LOOP, *SAMPLER_NVFP4])[0]
     rows = _run(tmp_path / "run", *SAMPLER_NVFP4, on_step=check, keep=keep)
     assert len(checked) == 3 and checked[-1] > 0, checked  # the LoRA moved the quantized weights
-    assert len(layers) == len(decoder_linears(keep["models"].sampler.module, cfg.quant.targets))
+    assert len(layers) == len(projections(keep["models"].sampler.module, cfg.quant.targets))
     assert all(math.isfinite(r["loss"]) and r["train/skipped"] == 0 for r in rows)
     assert all(g > 1e-4 for g in _series(rows, "sampling/logp_gap"))  # an NVFP4 sampler, a bf16 learner
 

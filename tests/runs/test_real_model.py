@@ -108,7 +108,8 @@ def test_every_4bit_format_quantizes_the_real_model(smollm2, fmt):
 
     from qerl_exp.config import QuantConfig
     from qerl_exp.models.pretrained import load_pretrained
-    from qerl_exp.quant import decoder_linears, quantize_model
+    from qerl_exp.architectures import projections
+    from qerl_exp.quant import quantize_model
 
     cfg, task, models = smollm2
     dense, tok, _ = load_pretrained(cfg.model, torch.float32)
@@ -117,7 +118,7 @@ def test_every_4bit_format_quantizes_the_real_model(smollm2, fmt):
     with torch.no_grad():
         ref = dense(ids).logits.argmax(-1)
         quantized = quantize_model(dense, QuantConfig(format=fmt), torch.float32)
-        linears = decoder_linears(quantized, QuantConfig().targets)
+        linears = projections(quantized, QuantConfig().targets)
         assert len(linears) == 210 and not any(type(m) is torch.nn.Linear for *_, m in linears)
         agree = (quantized(ids).logits.argmax(-1) == ref).float().mean().item()
     assert agree > 0.5, agree  # measured here: NVFP4 and NF4 above 0.7, MXFP4 0.58 (its scales are powers of 2)

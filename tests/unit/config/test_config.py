@@ -186,7 +186,7 @@ def test_configs_are_read_only_once_validated():
         (["noise.num_stages=1"], "noise.num_stages must be >= 2"),
         (["checkpoint.keep=0"], "checkpoint.keep must be >= 1"),
         (["monitor.every=-1"], "monitor.every must be >= 0"),
-        (["model.family=gpt2"], "model.family='gpt2' is not valid; choose one of: qwen2, qwen3, llama"),
+        (["model.family=gpt2"], "model.family='gpt2' is not valid; choose one of: llama, qwen2, qwen3"),
         (["model.source=hub"], "model.source='hub' is not valid; choose one of: auto, synthetic, pretrained"),
         (["model.source=pretrained"], "model.source=pretrained needs model.name=<a hub id or checkpoint folder>"),
         (["model=qwen2.5-7b-shape", "model.gguf_file=m.gguf"], "model.gguf_file needs model.source=pretrained"),

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import engine_oracle as oracle
-from conftest import ROOT, import_or_skip, patch_interpreter, run_interpreted, tiny_qwen2, with_lora
+from conftest import ROOT, import_or_skip, patch_interpreter, run_interpreted, tiny_decoder, tiny_qwen2, with_lora
+from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp import blocks
 from qerl_exp.engine import attention, dispatch, linear, norm, prefill, rope_cache
 from qerl_exp.quant import layout
@@ -38,8 +39,9 @@ LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora: bool = True, seed: int = 0,
                layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256,
                family: str = "qwen2"):
-    """A random Qwen2 with peaked logits (greedy margins well above rounding), optional 4-bit base
-    and LoRA r=8 on all seven projections with a non-zero B. `family="llama"`: SmolLM2-135M's
+    """A random model of a declared family (Qwen2 by default) with peaked logits (greedy margins well
+    above rounding), optional 4-bit base and LoRA r=8 on all seven projections with a non-zero B.
+    `family="llama"`: SmolLM2-135M's
     architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
     head of 64), at width 192. `family="qwen3"`: Qwen3's (per-head q/k norms, no q/k/v bias, heads
     of 32 wider than hidden / heads)."""
@@ -57,9 +59,12 @@ def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora
                           num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
                           tie_word_embeddings=True, rope_theta=1e5)
         model = LlamaForCausalLM(cfg)
-    else:
+    elif family == "qwen2":
         model = tiny_qwen2(seed, vocab=vocab, hidden=hidden, inter=inter, layers=layers, heads=heads, kv=kv,
                            max_positions=512)
+    else:  # any other declared family, at these widths
+        model = tiny_decoder(family, seed, vocab=vocab, hidden=hidden, inter=inter, layers=layers, heads=heads, kv=kv,
+                             max_positions=512)
     head = "embed" if family == "llama" else "lm_head"  # tied: the embedding is the head
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -226,8 +231,7 @@ def test_nf4_relayout_matches_bitsandbytes():
 
 
 def _check_greedy_equals_hf_generate() -> None:
-    for quant, family in ((None, "qwen2"), ("nvfp4", "qwen2"), ("nf4", "qwen2"), ("nvfp4", "llama"), (None, "qwen3"),
-                          ("nvfp4", "qwen3")):
+    for quant, family in [(q, f) for f in ARCHITECTURES for q in (None, "nvfp4")] + [("nf4", "qwen2")]:
         model = tiny_model(quant=quant, family=family)
         ids, mask = prompts()
         ref = hf_greedy(model, ids, mask, 6)
@@ -655,6 +659,23 @@ def test_the_engine_leaves_triton_interpret_alone_and_says_when_it_is_needed():
         "before triton is imported (the rollout engine runs on CUDA)"), proc.stderr[-3000:]
 
 
+def test_every_kernel_module_imports_without_triton_and_a_launch_says_what_is_missing():
+    # kernels are defined at module level as with Triton; without it they refuse a launch in one line
+    code = ("import sys\n"
+            "sys.modules['triton'] = None\n"
+            "from qerl_exp.engine import attention, fast_engine, linear, linear_kernels, norm, prefill, rope_cache, sampling\n"
+            "from qerl_exp.quant import fp4_decode\n"
+            "assert not fp4_decode.HAS_TRITON\n"
+            "norm._norm_shrink_kernel[(1,)]()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: _norm_shrink_kernel is a Triton kernel and the triton package is not installed; install it "
+        "(it comes with torch's CUDA builds)"), proc.stderr[-3000:]
+    indented = [p.name for p in sorted((ROOT / "qerl_exp").rglob("*.py")) if "if HAS_TRITON:" in p.read_text()]
+    assert indented == []
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -672,7 +693,7 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
     # the prefill's Triton norm + shrink and epilogue against the torch composition they replace
     # (HF's and peft's rounding): q|k|v into column slices, GLU, residual, with and without the
     # norm; the fp32 sums (the norm's mean, the LoRA terms) may differ in their last bits
-    from qerl_exp.engine.decode import _Linear
+    from qerl_exp.engine.decode import LinearGroup
     from qerl_exp.engine.prefill import _prefill_linear
 
     torch.manual_seed(0)
@@ -683,7 +704,7 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
         ws = [(torch.randn(n, 256, device="cuda") * 0.05).bfloat16() for n in segs]
         a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
         b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
-        lin = _Linear("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
+        lin = LinearGroup("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
                       [None] * len(segs), None, a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
         ref = oracle.linear(lin, oracle.rms_norm(x, *norm) if norm else x) + (res if res is not None else 0)
@@ -747,7 +768,7 @@ def test_gpu_nvfp4_dequantize_kernel_is_exact():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", list(ARCHITECTURES))
 @pytest.mark.parametrize("quant", [None, "nvfp4", "nf4"])
 def test_gpu_engine_greedy_equals_hf_generate(quant, family):
     model = tiny_model(torch.bfloat16, "cuda", quant=quant, layers=3, hidden=256, inter=512, heads=8, kv=2, vocab=512,

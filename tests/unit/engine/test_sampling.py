@@ -283,7 +283,7 @@ def _rollout(model, tok, algo=ALGO):
 
 
 def test_hf_rollouts_carry_the_log_probs_of_the_filtered_distribution(char_policy):
-    from qerl_exp.loss import completion_logits
+    from qerl_exp.scoring import completion_logits
 
     model, tok = char_policy
     free = _rollout(model, tok)

@@ -17,7 +17,7 @@ from conftest import tiny_models, tiny_qwen2, with_lora
 from qerl_exp.config import LOSS_TYPES, AlgoConfig, TrainConfig
 from qerl_exp.config import ModelConfig, QuantConfig
 from qerl_exp.learner import rows, update_policy
-from qerl_exp.loss import completion_logits, score_completions, token_logp
+from qerl_exp.scoring import completion_logits, score_completions, token_logp
 from qerl_exp.metrics import entropy_from_logits
 from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model

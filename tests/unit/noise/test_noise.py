@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
+from qerl_exp.architectures import ARCHITECTURES, Architecture
 from qerl_exp.config import NoiseConfig
 from qerl_exp.noise import AQN, SCALE_WARNING, Schedule, noisy_norms, sigma_at, stage_of
 
@@ -102,6 +103,38 @@ def test_noise_goes_to_the_two_norms_per_block_only():
     assert "model.norm" in [n for n, _ in noisy_norms(model, include_final_norm=True)]
 
 
+def test_a_family_whose_mlp_pre_norm_has_another_name_gets_aqn_on_that_norm(monkeypatch):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # Gemma 2's block names its MLP pre-norm pre_feedforward_layernorm; its post_attention_layernorm
+    # normalises attention's output, after o_proj: noise there would reach no gate or up input
+    monkeypatch.setitem(ARCHITECTURES, "gemma2", Architecture("gemma2", "Gemma2Config",
+                                                              mlp_norm="pre_feedforward_layernorm"))
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=32)).eval()
+    names = [n for n, _ in noisy_norms(model, include_final_norm=False)]
+    assert names == [f"model.layers.{i}.{k}" for i in range(2) for k in ("input_layernorm", "pre_feedforward_layernorm")]
+    layer = model.model.layers[0]
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [getattr(layer.mlp, p).register_forward_hook(lambda mod, inp, out, p=p: seen.__setitem__(p, inp[0].clone()))
+             for p in ("gate_proj", "up_proj")]
+    x = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        model(x)
+        clean = dict(seen)
+        post_attention = layer.post_attention_layernorm.weight.clone()
+        aqn = AQN(model, NoiseConfig(schedule="fixed", sigma=0.1), seed=0)
+        aqn.draw(0.1)
+        with aqn.applied():
+            assert torch.equal(layer.post_attention_layernorm.weight, post_attention)
+            model(x)
+    for h in hooks:
+        h.remove()
+    gate, up = (seen[p] / clean[p] for p in ("gate_proj", "up_proj"))
+    assert torch.allclose(gate, up) and (gate - 1).abs().max() > 1e-3  # one shared draw, in front of gate and up
+
+
 def test_q_k_v_share_one_noise_vector_and_o_proj_gets_none():
     """Record each projection's input with and without noise: q, k, v inputs move by one shared
     factor (1 + z / gamma), o_proj's input does not move when attention is fixed."""
@@ -178,7 +211,7 @@ def test_resample_per_forward_draws_anew():
 def test_sampler_sees_noise_and_learner_does_not(tiny_policy):
     """The run loop's own rollout path: generate() logits move under AQN, the learner's forward
     after the block is the clean one."""
-    from qerl_exp.loss import completion_logits
+    from qerl_exp.scoring import completion_logits
     from qerl_exp.rollout import HFGenerator, sample
 
     cfg, task, models = tiny_policy

@@ -147,11 +147,29 @@ def test_the_learner_side_and_the_formats_import_neither_the_engine_nor_the_task
     assert out.stdout.strip() == "[]"
 
 
-def test_every_weight_format_of_the_schema_has_its_module():
+def test_every_weight_format_of_the_schema_has_a_module_whose_layer_every_reader_reads():
+    import importlib
+
+    import torch
+
     from qerl_exp import quant
     from qerl_exp.config import QUANT_FORMATS
 
-    assert set(QUANT_FORMATS) - {"none"} == set(quant.FORMATS)
+    # the formats are listed once, in the schema, beside the module that implements each
+    for fmt, module in QUANT_FORMATS.items():
+        if module is None:
+            continue
+        layer = importlib.import_module(module).Handler(fmt, torch.float32).quantize_linear(torch.nn.Linear(64, 32))
+        assert quant.is_quantized(layer), f"{fmt}: {type(layer).__name__} is not a quant.QuantizedLinear"
+
+
+def test_one_list_of_formats_and_one_of_families():
+    # no module keeps its own list of weight formats or of decoder families: each derives from the
+    # schema's QUANT_FORMATS or the registry's ARCHITECTURES
+    own = re.compile(r"^(FORMATS|QUANT_FORMATS|FAMILIES)\s*=", re.MULTILINE)
+    found = [str(p.relative_to(ROOT)) for pkg in (*PACKAGES, "bench", "tests") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if own.search(p.read_text()) and p.name != "config.py"]
+    assert found == [], "derive these lists from config.QUANT_FORMATS / architectures.ARCHITECTURES"
 
 
 def _code_lines(path: Path) -> int:
