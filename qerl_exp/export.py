@@ -146,7 +146,9 @@ def export(args: ExportCommand) -> dict:
         _, task, models = load_run(run_dir, device=args.device, checked=_checked(args))
         tok = models.tokenizer
         adapter = tmp / "adapter" if args.merge != "none" else tmp
-        shutil.copytree(run_dir / "final" / "adapter", adapter, dirs_exist_ok=True)
+        adapter.mkdir(exist_ok=True)
+        for file in (run_dir / "final" / "adapter").iterdir():  # the files alone: the folders keep the umask's mode
+            shutil.copyfile(file, adapter / file.name)
         tok.save_pretrained(tmp)
         record = {"run_dir": str(run_dir), "base": models.base_info, "model": cfg.model.name,
                   "quant": cfg.quant.format, "merge": args.merge, "args": asdict(args)}

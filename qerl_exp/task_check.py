@@ -94,7 +94,8 @@ def check_task(cfg: Config, new_tokens: tuple[str, int] | None = None, model_fix
         raise ConfigError(f"the task's longest prompt ({longest[0]} tokens{'' if synthetic else ' as the chat template renders it with task.system_prompt'}, "
                           f"{longest[1]}) leaves no room in the model's {positions} positions; "
                           + ("raise model.max_positions" if synthetic else
-                             f"shorten task.system_prompt (task.system_prompt='' sends none){more}"))
+                             f"shorten task.system_prompt (task.system_prompt='' sends none)"
+                             f"{' or task.chat_template' if cfg.task.chat_template else ''}{more}"))
     if positions and longest[0] + cap > positions:
         raise ConfigError(f"{key}={cap} and the task's longest prompt ({longest[0]} tokens, {longest[1]}) exceed the "
                           f"model's {positions} positions; lower {key} to at most {positions - longest[0]}{more}")
