@@ -509,9 +509,9 @@ def test_a_base_that_changed_after_the_run_is_refused_by_eval_and_export(own_run
     before = _tree(run_dir)
     line = (f"the base model's files (model.name={base}) changed since the run was trained (their sha256 differs from "
             "the one in config.json): its adapter would be applied to another base; restore them")
-    out = _in(tmp_path, f"run_dir={run_dir}", "limit=2", "k=1", module="qerl_exp.eval")
+    out = _in(folder, f"run_dir={run_dir}", "limit=2", "k=1", module="qerl_exp.eval")  # from the run's own folder
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [f"error: ValueError: {line}"], out.stderr[-3000:]
-    out = _in(tmp_path, f"run_dir={run_dir}", f"out={tmp_path / 'merged'}", "merge=bf16", module="qerl_exp.export")
+    out = _in(folder, f"run_dir={run_dir}", f"out={tmp_path / 'merged'}", "merge=bf16", module="qerl_exp.export")
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"error: {line}"], out.stderr[-3000:]
     assert _tree(run_dir) == before and not (tmp_path / "merged").exists()
 

@@ -489,7 +489,7 @@ def test_what_a_run_would_fail_on_later_is_refused_before_its_run_dir(example, c
                                      "    return [float(d) for d in difficulty]\n")
     with pytest.raises(UsageError) as err:
         validate([f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl", f"run_dir={example / 'run'}",
-                  *overrides], multirun=False)
+                  "algo.max_new_tokens=16", *overrides], multirun=False)
     line = str(err.value).replace(f"{example}/", "")
     assert message in line and "\n" not in line
     assert not (example / "run").exists()
