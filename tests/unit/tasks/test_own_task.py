@@ -111,11 +111,11 @@ def test_the_documented_example_trains_logs_and_evaluates_with_its_functions(exa
         fmt = [s["rewards"]["fmt"] for s in samples if s["step"] == r["step"]]
         assert r["rewards/fmt/mean"] == pytest.approx(statistics.mean(fmt))
     config = json.loads((run / "config.json").read_text())
-    assert config["task"]["reward_funcs"] == ["rewards.py:fmt", "rewards.py:correct"]
+    assert config["task"]["reward_funcs"] == [f"{example}/rewards.py:fmt", f"{example}/rewards.py:correct"]  # resolved
     assert config["task"]["reward_weights"] == [0.5, 2.0]
     digest = sha16(example / "rewards.py")
-    assert config["reward_files"] == {"fmt": {"file": "rewards.py", "sha256": digest},
-                                      "correct": {"file": "rewards.py", "sha256": digest}}
+    assert config["reward_files"] == {"fmt": {"file": f"{example}/rewards.py", "sha256": digest},
+                                      "correct": {"file": f"{example}/rewards.py", "sha256": digest}}
     assert config["task_sha256"] == {"path": sha16(example / "data.jsonl")}
 
     ev = command(example, "run_dir=run", "k=1", "limit=4", "tracker=disabled", module="qerl_exp.eval")
@@ -216,7 +216,7 @@ def test_completions_follow_the_metrics_and_a_resume_and_an_edited_reward_file_i
         run_in_process(example / "cut", *overrides)
     line = str(refused.value)
     assert "\n" not in line and "reward_files.chars.sha256" in line
-    assert "a reward function's source file changed since the run started" in line
+    assert "a reward function's code (its source file, or a module of its folder it imports) changed since the run started" in line
     assert (example / "cut" / "metrics.jsonl").read_text() == kept  # nothing changed
     (example / "counting.py").write_text(COUNTING)
     resumed = run_in_process(example / "cut", *overrides)
