@@ -24,11 +24,10 @@ import gzip
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from qerl_exp.console import one_line_argparse
-from qerl_exp.files import user_path
+from qerl_exp.files import temp_dir, user_path
 from qerl_exp.record import run_holding
 
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
@@ -98,7 +97,7 @@ def keep(sweep_dir: Path, dest: Path, packed: bool = False) -> tuple[list[Path],
     for name, trial in finished.items():
         out = dest / name
         out.parent.mkdir(parents=True, exist_ok=True)  # a name may hold folders (a trial's path)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+        tmp = temp_dir(out.parent, prefix=f".{out.name}-")
         try:
             for f in [*(trial / n for n in RECORD), *sorted(trial.glob("eval*.json"))]:
                 if packed and f.name == "metrics.jsonl":  # mtime 0: the same log packs to the same bytes

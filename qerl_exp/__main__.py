@@ -7,6 +7,7 @@ that is theirs alone.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -110,7 +111,8 @@ def main(cfg: DictConfig) -> float:
             saved = rundir.saved_config(run_dir)
             keys = set_keys(list(hc.overrides.task), record.flatten(as_dict(conf)))
             conf, choices = from_dict(rundir.resumed(run_dir, saved, as_dict(conf), keys)), saved.get("choices", {})
-        with distributed.claim(run_dir, run_config(conf, choices), fresh=not named) as owned:
+        saved = rundir.saved_config(run_dir) if named else None  # a default name is a new run's
+        with distributed.claim(run_dir, run_config(conf, choices, saved), fresh=not named) as owned:
             run_dir = run_dir if named else owned.path  # a default name in use: the one taken instead
             if distributed.is_main():
                 _write_hydra_files(run_dir, cfg)
@@ -141,7 +143,10 @@ def main(cfg: DictConfig) -> float:
         if isinstance(e, (NonFiniteError, DecoderMismatch)):  # every rank reaches it at the same step
             distributed.refuse(message, code=1)
         fail(message, code=1)
-    if distributed.is_main():
+    if distributed.is_main() and math.isnan(summary["reward/final"]):  # its summary says so too (null)
+        print(f"run dir: {run_dir}  final reward: none (no reward function scored any completion at any step: each "
+              "returned None; check task.reward_funcs against the data's columns)")
+    elif distributed.is_main():
         print(f"run dir: {run_dir}  final reward: {summary['reward/final']:.3f} (mean of the last quarter of steps)")
     distributed.done()
     return summary["reward/final"]

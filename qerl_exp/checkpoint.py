@@ -16,14 +16,13 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from qerl_exp.files import as_os_error
+from qerl_exp.files import as_os_error, temp_dir
 
 
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes
@@ -61,7 +60,7 @@ def save(path: Path, policy, state: dict) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    tmp = temp_dir(path.parent, prefix=f".{path.name}-")
     try:
         policy.save_pretrained(tmp / "adapter")
         with open(tmp / "state.pt", "wb") as f:  # a Python file: a full disk raises OSError, not a zip-writer error

@@ -21,7 +21,7 @@ from qerl_exp.config import Config, ConfigError, as_dict, from_dict
 from qerl_exp.console import UsageError
 from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.logs import quiet
-from qerl_exp.record import RecordError, current, read_config, with_digests
+from qerl_exp.record import RecordError, current, read_config
 from qerl_exp.rundir import RunDirError
 from qerl_exp.schema_history import unknown_key_line
 from qerl_exp.task_check import check_task
@@ -66,8 +66,24 @@ def _dict_field(key: str) -> str | None:
     return None
 
 
+def _yaml_slip(exc: BaseException) -> str | None:
+    """One line naming the file, line and column of a YAML syntax error behind `exc` (a preset's)."""
+    import yaml
+
+    while exc is not None:
+        if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+            mark = exc.problem_mark
+            return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {exc.problem or exc.context} "
+                    "(YAML cannot read it); fix that line")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _explain(exc: BaseException, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """One line for a Hydra/OmegaConf composition error."""
+    slip = _yaml_slip(exc)
+    if slip:
+        return slip
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
@@ -249,11 +265,10 @@ def preflight(cfg: Config) -> None:
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{key}={path} is a file, not a directory; choose another {key}")
     if cfg.resume or cfg.run_dir:  # what the run's claim would refuse, before Hydra starts
-        from qerl_exp.models.pretrained import base_digest
-        from qerl_exp.tasks import file_digests
+        from qerl_exp.run_files import comparable, digests  # torch: not for a command refused before
 
-        rundir.check(cfg.resume or cfg.run_dir,
-                     with_digests(as_dict(run_cfg), file_digests(run_cfg.task), base_digest(run_cfg.model)))
+        target = cfg.resume or cfg.run_dir
+        rundir.check(target, comparable(rundir.saved_config(target), {**as_dict(run_cfg), **digests(run_cfg)}))
     _check_writable(Path(cfg.resume or cfg.run_dir or "runs"), "run_dir")
     if (cfg.model.source == "synthetic" and cfg.model.warmup.max_steps) or cfg.model.gguf_file or cfg.model.package:
         _check_writable(Path(cfg.model.cache_dir).expanduser(), "model.cache_dir")  # where the model is cached

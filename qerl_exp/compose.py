@@ -5,7 +5,9 @@ Hydra's entry point, sweep trial and test gets `(Config, choices)`.
 Presets kept outside the repository come in Hydra's own ways: `--config-dir DIR` (or
 `--config-dir=DIR`, `-cd DIR`) and the override `hydra.searchpath=[file://DIR]`, both searched
 after `conf/` (`search_dirs`; `cli.parse_command_line` turns `--config-dir` into the search-path
-override it amounts to). A checkpoint named on the embedded model's preset gets the schema's
+override it amounts to). Hydra takes a preset from the first folder of its search path that has
+it, so a preset of such a folder named like one of `conf/` would never be used: it is refused
+(`check_own_presets`). A checkpoint named on the embedded model's preset gets the schema's
 defaults, not the embedded model's (`_checkpoint_defaults`).
 """
 
@@ -19,7 +21,7 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from qerl_exp.config import GROUPS, Config, as_dict, register_configs, to_config
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
 from qerl_exp.record import flatten
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -53,6 +55,24 @@ def search_dirs(overrides: list[str] | tuple[str, ...] = ()) -> list[Path]:
 def group_options(group: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The presets of `group` in `conf/` and in the folders `overrides` add to the search path."""
     return sorted({p.stem for d in search_dirs(overrides) for p in (d / group).glob("*.yaml")})
+
+
+def check_own_presets(overrides: list[str] | tuple[str, ...]) -> None:
+    """Refuse a preset of a folder of the user's (`--config-dir`, `hydra.searchpath`) named like a
+    built-in one of `conf/`: Hydra finds `conf/`'s first, and would use it without a word.
+
+    Raises:
+        ConfigError: one line naming both files and what to do.
+    """
+    for folder in search_dirs(overrides)[1:]:
+        for path in sorted(folder.rglob("*.yaml")) if folder.is_dir() else []:
+            own = path.relative_to(folder)
+            if (CONF_DIR / own).is_file():
+                group, name = own.parent.as_posix(), own.stem
+                what = f"the built-in preset {group}={name}" if group != "." else "the built-in primary config"
+                raise ConfigError(f"{path} is named like {what} ({CONF_DIR / own}), which "
+                                  "Hydra's search path finds first, so yours would never be used; rename it (e.g. "
+                                  f"{own.with_stem(f'{name}_mine').as_posix()}) and choose it by that name")
 
 
 def with_search_path(overrides: list[str], folders: list[str]) -> list[str]:
@@ -98,9 +118,11 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
         `strategy` (e.g. `{"quant": "nvfp4", "strategy": "nvfp4_lora", ...}`), for tags and `config.json`.
 
     Raises:
-        ConfigError: a value the schema rejects; Hydra's and OmegaConf's errors for overrides that
-            do not compose (`validate` turns both into one line).
+        ConfigError: a value the schema rejects, or a preset of the user's named like a built-in
+            one (`check_own_presets`); Hydra's and OmegaConf's errors for overrides that do not
+            compose (`validate` turns both into one line).
     """
+    check_own_presets(overrides)
     cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or _is_search_path(o)])
     picked = cfg.hydra.runtime.choices
     with open_dict(cfg):

@@ -116,12 +116,12 @@ def first_line(e: BaseException) -> str:
 @contextmanager
 def one_line_errors(path_key: str, interrupted: str):
     """A command's expected faults as one `error:` line and a non-zero exit: Ctrl-C (130, saying
-    `interrupted`), a storage fault naming `path_key`, the setting that chose the path, or any
-    ValueError or RuntimeError (1)."""
+    `interrupted`; a `signals.Interrupted` SIGTERM 143), a storage fault naming `path_key`, the
+    setting that chose the path, or any ValueError or RuntimeError (1)."""
     try:
         yield
-    except KeyboardInterrupt:
-        fail(interrupted, code=130)
+    except KeyboardInterrupt as e:
+        fail(interrupted, code=getattr(e, "exit_code", 130))
     except OSError as e:
         fail(os_error_line(e, path_key) or f"{type(e).__name__}: {first_line(e)}", code=1)
     except ConfigError as e:  # what the run's data or model cannot serve, said in its own line

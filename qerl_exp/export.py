@@ -1,6 +1,7 @@
 """`python -m qerl_exp.export run_dir=RUN out=DIR [merge=bf16]`: a finished run's policy to take away.
 
-Writes a new folder `DIR` (an existing one is refused; nothing in `RUN` changes):
+Writes a new folder `DIR` (an existing one is refused, and so is one inside a run directory; nothing
+in `RUN` changes; an export cut short, by an error, Ctrl-C or SIGTERM, leaves nothing behind):
 - the trained LoRA adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`, as the
   run saved it: its `base_model_name_or_path` names the base as the run loaded it, a checkpoint
   folder or hub id, a converted GGUF's folder, or the embedded model's warm-up folder in
@@ -20,6 +21,11 @@ says so in one line, and in every case it prints how far the merged model, loade
 is from the run's policy (its base as trained + the adapter) on the first `prompts` held-out
 prompts: how many greedy completions of `tokens` tokens are identical, how often the argmax agrees
 and the mean KL(policy || merged) per token, both along the policy's greedy completions.
+
+The run's base is checked against the digest its `config.json` records, as for a resume: an adapter
+is never exported for (or merged into) another base than its own; a merge also checks the run's
+data (its held-out prompts are the ones measured on). No reward is computed, so the reward code may
+have changed since.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -41,8 +46,11 @@ from qerl_exp.eval.__main__ import load_run, run_config
 from qerl_exp.scoring import completion_logits
 from qerl_exp.metrics import kl_full
 from qerl_exp.batch import Sequences
+from qerl_exp.record import BASE_KEY, DATA_KEY, run_holding
 from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate
-from qerl_exp.files import check_writable, os_error_line
+from qerl_exp.files import check_writable, os_error_line, temp_dir
+from qerl_exp.signals import StopSignals
+from qerl_exp.task_check import check_task
 
 MERGES = ("none", "bf16")
 
@@ -83,9 +91,19 @@ def parse_args(argv: list[str]) -> ExportCommand:
     return ExportCommand(**key_values(argv, {f.name: f.type for f in fields(ExportCommand)}))
 
 
-def check(args: ExportCommand) -> None:
-    """Refuse, before anything is built or written, a run that is not finished and an `out` that
-    exists or cannot be made.
+def _checked(args: ExportCommand) -> tuple[str, ...]:
+    """The digests of the run's record an export checks: its base's always, its data's when it
+    merges (the measured prompts are its held-out ones); never its reward code's (nothing is scored)."""
+    return (BASE_KEY, DATA_KEY) if args.merge != "none" else (BASE_KEY,)
+
+
+def check(args: ExportCommand):
+    """Refuse, before anything is built or written, a run that is not finished, whose base (or, for
+    a merge, data) changed since it trained, or whose prompts plus `tokens` exceed its model's
+    positions, and an `out` that exists, lies in a run directory or cannot be made.
+
+    Returns:
+        The run's config (`eval.__main__.run_config`).
 
     Raises:
         ValueError: one line saying what to change.
@@ -98,9 +116,17 @@ def check(args: ExportCommand) -> None:
                          f"python -m qerl_exp resume={args.run_dir}, then export it")
     if out.exists():
         raise ValueError(f"out={args.out} exists; give a new folder (export never writes into an existing one)")
+    held = run_holding(out)
+    if held is not None:
+        raise ValueError(f"out={args.out} lies in the run directory {held}; export writes its folder outside every run "
+                         "(nothing in a run changes): choose another out=")
     if not out.absolute().parent.is_dir():
         raise ValueError(f"out={args.out}: {out.absolute().parent} is not a folder; create it or choose another out=")
     check_writable(out.absolute().parent)
+    cfg = run_config(run_dir, _checked(args))
+    if args.merge != "none":  # its greedy completions must fit the model's positions
+        check_task(cfg, ("tokens", args.tokens), model_fixed=True)
+    return cfg
 
 
 def export(args: ExportCommand) -> dict:
@@ -113,15 +139,16 @@ def export(args: ExportCommand) -> dict:
         ValueError: the run is not finished or `out` exists (`check`); the run cannot be rebuilt
             (`eval.__main__.run_config`).
     """
-    check(args)
+    cfg = check(args)
     run_dir, out = Path(args.run_dir), Path(args.out).absolute()
-    cfg = run_config(run_dir)  # its data files unchanged: the held-out prompts are the run's
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:  # written aside, then renamed: a failed export leaves nothing under out
-        _, task, models = load_run(run_dir, device=args.device)
+    tmp = temp_dir(out.parent, prefix=f".{out.name}.partial-")
+    try:  # written aside, then renamed: a failed or interrupted export leaves nothing under out
+        _, task, models = load_run(run_dir, device=args.device, checked=_checked(args))
         tok = models.tokenizer
         adapter = tmp / "adapter" if args.merge != "none" else tmp
-        shutil.copytree(run_dir / "final" / "adapter", adapter, dirs_exist_ok=True)
+        adapter.mkdir(exist_ok=True)
+        for file in (run_dir / "final" / "adapter").iterdir():  # the files alone: the folders keep the umask's mode
+            shutil.copyfile(file, adapter / file.name)
         tok.save_pretrained(tmp)
         record = {"run_dir": str(run_dir), "base": models.base_info, "model": cfg.model.name,
                   "quant": cfg.quant.format, "merge": args.merge, "args": asdict(args)}
@@ -152,7 +179,7 @@ def _merge(args: ExportCommand, tmp: Path, tok, trained: Sequences, trained_logi
     would, and measure it against the run's policy's greedy completions `trained` and logits."""
     from transformers import AutoModelForCausalLM
 
-    _, _, dense = load_run(args.run_dir, device=args.device, quantized=False)
+    _, _, dense = load_run(args.run_dir, device=args.device, quantized=False, checked=_checked(args))
     device = next(dense.policy.parameters()).device
     merged = dense.policy.merge_and_unload().to(torch.bfloat16)
     merged.generation_config.eos_token_id = list(tok.eos_ids)
@@ -203,15 +230,19 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(f"usage: python -m qerl_exp.export run_dir=RUN out=DIR [key=value ...]\n\n{ExportCommand.__doc__}")
         return
+    stop = StopSignals(take_all=True)  # SIGTERM too ends it as Ctrl-C does, its partial folder removed
     try:
         args = parse_args(argv)
-        check(args)
+        with stop.interruptible():
+            check(args)
     except (UsageError, ValueError) as e:
         fail(str(e))
     except OSError as e:
         fail(os_error_line(e, "out") or f"{type(e).__name__}: {first_line(e)}")
+    except KeyboardInterrupt as e:
+        fail("interrupted; nothing was written", code=getattr(e, "exit_code", 130))
     with one_line_errors("out", "interrupted; nothing was written"):
-        with logs.quiet(args.verbose):
+        with logs.quiet(args.verbose), stop.interruptible():
             record = export(args)
     print("\n".join(report(record)))
 

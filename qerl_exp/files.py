@@ -1,7 +1,8 @@
 """Whole files and storage faults: what every command that writes relies on.
 
 - `write_atomic` writes a file through a temporary file and a rename, so a crash or a full disk
-  leaves the old file or the new one, never half of one.
+  leaves the old file or the new one, never half of one; `temp_dir` is the folder to do the same
+  with a whole folder.
 - `check_writable` finds, before any work, the fault that creating or writing a folder would meet.
 - `os_error_line` turns a full disk, a read-only path or a file standing where a directory belongs
   into one line that names the path and the setting to change; `as_os_error` finds such a fault
@@ -16,8 +17,20 @@ import re
 import tempfile
 from pathlib import Path
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temp_dir(parent: str | Path, prefix: str) -> Path:
+    """A new hidden folder in `parent` to write into and then rename into place, with the mode a
+    folder made with `mkdir` gets (`tempfile.mkdtemp` makes it 0700, which the rename would keep)."""
+    path = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -25,7 +38,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -49,8 +49,8 @@ chat template applied), `completion`, `rewards` (each reward function's value, u
 where it returned None), `reward` (their weighted sum; null when none applies) and `advantage`.
 
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
-steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window),
-`reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
+steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window;
+null, as `reward/best`, when no reward function scored any completion), `reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
 `mem/*`, `steps` (the run loop adds `world_size`, `commit` and `device`, `cpu` or `cuda`); for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
 `warmup/weights` (a digest of the weights: runs that show the same one started from the same model;
 another kind of CPU can warm up another, `models.warmup.weights_digest`); for a two-route task
@@ -440,9 +440,10 @@ def run_summary(history: list[dict[str, float]], base: dict) -> dict[str, float 
     def series(name):
         return [h[name] for h in history if isinstance(h.get(name), (int, float)) and math.isfinite(h[name])]
 
-    rewards = series("reward")
-    out = {"steps": len(history), "reward/final": float(np.mean(rewards[-final_window(len(rewards)):])),
-           "reward/best": float(np.max(rewards))}
+    rewards = series("reward")  # none where no reward function ever scored a completion: NaN (null in summary.json)
+    out = {"steps": len(history),
+           "reward/final": float(np.mean(rewards[-final_window(len(rewards)):])) if rewards else math.nan,
+           "reward/best": float(np.max(rewards)) if rewards else math.nan}
     for name in ("entropy", "sampler/entropy", "entropy_gain", "quant/kl", "perf/rollout_tok_s", "perf/step_s"):
         values = series(name)
         if values:

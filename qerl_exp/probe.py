@@ -67,8 +67,9 @@ from qerl_exp.noise import AQN
 from qerl_exp.eval import grade
 from qerl_exp.rollout import engine_for, make_generator, row_seeds, sample
 from qerl_exp.record import source_commit
+from qerl_exp.files import check_writable, os_error_line
 from qerl_exp.tasks import build_task
-from qerl_exp.tasks.base import HELD_OUT
+from qerl_exp.tasks.base import HELD_OUT, check_split
 
 REFERENCE = "bf16"  # the quant preset that keeps the base in model.dtype
 COLUMNS = {"entropy": "entropy", "gain": "entropy gain", "first": "first-token entropy", "kl": "KL to full precision",
@@ -158,7 +159,36 @@ def parse(argv: list[str]) -> tuple[ProbeArgs, list[str]]:
         raise UsageError(f"match={args.match} must be one of quant={','.join(args.quant)}")
     if args.match_on not in ("first", "all"):
         raise UsageError(f"match_on={args.match_on!r} is not valid; choose one of: first, all")
+    twice = next((b for b in args.bases if args.bases.count(b) > 1), None)
+    if twice is not None:
+        raise UsageError(f"bases={','.join(map(str, args.bases))} names base {twice} twice: its prompts would count as "
+                         "another base's, and the intervals would be too narrow; name each base once")
     return args, overrides
+
+
+def check(args: ProbeArgs, overrides: list[str]) -> None:
+    """What the probe needs before it builds a model: the run overrides compose, the task has the
+    split, and `out` can be written (the table is not lost after the study).
+
+    Raises:
+        UsageError: one line saying what to change.
+        ConfigError: an override the run's config refuses.
+    """
+    if args.out:
+        out = Path(args.out).expanduser().absolute()
+        if out.is_dir():
+            raise UsageError(f"out={args.out} is a folder; give the JSON file to write")
+        if not out.parent.is_dir():
+            raise UsageError(f"out={args.out}: {out.parent} is not a folder; create it or choose another out=")
+        try:
+            check_writable(out.parent)
+        except OSError as e:
+            raise UsageError(os_error_line(e, "out") or str(e)) from None
+    cfg, _ = compose(overrides)
+    try:
+        check_split(build_task(cfg.task), args.split)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
 
 
 def _policy(overrides: list[str], preset: str, task, device):
@@ -407,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args, overrides = parse(argv)
         with logs.quiet(args.verbose):
+            check(args, overrides)
             results = probe(args, overrides)
     except (UsageError, ConfigError) as e:
         fail(str(e).splitlines()[0])

@@ -129,11 +129,6 @@ def current(saved: dict, where: str | Path = "config.json") -> dict:
                           "evaluate or resume it with the version that wrote it (its commit is in the file)") from None
 
 
-def with_digests(config: dict, data: dict[str, str], base: str | None) -> dict:
-    """`config` with the digests of the task's data files and of the base (those there are)."""
-    return {**config, **({DATA_KEY: data} if data else {}), **({BASE_KEY: base} if base else {})}
-
-
 def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 

@@ -233,8 +233,8 @@ def _advice(changes: list[str], run_dir: Path, resuming: bool = False) -> str:
         return ("the task's data file changed since the run started (or its chat template file did): restore that file, "
                 "or start a new run in another run_dir")
     if any(c.startswith(f"{record.REWARDS_KEY}.") for c in changes):
-        return ("a reward function's source file changed since the run started: restore that file, or start a new run "
-                "in another run_dir")
+        return ("a reward function's code (its source file, or a module of its folder it imports) changed since the run "
+                "started: restore that file, or start a new run in another run_dir")
     if any(c.startswith(f"{record.BASE_KEY}:") for c in changes):
         return ("the base model's files (model.name, model.gguf_file) changed since the run started: restore them, "
                 "or start a new run in another run_dir")

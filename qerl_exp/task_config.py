@@ -4,8 +4,10 @@ how its completions are scored (`TaskConfig`, a field of `qerl_exp.config.Config
 from __future__ import annotations
 
 import math
+import os
 import typing
 from dataclasses import field
+from pathlib import Path
 
 from qerl_exp.schema import check as _check
 from qerl_exp.schema import choice as _choice
@@ -39,6 +41,12 @@ class ColumnsConfig:
 FILE_TASKS = ("gsm8k", "math", "dataset")
 # The reward functions the harness has built in; `task.reward_funcs` names them bare.
 BUILTIN_REWARDS = ("format", "correct")
+# What transformers' `apply_chat_template` takes as its own arguments rather than as template
+# variables; the harness sets the first ones itself (every prompt is rendered as text, with the
+# generation prompt), and the others would change what a prompt is.
+TEMPLATE_ARGUMENTS = ("add_generation_prompt", "tokenize", "conversation", "messages", "continue_final_message",
+                      "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+                      "truncation", "max_length", "tokenizer_kwargs")
 
 
 @schema
@@ -52,7 +60,10 @@ class TaskConfig:
             of `path` in TRL's standard or conversational format, docs/own_task.md).
         path: the data of a file-backed task (gsm8k, math, dataset), read through Hugging Face
             `datasets`: a JSONL, JSON, CSV or Parquet file, a folder written by `save_to_disk`, or
-            a hub dataset id; empty: gsm8k's hub copy. The generated tasks refuse it.
+            a hub dataset id; empty: gsm8k's hub copy. The generated tasks refuse it. A local path
+            (as every path of this group: `eval_path`, a reward file, a chat template file) is
+            relative to the working directory and recorded resolved, so that the run is resumed,
+            evaluated and exported from any folder.
         eval_path: a second source to evaluate on, of the same kinds (e.g. GSM8K's test file): its
             `eval_split`, else its only split. Empty: the held-out problems come from `path`.
         split: the split of `path` to train on (a data file's one split is `train`).
@@ -89,7 +100,8 @@ class TaskConfig:
             evaluation alike: a Jinja template, or the path of a file holding one; empty: the
             checkpoint's own. The embedded model has none (its prompts are plain text).
         chat_template_kwargs: extra variables the chat template is rendered with, e.g.
-            `{enable_thinking: false}` for Qwen3.
+            `{enable_thinking: false}` for Qwen3; not the arguments the harness passes itself
+            (`add_generation_prompt`, `tokenize`, ...: `TEMPLATE_ARGUMENTS`).
         route_b_prior: fork: the embedded base's probability of opening a reply with route B, set
             by its warm-up.
     """
@@ -135,7 +147,26 @@ class TaskConfig:
         for op in self.ops:
             _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
         _check(self.eval_size >= 1, "task.eval_size must be >= 1")
+        own = [k for k in self.chat_template_kwargs if k in TEMPLATE_ARGUMENTS]
+        _check(not own, f"task.chat_template_kwargs.{own[0] if own else ''} is an argument of the template's rendering, not "
+                        "a variable of the template (the harness renders every prompt as text with "
+                        "add_generation_prompt=true); drop it")
         self._check_rewards()
+        self._resolve_paths()
+
+    def _resolve_paths(self) -> None:
+        """Local paths made absolute (see `path`); one that is not here, or a hub id, stays as typed."""
+        def resolved(value: str) -> str:
+            return os.path.abspath(os.path.expanduser(value)) if value and Path(value).expanduser().exists() else value
+
+        self.path, self.eval_path = resolved(self.path), resolved(self.eval_path)
+        specs = []
+        for spec in self.reward_funcs:
+            where, _, name = spec.rpartition(":")
+            specs.append(f"{resolved(where)}:{name}" if where.endswith(".py") else spec)
+        self.reward_funcs = specs
+        if self.chat_template_file:
+            self.chat_template = resolved(self.chat_template)
 
     def _check_rewards(self) -> None:
         names = []

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from qerl_exp import metrics as M
-from qerl_exp import blocks, checkpoint, distributed, logs, progress, record, rundir
+from qerl_exp import blocks, checkpoint, distributed, logs, progress, record, run_files, rundir
 from qerl_exp.batch import Rollout
 from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
@@ -36,11 +36,10 @@ from qerl_exp import learner
 from qerl_exp.loss import group_advantages, tokens_in_loss
 from qerl_exp.scoring import completion_logits
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
-from qerl_exp.models.pretrained import base_digest
 from qerl_exp.noise import AQN, Schedule
 from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.signals import Interrupted, StopSignals
-from qerl_exp.tasks import Task, build_task, file_digests, source_files
+from qerl_exp.tasks import Task, build_task
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -167,7 +166,7 @@ def run(
     choices = choices or {}
     if isinstance(run_dir, rundir.RunDir):
         return _resume_and_train(cfg, run_dir.path, run_dir.record, choices, group, on_step, stop)
-    config = run_config(cfg, choices)
+    config = run_config(cfg, choices, rundir.saved_config(run_dir))
     with distributed.claim(run_dir, config) as owned:
         return _resume_and_train(cfg, owned.path, config, choices, group, on_step, stop)
 
@@ -176,19 +175,18 @@ def _resume_and_train(cfg: Config, run_dir: Path, config: dict, choices: dict[st
                       on_step: StepCallback | None, stop: StopSignals | None) -> dict[str, float]:
     # rank 0 reads the log, every rank its checkpoint: all resume at the same step
     resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
-    if resume_from is not None:
-        rundir.check_checkpoint(resume_from[0], resume_from[1].get("config"), config)
+    if resume_from is not None:  # its record's digests, as it made them
+        saved = resume_from[1].get("config")
+        rundir.check_checkpoint(resume_from[0], saved, run_files.comparable(saved, config))
     return _train(cfg, run_dir, config, resume_from, choices, group, on_step, stop)
 
 
-def run_config(cfg: Config, choices: dict[str, str]) -> dict:
+def run_config(cfg: Config, choices: dict[str, str], saved: dict | None = None) -> dict:
     """What `config.json` records: the config, the Hydra choices, the data-parallel world size, the
-    code's commit, and the digests of the files the task reads, of its reward functions' source files
-    and of the base model's files."""
-    config = record.with_digests({**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(),
-                                  "commit": record.source_commit()}, file_digests(cfg.task), base_digest(cfg.model))
-    sources = source_files(cfg.task)
-    return {**config, **({record.REWARDS_KEY: sources} if sources else {})}
+    code's commit, and the digests of the files the run uses (`run_files.digests`), as the run's
+    record `saved` (when there is one) made them (`run_files.comparable`)."""
+    return run_files.comparable(saved, {**as_dict(cfg), "choices": choices, "world_size": distributed.world_size(),
+                                        "commit": record.source_commit(), **run_files.digests(cfg)})
 
 
 @dataclass

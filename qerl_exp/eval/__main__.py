@@ -27,21 +27,24 @@ from qerl_exp.eval import grade, samples_per_problem
 from qerl_exp.models import build_models, resolve_device
 from qerl_exp.rollout import engine_for
 from qerl_exp.files import check_writable, user_path, write_atomic
-from qerl_exp.record import DATA_KEY, REWARDS_KEY, read_config
+from qerl_exp.record import DATA_KEY, DIGEST_KEYS, REWARDS_KEY, read_config
+from qerl_exp.run_files import comparable, digests
 from qerl_exp.task_check import check_task
-from qerl_exp.tasks import build_task, file_digests, reader, source_files
+from qerl_exp.tasks import build_task, reader
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
 from qerl_exp.tracking import run_tags
 
 
-def run_config(run_dir: str | Path):
-    """The validated `Config` a run was started with, read from `run_dir/config.json`.
+def run_config(run_dir: str | Path, checked: tuple[str, ...] = DIGEST_KEYS):
+    """The validated `Config` a run was started with, read from `run_dir/config.json`, once the files
+    it records digests of are found unchanged (`checked`, of `record.DIGEST_KEYS`).
 
     Raises:
         FileNotFoundError: there is no `config.json`.
         ValueError: it is unreadable, or a file it records changed since: the task's data (the
-            held-out split would no longer be the run's) or chat template, or a reward function's
-            source (the scores would not be by the run's functions).
+            held-out split would no longer be the run's) or chat template, a reward function's code
+            (the scores would not be by the run's functions), or the base model's files (the adapter
+            would be another base's).
     """
     path = Path(run_dir) / "config.json"
     saved = read_config(run_dir)
@@ -55,22 +58,34 @@ def run_config(run_dir: str | Path):
         if getattr(cfg.task, key) and reader.missing(getattr(cfg.task, key), f"task.{key}"):
             raise ValueError(f"task.{key}={getattr(cfg.task, key)}, the run's data, does not exist: its held-out split is "
                              "read from it; restore that file")
-    recorded, now = saved.get(DATA_KEY), file_digests(cfg.task)
-    if recorded is not None and recorded != now:
-        changed = [k for k in recorded if recorded[k] != now.get(k)]
-        raise ValueError(f"task.{changed[0]}={getattr(cfg.task, changed[0])} changed since the run was trained "
-                         "(its sha256 differs from the one in config.json): its held-out split would not be the run's; "
-                         "restore that file")
-    recorded, now = saved.get(REWARDS_KEY) or {}, source_files(cfg.task)
-    changed = [name for name in recorded if recorded[name] != now.get(name)]
-    if changed:
-        raise ValueError(f"reward function {changed[0]}'s source {recorded[changed[0]]['file']} changed since the run "
-                         "was trained (its sha256 differs from the one in config.json): the scores would not be the "
-                         "run's; restore that file")
+    keys = tuple(k for k in checked if k in saved)
+    now = comparable(saved, digests(cfg, keys))
+    for key in keys:
+        if saved[key] != now.get(key):
+            raise ValueError(_changed(key, saved[key], now.get(key) or {}, cfg))
     return cfg
 
 
-def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True, quantized: bool = True):
+def _changed(key: str, recorded, now, cfg) -> str:
+    """One line for a file a run recorded that has changed since (`run_config`)."""
+    if key == DATA_KEY:
+        field = next(k for k in recorded if recorded[k] != now.get(k))
+        return (f"task.{field}={getattr(cfg.task, field)} changed since the run was trained (its sha256 differs from "
+                "the one in config.json): its held-out split would not be the run's; restore that file")
+    if key == REWARDS_KEY:
+        name = next(n for n in recorded if recorded[n] != now.get(n))
+        imports = [p for p, d in recorded[name].get("imports", {}).items() if (now.get(name) or {}).get("imports", {}).get(p) != d]
+        what = f"the module {imports[0]} it imports" if imports and recorded[name].get("sha256") == (now.get(name) or {}).get(
+            "sha256") else f"source {recorded[name]['file']}"
+        return (f"reward function {name}'s {what} changed since the run was trained (its sha256 differs from the one in "
+                "config.json): the scores would not be the run's; restore that file")
+    where = f"model.gguf_file={cfg.model.gguf_file}" if cfg.model.gguf_file else f"model.name={cfg.model.name}"
+    return (f"the base model's files ({where}) changed since the run was trained (their sha256 differs from the one in "
+            "config.json): its adapter would be applied to another base; restore them")
+
+
+def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True, quantized: bool = True,
+             checked: tuple[str, ...] = DIGEST_KEYS):
     """Rebuild a run's policy: its base model and quantization, and (by default) its trained adapter.
 
     Args:
@@ -80,11 +95,12 @@ def load_run(run_dir: str | Path, *, device: str = "auto", adapter: bool = True,
             identity (peft initializes B to zero), so the policy is the quantized base.
         quantized: the base as the run stored it (`quant.format`); False: unquantized, in
             `model.dtype` (what `python -m qerl_exp.export merge=bf16` merges the adapter into).
+        checked: the recorded digests that must still hold (`run_config`).
 
     Returns:
         `(cfg, task, models)`; `models.policy` is in eval mode; `cfg` is the run's config.
     """
-    cfg = run_config(run_dir)
+    cfg = run_config(run_dir, checked)
     if adapter:
         adapter_file(Path(run_dir) / "final" / "adapter")  # before the model is built
     # Evaluation needs only the policy: no full-precision reference, no separate sampler copy.

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from qerl_exp import architectures
-from qerl_exp.config import Config, LoraConfig, QuantConfig
+from qerl_exp.config import Config, LoraConfig, QuantConfig, TaskConfig
 from qerl_exp.models.pretrained import load_pretrained
 from qerl_exp.models.synthetic import build
 from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
@@ -98,9 +98,14 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
     model, tokenizer, info = load_pretrained(cfg.model, dtype, device, on_block)
-    template = cfg.task.chat_template_file and Path(cfg.task.chat_template_file).expanduser().read_text()
-    tokenizer.use_chat(template or cfg.task.chat_template, cfg.task.chat_template_kwargs)
+    tokenizer.use_chat(chat_template_text(cfg.task), cfg.task.chat_template_kwargs)
     return model, tokenizer, info
+
+
+def chat_template_text(task: TaskConfig) -> str:
+    """The chat template `task.chat_template` sets: its file's text, or the template itself; empty
+    for none (the checkpoint's own)."""
+    return Path(task.chat_template_file).expanduser().read_text() if task.chat_template_file else task.chat_template
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from qerl_exp.config import ModelConfig
+from qerl_exp.files import temp_dir
 from qerl_exp.hub import hub_reachable
 from qerl_exp.models.digest import file_digest
 from qerl_exp.models.shards import load_blockwise, shard_files
@@ -46,8 +47,11 @@ from qerl_exp.models.tokenizers import HFTokenizer
 
 # Files a checkpoint folder's tokenizer is read from (one of them at least).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-# What a checkpoint folder is loaded from: weights, configs, tokenizer files (not READMEs or licences).
-_MODEL_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken")
+# What a checkpoint folder is loaded from: weights, configs, tokenizer files and chat templates (not
+# READMEs or licences).
+_MODEL_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken", ".jinja")
+# Where transformers saves a tokenizer's named chat templates besides `chat_template.jinja`.
+_TEMPLATES_DIR = "additional_chat_templates"
 
 
 def _first_line(text: str) -> str:
@@ -149,7 +153,7 @@ def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+    tmp = temp_dir(folder.parent, prefix=".partial-")
     try:  # written aside, then renamed: an interrupted conversion never looks finished
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -267,10 +271,12 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
     return model, tokenizer, {"source": cfg.name}
 
 
-def base_files(cfg: ModelConfig) -> list[Path] | None:
+def base_files(cfg: ModelConfig, templates: bool = True) -> list[Path] | None:
     """The files a pretrained base is loaded from, where they are on this machine: the GGUF file,
-    or the model files of a local checkpoint folder; None for a synthetic model, a hub id, and a
-    GGUF file not fetched yet."""
+    or the model files of a local checkpoint folder, its chat templates (`chat_template.jinja`,
+    `additional_chat_templates/`) included unless `templates` is False (as records made before
+    they counted were digested); None for a synthetic model, a hub id, and a GGUF file not fetched
+    yet."""
     if cfg.source != "pretrained":
         return None
     if cfg.gguf_file:
@@ -279,20 +285,26 @@ def base_files(cfg: ModelConfig) -> list[Path] | None:
     folder = Path(cfg.name).expanduser()
     if not folder.is_dir():
         return None
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILES and not p.name.startswith("."))
+    files = [p for p in folder.iterdir() if p.is_file() and p.suffix in _MODEL_FILES and not p.name.startswith(".")]
+    if (folder / _TEMPLATES_DIR).is_dir():
+        files += [p for p in (folder / _TEMPLATES_DIR).iterdir() if p.is_file() and p.suffix == ".jinja"]
+    return sorted(p for p in files if templates or p.suffix != ".jinja")
 
 
-def base_digest(cfg: ModelConfig) -> str | None:
+def base_digest(cfg: ModelConfig, templates: bool = True) -> str | None:
     """The identity of a pretrained base: the sha256 (16 hex digits) of its files' names and
-    digests; a hub id's, the commit of the snapshot in the local hub cache. None where there is
-    nothing on this machine to identify (a synthetic model, a hub id not cached, a GGUF file not
-    fetched yet)."""
-    files = base_files(cfg)
+    digests (`base_files`; `templates=False`: without its chat templates, as records made before
+    they counted hold it); a hub id's, the commit of the snapshot in the local hub cache. None
+    where there is nothing on this machine to identify (a synthetic model, a hub id not cached, a
+    GGUF file not fetched yet)."""
+    files = base_files(cfg, templates)
     if files is None:
         return _hub_commit(cfg.name) if cfg.source == "pretrained" and not cfg.gguf_file else None
+    folder = Path(cfg.name).expanduser()
     h = hashlib.sha256()
     for path in files:
-        h.update(f"{path.name}\0{file_digest(path, cfg.cache_dir)}\0".encode())
+        name = path.relative_to(folder).as_posix() if path.is_relative_to(folder) else path.name
+        h.update(f"{name}\0{file_digest(path, cfg.cache_dir)}\0".encode())
     return h.hexdigest()[:16]
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict
@@ -32,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
 from qerl_exp.eval import greedy_pass_at_1
+from qerl_exp.files import temp_dir
 from qerl_exp.models import routes, shipped
 from qerl_exp.models.synthetic import base_seed, build
 from qerl_exp.models.tokenizers import CharTokenizer
@@ -121,7 +121,7 @@ def load_or_warm_up(cfg: ModelConfig, task_cfg: TaskConfig, task, tokenizer: Cha
                     info = _warm_up(model, cfg, task, tokenizer, task_cfg)
             finally:
                 torch.set_num_threads(threads)
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tiny-{key}-"))
+            tmp = temp_dir(root, prefix=f".tiny-{key}-")
             model.save_pretrained(tmp)
             (tmp / "warmup.json").write_text(json.dumps(info, indent=2))
             shutil.rmtree(path, ignore_errors=True)  # a half-written or corrupt one

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise UsageError(os_error_line(e, "sweep_dir")) from None
         _check_own_folder(plan.sweep_dir)
+        check_sweep_dir(plan)  # another study's sweep dir: refused before its storage is opened
         storage = open_storage(plan)
         check_sweep_dir(plan, storage)
         study = open_study(plan, storage, create=True)

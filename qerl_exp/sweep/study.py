@@ -95,19 +95,26 @@ def open_study(plan: Plan, storage: RDBStorage, *, create: bool, seed_offset: in
     return study
 
 
-def check_sweep_dir(plan: Plan, storage: RDBStorage) -> None:
+def check_sweep_dir(plan: Plan, storage: RDBStorage | None = None) -> None:
     """Refuse a sweep dir that holds another study's trials, before the study is created or run
     (trial N of every study would otherwise find `trials/trialNNNN_sS` of the first and read it).
 
     The first study to use a sweep dir records itself in `SWEEP_DIR/study.json` (`record_sweep_dir`):
     its name, storage and the token made when the study was created, so that a study made again
-    under the same name and storage is another study too.
+    under the same name and storage is another study too. Without `storage`, only what the record
+    tells without opening one is checked (a study of another name or storage is refused before
+    anything of the owner's is touched, its storage's lock file included).
 
     Raises:
         UsageError: the sweep dir belongs to another study, or (made before the record existed)
             holds trial runs of one.
     """
     path = plan.sweep_dir / OWNER_FILE
+    if path.is_file() and storage is None:
+        owner = _owner(plan, path)
+        if (owner.get("study_name"), owner.get("storage")) != (plan.study_name, shown(plan.storage)):
+            _check_owner(plan, path, None)
+        return
     if path.is_file():
         try:
             token = storage.get_study_user_attrs(storage.get_study_id_from_name(plan.study_name)).get(ATTR, {}).get("token")
@@ -143,12 +150,19 @@ def record_sweep_dir(plan: Plan, study: optuna.Study) -> None:
     _check_owner(plan, path, token)
 
 
-def _check_owner(plan: Plan, path: Path, token: str | None) -> None:
+def _owner(plan: Plan, path: Path) -> dict:
     try:
         owner = json.loads(path.read_text())
+        if not isinstance(owner, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise UsageError(f"{path} is unreadable ({type(e).__name__}); it names the study whose trials this sweep_dir "
                          "holds: restore it, or give this study another sweep_dir=") from None
+    return owner
+
+
+def _check_owner(plan: Plan, path: Path, token: str | None) -> None:
+    owner = _owner(plan, path)
     if owner.get("token") != token:
         raise UsageError(f"sweep_dir={plan.sweep_dir} holds the trials of study '{owner.get('study_name')}' in "
                          f"{owner.get('storage')}, not of this '{plan.study_name}' in {shown(plan.storage)}; "
@@ -278,6 +292,21 @@ def _run_dir(plan: Plan, trial_number: int, seed: int) -> Path:
     return plan.sweep_dir / "trials" / f"trial{trial_number:04d}_s{seed}"
 
 
+def _check_trial_dir(plan: Plan, run_dir: Path) -> None:
+    """Refuse a trial's run dir that holds a run another study made (a sweep dir reused by another
+    study, however it passed `check_sweep_dir`): the trial would take that run, finished or not, as
+    its own. Nothing in it is changed.
+
+    Raises:
+        UsageError: one line naming the run, its study and what to do.
+    """
+    config = run_dir / "config.json"
+    if config.is_file() and _study_of(config) != plan.study_name:
+        raise UsageError(f"{run_dir} holds a run of study {_study_of(config)!r}, not of this study '{plan.study_name}': "
+                         f"sweep_dir={plan.sweep_dir} holds another study's trials; give study '{plan.study_name}' its "
+                         "own sweep_dir=")
+
+
 def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optuna.Trial, signals: StopSignals,
               log=print) -> TrialState:
     """Run one trial (one run per seed) and tell the study how it ended.
@@ -311,6 +340,7 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
         with signals.interruptible():
             for i, seed in enumerate(seeds):
                 run_dir = _run_dir(plan, owner, seed)
+                _check_trial_dir(plan, run_dir)  # before anything is written there
                 run_dirs.append(str(run_dir))
                 cfg, choices = compose(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
                 choices.update({"study": plan.study_name, "trial": str(owner)})

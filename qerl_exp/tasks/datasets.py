@@ -123,6 +123,9 @@ def dataset_parser(columns: ColumnsConfig) -> Parser:
     def make(table: reader.Table, where: str) -> Callable[[dict], Problem]:
         prompt = _column(columns.prompt, ("prompt", "question"), table.columns, "prompt", where)
         answer = _column(columns.answer, ("answer", "solution"), table.columns, "answer", where)
+        if answer == prompt:
+            raise ValueError(f"task.columns.answer={answer} is the prompt's column of {where}: every row would be judged "
+                             "against its own question; name the column that holds the answer")
 
         def parse(row: dict) -> Problem:
             question, messages = _prompt(row.get(prompt), prompt)
@@ -187,6 +190,8 @@ def _problems(table: reader.Table, parse_row: Callable[[dict], Problem], source:
 
 def _load(source: str, split: str, key: str, parser: Parser, hub_name: str | None = None) -> list[Problem]:
     table = reader.read(source, split, key, name=hub_name)
+    if table.rows and all(isinstance(row, RowError) for _, row in table.rows):  # no line read: its faults, not columns
+        return _problems(table, lambda row: row, source)
     return _problems(table, parser(table, f"{key}={source}"), source)
 
 
@@ -265,12 +270,13 @@ def _fingerprint(*parts: object) -> str:
     return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
 
 
-def file_digests(cfg: TaskConfig) -> dict[str, str]:
+def file_digests(cfg: TaskConfig, caches: bool = False) -> dict[str, str]:
     """The sha256 (16 hex digits) of each local file the task reads, by field: its data (`path`,
-    `eval_path`; a folder's files together) and a `chat_template` file. Empty for a generated task
-    with the checkpoint's own template; a hub data set has none (the hub names its revisions)."""
+    `eval_path`; a folder's data files together: `reader.digest`, which takes `caches`) and a
+    `chat_template` file. Empty for a generated task with the checkpoint's own template; a hub data
+    set has none (the hub names its revisions)."""
     sources = (("path", cfg.path), ("eval_path", cfg.eval_path), ("chat_template", cfg.chat_template_file))
-    digests = {key: reader.digest(value) for key, value in sources if value}
+    digests = {key: reader.digest(value, caches) for key, value in sources if value}
     return {key: d for key, d in digests.items() if d is not None}
 
 
@@ -324,7 +330,12 @@ def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", h
         train, held_out = split(problems, cfg.eval_size, f"task.path={cfg.path}")
         eval_source = source
     data = [reader.digest(s) or s for s in dict.fromkeys((source, eval_source))]
-    return FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out)))
+    task = FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out)))
+    if cfg.eval_path or eval_split:  # two tables: each gives the functions what they need (all rows together did)
+        for rows, where in ((train, f"the training rows of task.path={source}"),
+                            (held_out, f"the held-out rows of {key}={eval_source}")):
+            reward_funcs.check_columns(task.rewards, ("answer", *dict.fromkeys(k for p in rows for k in p.columns)), where)
+    return task
 
 
 def gsm8k_task(cfg: TaskConfig) -> FileTask:

@@ -22,6 +22,8 @@ and log lines: they are silenced while it reads, and a failure is reported here 
 
 from __future__ import annotations
 
+import ast
+import glob
 import hashlib
 import json
 import re
@@ -80,6 +82,10 @@ def kind(source: str, key: str) -> str:
         ("/" in source and Path(first).is_dir()) or ("/" not in source and path.suffix)
     if local:
         raise FileNotFoundError(f"{key}={source} does not exist: it is not a file or a folder here; give {SOURCES}")
+    near = sorted(p.name for p in path.parent.glob(f"{glob.escape(path.name)}.*") if p.suffix.lower() in SUFFIXES)
+    if near:  # a data file named without its suffix, which would be read as a hub id
+        raise FileNotFoundError(f"{key}={source} is not a file here, and would be read as a hub dataset id; "
+                                f"did you mean {key}={path.parent / near[0] if '/' in source else near[0]}?")
     return HUB
 
 
@@ -95,18 +101,34 @@ def missing(source: str, key: str) -> str | None:
     return None
 
 
-def digest(source: str) -> str | None:
-    """16 hex digits of the SHA-256 of a local source's bytes (a folder: of its files' names and
-    bytes, in order); None for a hub id (the hub names its own revisions)."""
+def digest(source: str, caches: bool = False) -> str | None:
+    """16 hex digits of the SHA-256 of a local source's data (a folder: its data files' names and
+    bytes, in order: `data_files`); None for a hub id (the hub names its own revisions).
+    `caches`: a folder's every file, the cache files `datasets` writes beside its data included
+    (as records made before they were told apart hold it)."""
     path = Path(source).expanduser()
     if path.is_file():
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     if not path.is_dir():
         return None
     h = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and (caches or not _cache_file(p))):
         h.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _cache_file(file: Path) -> bool:
+    """Whether `file` in a `save_to_disk` folder is one that `datasets` writes later, beside the data:
+    the result of a `.map` or `.filter` on the loaded data set (`cache-<fingerprint>.arrow`) or one
+    such write cut short (`tmp...`). The data's own files are named by its `state.json`."""
+    state = file.parent / "state.json"
+    if file.name == "state.json" or not state.is_file():
+        return False
+    try:
+        data = {f["filename"] for f in json.loads(state.read_text())["_data_files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return file.suffix == ".arrow" and file.name not in data or file.name.startswith("tmp")
 
 
 def read(source: str, split: str, key: str, *, name: str | None = None) -> Table:
@@ -148,7 +170,13 @@ def read(source: str, split: str, key: str, *, name: str | None = None) -> Table
                                  "here") from None
             raise ValueError(f"{key}={source}: datasets cannot read it ({_cause(e)})") from None
     dataset = _split(loaded, split, key, source)
-    rows = dataset.to_list()
+    try:
+        rows = dataset.to_list()
+    except UnicodeDecodeError as e:  # `datasets` keeps a text file's bytes as they are: a byte not UTF-8 fails here
+        if what == FILE and _json_lines(path):
+            return _line_by_line(path, key, e)
+        raise ValueError(f"{key}={source}: {_not_utf8(path) if what == FILE else f'not UTF-8 text ({e.reason})'}; "
+                         "save it as UTF-8") from None
     lines = _line_numbers(path) if what == FILE and _json_lines(path) else None
     where = [f"line {n}" for n in lines] if lines is not None and len(lines) == len(rows) else \
         [f"row {i}" for i in range(1, len(rows) + 1)]
@@ -186,6 +214,17 @@ def _json_lines(path: Path) -> bool:
     return not head.startswith(b"[")
 
 
+def _not_utf8(path: Path) -> str:
+    """Where a text file stops being UTF-8: its first such line, and the byte."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {i} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+    return "not UTF-8 text"
+
+
 def _line_numbers(path: Path) -> list[int]:
     """The numbers of a JSON-lines file's non-blank lines: row i of `datasets` is line `[i]`."""
     with open(path, "rb") as f:
@@ -210,16 +249,27 @@ def _json_rows(path: Path) -> Iterator[tuple[str, dict | RowError]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield f"line {i}", RowError(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                            "is it a JSONL file?")
+                                            "save the file as UTF-8 (JSON text is)")
                 continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                yield f"line {i}", RowError(f"not valid JSON ({e.msg} at column {e.colno})")
+                yield f"line {i}", RowError(f"not valid JSON ({e.msg} at column {e.colno})" + _python_hint(line))
                 continue
             yield f"line {i}", row if isinstance(row, dict) else RowError(f"not a JSON object but {type(row).__name__}")
+
+
+def _python_hint(line: str) -> str:
+    """What to do about a line that is a Python literal (`str(row)` of a dict) rather than JSON."""
+    try:
+        value = ast.literal_eval(line.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return ""
+    if not isinstance(value, dict):
+        return ""
+    return "; it is a Python dict (str(row)), not JSON: write each row with json.dumps(row)"
 
 
 def _cause(e: BaseException) -> str:

@@ -15,9 +15,9 @@ math row).
 Where a function comes from (the name it is logged by is what follows the colon):
 - `format`, `correct`: the built-in ones (`qerl_exp.tasks.rewards`), with task.format_reward and
   task.correct_reward as their amounts;
-- `path/to/file.py:function`: a function of a Python file, relative to the working directory; the
-  file is imported as a module of its own, and its folder goes on the end of `sys.path` (so that
-  it may import its neighbours);
+- `path/to/file.py:function`: a function of a Python file, relative to the working directory (the
+  config records it resolved); the file is imported as a module of its own, and it may import its
+  neighbours, each folder its own (`qerl_exp.tasks.user_code`);
 - `package.module:function`: a function of an importable module.
 
 A completion's reward is the weighted sum of the values that apply (`task.reward_weights`, 1 each).
@@ -25,15 +25,18 @@ One that no function applies to (every value None) has no reward: as in TRL, it 
 group's mean and std and of the logged `reward`, and its advantage is 0; the run warns once. The
 values are logged unweighted, per function: `rewards/<name>/mean` and `/std` (`qerl_exp.metrics`).
 
-Each function's source file is recorded in `config.json` (`reward_files`: its path and sha256), so
-that a run is neither resumed nor evaluated with reward code other than its own.
+Each function's source file is recorded in `config.json` (`reward_files`: its path and sha256, and
+the neighbour modules its folder's files import, `imports`: their paths in that folder and sha256s),
+so that a run is neither resumed nor evaluated with reward code other than its own.
 
 Faults, each in one line that names the function: one that does not import, whose signature cannot
 take `prompts` and `completions` by keyword, that needs a column the data lacks, or that lacks
 `**kwargs` for the columns it does not name, is refused when the task is built (`load`; before any
 run directory, in `cli.preflight`). One that raises, returns another number of values than
-completions, or a value that is neither a finite number nor None stops the run (`RewardError`,
-naming the step); its checkpoints stay as they were.
+completions, a value that is neither a finite number nor None, or values whose weighted sum is
+beyond float32 (the dtype the rewards are summed and normalized in) stops the run (`RewardError`,
+naming the step); so does a `SystemExit` from it or a library it calls; its checkpoints stay as
+they were.
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ import inspect
 import math
 import numbers
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Callable, Sequence
+
+import numpy as np
 
 from qerl_exp.schema import ConfigError
 from qerl_exp.task_config import BUILTIN_REWARDS, TaskConfig
+from qerl_exp.tasks import user_code
 from qerl_exp.tasks.rewards import builtin, default_names
 
 # The function whose positive value counts a completion correct (evaluation's pass@k), and the one
@@ -60,7 +66,8 @@ from qerl_exp.tasks.rewards import builtin, default_names
 JUDGE, FORMAT = "correct", "format"
 # What every function gets besides the columns; a data column of one of these names is refused.
 _OWN = ("prompts", "completions")
-_MODULES: dict[tuple[str, int, int], ModuleType] = {}
+# The largest reward float32 holds: rewards are summed, normalized and logged in float32.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class RewardError(RuntimeError):
@@ -117,15 +124,24 @@ def source_file(spec: str) -> str:
     return found.origin
 
 
-def source_files(cfg: TaskConfig) -> dict[str, dict[str, str]]:
-    """What `config.json` records of each user function: `{name: {"file": ..., "sha256": 16 hex}}`;
-    empty for a run of built-in functions only."""
+def source_files(cfg: TaskConfig) -> dict[str, dict]:
+    """What `config.json` records of each user function: `{name: {"file": ..., "sha256": 16 hex}}`,
+    and for a `file.py:function` whose folder's files import neighbours of theirs, `"imports":
+    {path in the folder: 16 hex}` (the files are imported to know them); empty for a run of
+    built-in functions only.
+
+    Raises:
+        ConfigError: a function's file does not import (`load`).
+    """
     out = {}
     for spec in specs(cfg):
         file = source_file(spec)
         if file:
+            if spec.rpartition(":")[0].endswith(".py"):
+                _import(spec)
             digest = hashlib.sha256(Path(file).expanduser().read_bytes()).hexdigest()[:16]
-            out[spec.rpartition(":")[2]] = {"file": file, "sha256": digest}
+            imports = user_code.digests(file) if spec.rpartition(":")[0].endswith(".py") else {}
+            out[spec.rpartition(":")[2]] = {"file": file, "sha256": digest, **({"imports": imports} if imports else {})}
     return out
 
 
@@ -162,7 +178,11 @@ def _import(spec: str) -> Callable:
     where, _, name = spec.rpartition(":")
     file = source_file(spec)
     try:
-        module = _import_file(Path(file)) if where.endswith(".py") else importlib.import_module(where)
+        module = user_code.import_file(Path(file)) if where.endswith(".py") else importlib.import_module(where)
+    except (user_code.UserExit, SystemExit) as e:
+        why = str(e) if isinstance(e, user_code.UserExit) else user_code.exit_line(e)
+        raise ConfigError(f"task.reward_funcs entry {spec}: importing {file} ends the program ({why}); keep a "
+                          "script's own argument parsing and exits under if __name__ == '__main__':") from None
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
         raise ConfigError(f"task.reward_funcs entry {spec}: {file} does not import "
                           f"({type(e).__name__}: {_first_line(e)})") from None
@@ -172,27 +192,6 @@ def _import(spec: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"task.reward_funcs entry {spec}: {name} is a {type(fn).__name__}, not a function")
     return fn
-
-
-def _import_file(path: Path) -> ModuleType:
-    """`path` imported as a module of its own (once per version of the file in a process)."""
-    path = path.expanduser().resolve()
-    stat = path.stat()
-    key = (str(path), stat.st_mtime_ns, stat.st_size)
-    if key not in _MODULES:
-        name = f"qerl_reward_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        if str(path.parent) not in sys.path:
-            sys.path.append(str(path.parent))
-        sys.modules[name] = module  # dataclasses and pickle look a module up by its name
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        _MODULES[key] = module
-    return _MODULES[key]
 
 
 def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
@@ -218,9 +217,7 @@ def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
     if clash:
         raise ConfigError(f"the data has a column named {clash[0]!r}, which reward functions get as their own "
                           "argument; rename that column")
-    required = [n for n, p in params.items() if p.default is p.empty and n not in _OWN
-                and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
-    missing = [n for n in required if n not in columns]
+    missing = [n for n in _required(func) if n not in columns]
     if missing:
         raise ConfigError(f"{where} needs {missing[0]!r}, which is not a column of the task's rows "
                           f"(they give: {', '.join(columns)}; TRL's completion_ids and trainer_state are not passed); "
@@ -229,6 +226,36 @@ def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
     if unnamed and not takes_any:
         raise ConfigError(f"{where} does not take the column {unnamed[0]!r}, and every column is passed to it; "
                           "add **kwargs to its parameters")
+
+
+def _required(func: RewardFunc) -> list[str]:
+    """The columns `func` cannot run without: its parameters without a default, besides its own."""
+    try:
+        params = inspect.signature(func.fn).parameters
+    except (TypeError, ValueError):
+        return []
+    kinds = inspect.Parameter
+    return [n for n, p in params.items() if p.default is p.empty and n not in _OWN
+            and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+
+
+def check_columns(rewards: Rewards, columns: Sequence[str], rows: str) -> None:
+    """Refuse a function that needs a column that some of the task's rows lack, e.g. the held-out
+    rows of another file than the training rows (`load` checks the columns of all rows together).
+
+    Args:
+        rewards: the task's functions.
+        columns: the keyword lists those rows give (`answer` and their columns).
+        rows: which rows they are, for the message (e.g. `the held-out rows of task.eval_path=test.jsonl`).
+
+    Raises:
+        ConfigError: one line naming the function, the column and the rows.
+    """
+    for func in rewards.funcs:
+        missing = [n for n in _required(func) if n not in columns]
+        if missing:
+            raise ConfigError(f"reward function {func.name} ({func.spec}) needs {missing[0]!r}, which {rows} lack (they "
+                              f"give: {', '.join(columns)}); add that column there, or give the parameter a default")
 
 
 class Rewards:
@@ -271,13 +298,19 @@ class Rewards:
         for f in self.funcs:
             if names is not None and f.name not in names:
                 continue
+            own = user_code.scope(f.file) if f.spec.rpartition(":")[0].endswith(".py") else nullcontext()
             try:
-                values = f.fn(**copy.deepcopy(kwargs))  # a function that edits its arguments edits a copy
+                with own:  # its folder's neighbour modules, for what it imports as it runs
+                    values = f.fn(**copy.deepcopy(kwargs))  # a function that edits its arguments edits a copy
+            except SystemExit as e:
+                raise RewardError(f"reward function {f.name} ({f.spec}) ended the program at {where}: "
+                                  f"{user_code.exit_line(e)}; raise an exception instead") from e
             except Exception as e:  # noqa: BLE001 - the user's code may raise anything
                 raise RewardError(f"reward function {f.name} ({f.spec}) raised {type(e).__name__} at {where}: "
                                   f"{_first_line(e)}") from e
             out[f.name] = _values(f, values, len(completions), where)
         if names is None:
+            self._check_sum(out, where)
             self._warn_unscored(out, where)
         return out
 
@@ -287,6 +320,20 @@ class Rewards:
         if name not in self.names:
             return None
         return [v > 0 for v in self.compute(problems, completions, where, names=[name])[name]]
+
+    def _check_sum(self, scores: dict[str, list[float]], where: str) -> None:
+        """Refuse weighted values whose sum float32 cannot hold (`metrics.total_reward` sums them in it)."""
+        total = np.zeros(len(next(iter(scores.values()))), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for name, v in scores.items():  # as `metrics.total_reward` sums them
+                total = total + np.nan_to_num(np.asarray(v, dtype=np.float32)) * np.float32(self.weights[name])
+        over = np.flatnonzero(~np.isfinite(total))
+        if over.size:
+            i = int(over[0])
+            terms = " + ".join(f"{self.weights[name]:g} x {v[i]:g}" for name, v in scores.items() if not math.isnan(v[i]))
+            raise RewardError(f"the weighted rewards of completion {i} at {where} ({terms}) sum beyond float32's range "
+                              f"(+-{_FLOAT32_MAX:.3g}), in which rewards are summed and normalized; lower the values or "
+                              "task.reward_weights")
 
     def _warn_unscored(self, scores: dict[str, list[float]], where: str) -> None:
         unscored = sum(all(math.isnan(v[i]) for v in scores.values()) for i in range(len(next(iter(scores.values())))))
@@ -310,10 +357,17 @@ def _values(f: RewardFunc, values, n: int, where: str) -> list[float]:
     for i, v in enumerate(values):
         if v is None:
             out.append(math.nan)
-        elif not isinstance(v, numbers.Real) or not math.isfinite(v):
+            continue
+        try:
+            x = float(v) if isinstance(v, numbers.Real) else math.nan
+        except OverflowError:  # an int beyond every float
+            x = math.inf
+        if not math.isfinite(x) and not (isinstance(v, numbers.Integral) and x == math.inf):
             raise RewardError(f"{what} returned {v!r} for completion {i} at {where}; {fix}")
-        else:
-            out.append(float(v))
+        if abs(x) > _FLOAT32_MAX:
+            raise RewardError(f"{what} returned {v!r:.40} for completion {i} at {where}, beyond float32's range "
+                              f"(+-{_FLOAT32_MAX:.3g}), in which rewards are summed and normalized; return values within it")
+        out.append(x)
     return out
 
 

@@ -415,3 +415,161 @@ def test_blown_up_weights_reach_the_nonfinite_guard(tmp_path):
     rows = metrics_rows(run_dir)
     assert [r["train/skipped"] for r in rows][-2:] == [1, 1]
 
+
+
+# --------------------------------------------------------------------------- your own task under hostile input
+
+# A run on a checkpoint folder, short enough for CI; rewards the user's.
+OWN = ["task=dataset", "tracker.mode=disabled", "train.steps=1", "train.prompts_per_step=2", "algo.group_size=2",
+       "algo.max_new_tokens=8", "eval.max_new_tokens=8", "task.eval_size=4", "monitor.every=0", "task.system_prompt=''"]
+
+
+def _in(folder: Path, *args: str, module: str = "qerl_exp") -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` run in `folder`, as a researcher runs it from theirs (this tree's code)."""
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=folder, capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def _own_folder(folder: Path, reward: str) -> Path:
+    """A researcher's folder: `data.jsonl` (text prompts and a `level` column) and `rw/rewards.py:score`
+    (`reward`, the body of its function), which imports its neighbour `rw/helper.py`."""
+    folder.mkdir(parents=True)
+    (folder / "data.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i),
+                                                           "level": i % 3}) + "\n" for i in range(16)))
+    (folder / "rw").mkdir()
+    (folder / "rw" / "helper.py").write_text("def length(text):\n    return len(text) / 10\n")
+    (folder / "rw" / "rewards.py").write_text(f"import sys\n\nfrom helper import length\n\n\n"
+                                              f"def score(prompts, completions, level, **kwargs):\n    {reward}\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory) -> tuple[Path, Path]:
+    """`(folder, checkpoint)`: a finished run made in `folder` with paths relative to it (the data, the
+    reward file, the run dir `run`) on a checkpoint folder."""
+    from conftest import save_checkpoint
+
+    root = tmp_path_factory.mktemp("own")
+    checkpoint = save_checkpoint(root / "checkpoint")
+    folder = _own_folder(root / "work", "return [length(c[0]['content'] if isinstance(c, list) else c) for c in completions]")
+    out = _in(folder, f"model.name={checkpoint}", *OWN, "task.path=data.jsonl", "task.reward_funcs=[rw/rewards.py:score]",
+              "run_dir=run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return folder, checkpoint
+
+
+def test_a_run_records_its_paths_resolved_and_is_evaluated_and_exported_from_any_folder(own_run, tmp_path):
+    folder, _ = own_run
+    config = json.loads((folder / "run" / "config.json").read_text())
+    assert config["task"]["path"] == str(folder / "data.jsonl")
+    assert config["task"]["reward_funcs"] == [f"{folder}/rw/rewards.py:score"]
+    assert config["reward_files"]["score"]["imports"] == {"helper.py": _sha16(folder / "rw" / "helper.py")}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = _in(elsewhere, f"run_dir={folder / 'run'}", "limit=2", "k=1", f"out={tmp_path / 'eval.json'}", module="qerl_exp.eval")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _in(elsewhere, f"run_dir={folder / 'run'}", f"out={tmp_path / 'export'}", module="qerl_exp.export")
+    assert out.returncode == 0 and (tmp_path / "export" / "adapter_model.safetensors").is_file(), out.stderr[-3000:]
+
+
+def test_a_record_of_paths_as_typed_still_evaluates_from_its_folder(own_run, tmp_path):
+    import shutil
+
+    folder, _ = own_run
+    copy = folder.parent / "typed"  # beside the run, as an older version recorded it: paths relative to its folder
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "run" / "config.json").read_text())
+    config["task"].update(path="data.jsonl", reward_funcs=["rw/rewards.py:score"])
+    config["reward_files"]["score"] = {"file": "rw/rewards.py", "sha256": config["reward_files"]["score"]["sha256"]}
+    (copy / "run" / "config.json").write_text(json.dumps(config))
+    out = _in(copy, "run_dir=run", "limit=2", "k=1", f"out={tmp_path / 'eval.json'}", module="qerl_exp.eval")
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _sha16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_a_base_that_changed_after_the_run_is_refused_by_eval_and_export(own_run, tmp_path):
+    import shutil
+
+    from conftest import save_checkpoint
+
+    folder, checkpoint = own_run
+    base, run_dir = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(checkpoint, base)  # the same names and bytes: the base the run recorded
+    shutil.copytree(folder / "run", run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["name"] = str(base)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    save_checkpoint(base, seed=1)  # new weights in the run's checkpoint folder (a re-download, a moved "latest" link)
+    before = _tree(run_dir)
+    line = (f"the base model's files (model.name={base}) changed since the run was trained (their sha256 differs from "
+            "the one in config.json): its adapter would be applied to another base; restore them")
+    out = _in(folder, f"run_dir={run_dir}", "limit=2", "k=1", module="qerl_exp.eval")  # from the run's own folder
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [f"error: ValueError: {line}"], out.stderr[-3000:]
+    out = _in(folder, f"run_dir={run_dir}", f"out={tmp_path / 'merged'}", "merge=bf16", module="qerl_exp.export")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"error: {line}"], out.stderr[-3000:]
+    assert _tree(run_dir) == before and not (tmp_path / "merged").exists()
+
+
+def test_a_run_no_reward_function_ever_scores_finishes_with_one_line_and_its_summary(tmp_path):
+    from conftest import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "checkpoint")
+    folder = _own_folder(tmp_path / "work", "return [None for _ in completions]")
+    out = _in(folder, f"model.name={checkpoint}", *OWN, "train.steps=2", "task.path=data.jsonl",
+              "task.reward_funcs=[rw/rewards.py:score]", "run_dir=run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == (
+        "run dir: run  final reward: none (no reward function scored any completion at any step: each "
+        "returned None; check task.reward_funcs against the data's columns)")
+    summary = json.loads((folder / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["reward/final"] is None and summary["reward/best"] is None
+
+
+def test_a_reward_function_that_exits_ends_the_run_in_one_line(tmp_path):
+    from conftest import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "checkpoint")
+    folder = _own_folder(tmp_path / "work", "sys.exit(0)")
+    out = _in(folder, f"model.name={checkpoint}", *OWN, "task.path=data.jsonl", "task.reward_funcs=[rw/rewards.py:score]",
+              "run_dir=run")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"error: RewardError: reward function score ({folder}/rw/rewards.py:score) ended the program at step 0: "
+        "SystemExit(0): it called sys.exit (or a library did for it); raise an exception instead (traceback in "
+        "run/error.txt)"]
+    assert not (folder / "run" / "summary.json").exists()
+
+
+def test_a_file_in_the_working_directory_named_like_a_library_is_not_run_in_its_place(tmp_path):
+    (tmp_path / "datasets.py").write_text("raise SystemExit('the data-prep script ran')\n")  # as docs lay a folder out
+    (tmp_path / "data.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "", "answer": "3"}\n')
+    out = _in(tmp_path, *OWN, "task.path=data.jsonl")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [  # the data read by the library `datasets`
+        f"error: {tmp_path / 'data.jsonl'}: 1 malformed line: line 2: column 'prompt' (the prompt) must be non-empty "
+        "text or a list of {role, content} messages with text content, got str"], out.stderr[-2000:]
+
+
+def test_a_second_study_in_a_used_sweep_dir_is_refused_and_the_first_is_left_as_it_was(tmp_path):
+    import yaml
+
+    spec = {"base": ["quant=bf16", "tracker=disabled", "train.steps=1", "train.prompts_per_step=2", "algo.group_size=2",
+                     "monitor.every=0"],
+            "params": {"noise.sigma": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            "objective": {"metric": "reward"}, "n_trials": 1}
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(spec))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({**spec, "base": [*spec["base"][:2], "train.steps=2", *spec["base"][3:]]}))
+    sweep_dir = tmp_path / "D"
+    out = _in(tmp_path, "a.yaml", f"sweep_dir={sweep_dir}", module="qerl_exp.sweep")
+    assert out.returncode == 0 and (sweep_dir / "trials" / "trial0000_s0" / "summary.json").is_file(), out.stderr[-3000:]
+    before = _tree(sweep_dir)
+    out = _in(tmp_path, "b.yaml", "study_name=b", f"sweep_dir={sweep_dir}", module="qerl_exp.sweep")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: sweep_dir={sweep_dir} holds the trials of study 'a' in sqlite:///{sweep_dir}/study.db, not of this 'b' in "
+        f"sqlite:///{sweep_dir}/study.db; give this study its own sweep_dir="], out.stderr[-3000:]
+    assert _tree(sweep_dir) == before  # its storage (and the storage's lock file) untouched

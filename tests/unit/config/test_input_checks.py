@@ -267,3 +267,57 @@ def test_ctrl_c_while_the_command_starts_is_one_line():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err.strip().splitlines() == [
         "error: interrupted before the run started; nothing was written"], err[-2000:]
+
+
+def test_a_preset_of_your_own_named_like_a_built_in_one_is_refused(tmp_path):
+    from qerl_exp.cli import parse_command_line
+
+    (tmp_path / "mine" / "algo").mkdir(parents=True)
+    (tmp_path / "mine" / "algo" / "grpo.yaml").write_text((ROOT / "conf" / "algo" / "grpo.yaml").read_text().replace(
+        "group_size: 8", "group_size: 3"))
+    with pytest.raises(UsageError) as e:
+        validate(parse_command_line(["--config-dir", str(tmp_path / "mine"), "algo=grpo"])[0], multirun=False)
+    assert _one_line(e) == (
+        f"{tmp_path}/mine/algo/grpo.yaml is named like the built-in preset algo=grpo ({ROOT}/conf/algo/grpo.yaml), which "
+        "Hydra's search path finds first, so yours would never be used; rename it (e.g. algo/grpo_mine.yaml) and choose "
+        "it by that name")
+    (tmp_path / "mine" / "algo" / "grpo.yaml").rename(tmp_path / "mine" / "algo" / "grpo_mine.yaml")
+    cfg = validate(parse_command_line(["--config-dir", str(tmp_path / "mine"), "algo=grpo_mine"])[0], multirun=False)[0]
+    assert cfg.algo.group_size == 3
+
+
+def test_a_yaml_slip_in_a_preset_names_its_file_and_line(tmp_path):
+    from qerl_exp.cli import parse_command_line
+
+    (tmp_path / "mine" / "task").mkdir(parents=True)
+    (tmp_path / "mine" / "task" / "typo.yaml").write_text("defaults:\n  - arith\n  - _self_\n\ndifficulty: 3\n  ops: [+]\n")
+    with pytest.raises(UsageError) as e:
+        validate(parse_command_line(["--config-dir", str(tmp_path / "mine"), "task=typo"])[0], multirun=False)
+    assert _one_line(e) == (f"{tmp_path}/mine/task/typo.yaml, line 6, column 6: mapping values are not allowed here "
+                            "(YAML cannot read it); fix that line")
+
+
+def test_a_save_to_disk_folder_whose_caches_datasets_wrote_later_is_still_the_runs_data(tmp_path):
+    import datasets
+
+    from qerl_exp import record
+    from qerl_exp.compose import compose
+    from qerl_exp.eval.__main__ import run_config as eval_config
+    from qerl_exp.tasks import reader
+    from qerl_exp.train import run_config
+
+    rows = datasets.load_dataset("json", data_files=str(ROOT / "tests" / "data" / "gsm8k_sample.jsonl"))["train"]
+    rows.save_to_disk(str(tmp_path / "gsm8k"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = run_config(*compose(["task=gsm8k", f"task.path={tmp_path / 'gsm8k'}"]))
+    (run_dir / "config.json").write_text(json.dumps(started))
+    datasets.load_from_disk(str(tmp_path / "gsm8k")).map(lambda row: {"n": len(row["answer"])})  # a notebook's .map
+    assert list((tmp_path / "gsm8k").glob("cache-*.arrow"))
+    validate([f"resume={run_dir}"], multirun=False)  # neither resume nor eval refuses it
+    assert eval_config(run_dir).task.path == str(tmp_path / "gsm8k")
+    # a record made when the digest counted every file of the folder, a cache among them, compares too
+    older = {**started, record.DATA_KEY: {"path": reader.digest(str(tmp_path / "gsm8k"), caches=True)}}
+    (run_dir / "config.json").write_text(json.dumps(older))
+    assert eval_config(run_dir).task.path == str(tmp_path / "gsm8k")
+    validate([f"resume={run_dir}"], multirun=False)

@@ -165,3 +165,21 @@ def test_the_layer_check_sees_a_wrong_backward(layer_checks, monkeypatch):
     args.quant, args.sigma = ["bf16", "nvfp4"], [0.0]
     (check,) = P.probe(args, overrides)["layers"]
     assert check["logits"] < 1e-4 and check["grads"] > 1e-3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bases=1,1"], "bases=1,1 names base 1 twice: its prompts would count as another base's, and the intervals would be "
+                    "too narrow; name each base once"),
+    (["out=OUT/missing/table.json"], "out=OUT/missing/table.json: OUT/missing is not a folder; create it or choose another out="),
+    (["out=OUT"], "out=OUT is a folder; give the JSON file to write"),
+    (["split=ood"], "split='ood' is not a split of task arith; choose one of: heldout"),
+])
+def test_the_probe_checks_its_arguments_and_out_before_it_builds_a_model(tmp_path, monkeypatch, capsys, argv, message):
+    def ran(*args, **kwargs):
+        raise AssertionError("the probe ran before its arguments were checked")
+
+    monkeypatch.setattr(P, "probe", ran)
+    with pytest.raises(SystemExit) as stop:
+        P.main(["quant=bf16", "limit=1", *(a.replace("OUT", str(tmp_path)) for a in argv)])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {message.replace('OUT', str(tmp_path))}"]

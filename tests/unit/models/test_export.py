@@ -179,3 +179,97 @@ def test_export_refuses_in_one_line_and_writes_nothing(pretrained_run, tmp_path,
     assert capsys.readouterr().err.strip().splitlines() == [message.replace("RUN", str(run_dir)).replace("OUT", str(out))]
     assert _digest(run_dir) == before and (case == "exists" or not out.exists())
     assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize("inside", ["export", "final/adapter/merged", "checkpoints/x/y"])
+def test_export_refuses_an_out_inside_the_run(pretrained_run, capsys, inside):
+    before = _digest(pretrained_run)
+    with pytest.raises(SystemExit) as stop:
+        main([f"run_dir={pretrained_run}", f"out={pretrained_run / inside}", "merge=bf16"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: out={pretrained_run / inside} lies in the run directory {pretrained_run}; export writes its folder outside "
+        "every run (nothing in a run changes): choose another out="]
+    assert _digest(pretrained_run) == before
+
+
+def test_tokens_beyond_the_models_positions_are_refused_before_decoding(pretrained_run, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([f"run_dir={pretrained_run}", f"out={tmp_path / 'out'}", "merge=bf16", "prompts=1", "tokens=3000"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: tokens=3000 and the task's longest prompt (") and \
+        "exceed the model's 2048 positions; lower tokens to at most " in err[0], err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_the_exported_and_final_folders_get_the_umasks_mode(pretrained_run, tmp_path):
+    import os
+
+    mask = os.umask(0o027)
+    try:
+        export(ExportCommand(run_dir=str(pretrained_run), out=str(tmp_path / "out"), device="cpu"))
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750  # tempfile makes 0700, which a rename keeps
+    assert (pretrained_run / "final").stat().st_mode & 0o777 == 0o777 & ~mask  # the run's, under the suite's umask
+
+
+def test_an_adapter_exports_whatever_reward_code_changed_and_never_onto_a_changed_base(pretrained_run, checkpoint, tmp_path,
+                                                                                       capsys):
+    from qerl_exp import record
+
+    run_dir, base = tmp_path / "run", tmp_path / "base"
+    shutil.copytree(pretrained_run, run_dir)
+    shutil.copytree(checkpoint, base)  # same names and bytes: the digest the run recorded
+    (tmp_path / "rw.py").write_text("def fmt(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["name"] = str(base)
+    config["task"]["reward_funcs"] = [f"{tmp_path}/rw.py:fmt"]
+    config[record.REWARDS_KEY] = {"fmt": {"file": f"{tmp_path}/rw.py", "sha256": _sha16(tmp_path / "rw.py")}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (tmp_path / "rw.py").write_text("def fmt(prompts, completions, **kwargs):\n    return [2.0] * len(completions)\n")
+    main([f"run_dir={run_dir}", f"out={tmp_path / 'adapter'}"])  # it scores nothing: the reward code is not its business
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    capsys.readouterr()
+    torch.manual_seed(1)  # the checkpoint's folder gets other weights (a re-download, a "latest" link moved on)
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    other.save_pretrained(base)
+    capsys.readouterr()
+    for merge in ("none", "bf16"):
+        with pytest.raises(SystemExit) as stop:
+            main([f"run_dir={run_dir}", f"out={tmp_path / merge}", f"merge={merge}"])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: the base model's files (model.name={base}) changed since the run was trained (their sha256 differs "
+            "from the one in config.json): its adapter would be applied to another base; restore them"]
+        assert not (tmp_path / merge).exists()
+
+
+def _sha16(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_merge_ends_it_in_one_line_and_leaves_nothing(pretrained_run, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "qerl_exp.export", f"run_dir={pretrained_run}", f"out={out}",
+                             "merge=bf16", "tokens=1700"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=SUBPROCESS_ENV)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".out.partial-*/adapter")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # into the comparison's decoding
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err.strip().splitlines() == ["error: interrupted; nothing was written"], err[-2000:]
+    assert list(tmp_path.iterdir()) == []

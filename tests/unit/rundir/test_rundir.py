@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_RUN, metrics_rows, tiny_checkpoint, tiny_qwen2
+from conftest import ROOT, TINY_RUN, metrics_rows, save_checkpoint, tiny_checkpoint, tiny_qwen2
 from qerl_exp import record, rundir, schema_history
 from qerl_exp.cli import Refused, validate
 from qerl_exp.compose import compose
@@ -119,6 +120,58 @@ def test_a_run_refuses_to_continue_on_another_base(tmp_path):
     with pytest.raises(Refused, match="base_sha256"):  # and refused before anything starts
         validate([f"model.name={folder}", f"model.cache_dir={tmp_path / 'cache'}", f"run_dir={run_dir}"], multirun=False)
     assert (run_dir / "config.json").read_bytes() == saved
+
+
+def test_a_checkpoints_chat_template_is_part_of_its_base(tmp_path):
+    from qerl_exp.models.pretrained import base_digest
+    from qerl_exp.train import run_config
+
+    folder = save_checkpoint(tmp_path / "model")
+    template = folder / "chat_template.jinja"
+    own = [f"model.name={folder}", f"model.cache_dir={tmp_path / 'cache'}", "algo.max_new_tokens=64"]
+    assert template.is_file()  # where transformers saves a tokenizer's chat template
+    cfg, choices = compose(own)
+    started = run_config(cfg, choices)
+    run_dir = tmp_path / "run"
+    rundir.claim(run_dir, started).release()
+    template.write_text(template.read_text().replace("<|im_start|>assistant", "<|im_start|>model"))
+    saved = (run_dir / "config.json").read_bytes()
+    with pytest.raises(rundir.ConfigChangedError) as e:
+        rundir.claim(run_dir, run_config(cfg, choices, json.loads(saved)))
+    assert f"(base_sha256: '{started[record.BASE_KEY]}' -> '" in _one_line(e)
+    with pytest.raises(Refused, match="base_sha256"):
+        validate([*own, f"run_dir={run_dir}"], multirun=False)
+    assert (run_dir / "config.json").read_bytes() == saved
+    # a record made when the base's digest left its templates out continues (compared as it was made)
+    older = {**json.loads(saved), record.BASE_KEY: base_digest(cfg.model, templates=False)}
+    (run_dir / "config.json").write_text(json.dumps(older))
+    validate([*own, f"run_dir={run_dir}"], multirun=False)
+    rundir.claim(run_dir, run_config(cfg, choices, older)).release()
+    assert json.loads((run_dir / "config.json").read_text()) == older
+
+
+def test_a_record_of_paths_as_typed_continues_from_its_folder_and_records_them_resolved(tmp_path, monkeypatch):
+    from qerl_exp.train import run_config
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(ROOT / "tests" / "data" / "gsm8k_sample.jsonl", tmp_path / "data.jsonl")
+    (tmp_path / "rewards.py").write_text("def fmt(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    overrides = ["task=gsm8k", "task.path=data.jsonl", "task.reward_funcs=[rewards.py:fmt]"]
+    cfg, choices = compose(overrides)
+    record_now = run_config(cfg, choices)
+    assert (record_now["task"]["path"], record_now["task"]["reward_funcs"]) == (f"{tmp_path}/data.jsonl",
+                                                                                [f"{tmp_path}/rewards.py:fmt"])
+    assert record_now[record.REWARDS_KEY]["fmt"]["file"] == f"{tmp_path}/rewards.py"
+    older = json.loads(json.dumps(record_now))  # as a version that recorded paths as typed wrote it
+    older["task"].update(path="data.jsonl", reward_funcs=["rewards.py:fmt"])
+    older[record.REWARDS_KEY]["fmt"]["file"] = "rewards.py"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(older))
+    validate([*overrides, "run_dir=run"], multirun=False)  # the same run, continued from its folder
+    validate(["resume=run"], multirun=False)
+    rundir.claim(run_dir, run_config(cfg, choices, older)).release()
+    assert json.loads((run_dir / "config.json").read_text())["task"]["path"] == f"{tmp_path}/data.jsonl"
 
 
 def test_a_gguf_file_is_identified_by_its_content(tmp_path):

@@ -111,11 +111,11 @@ def test_the_documented_example_trains_logs_and_evaluates_with_its_functions(exa
         fmt = [s["rewards"]["fmt"] for s in samples if s["step"] == r["step"]]
         assert r["rewards/fmt/mean"] == pytest.approx(statistics.mean(fmt))
     config = json.loads((run / "config.json").read_text())
-    assert config["task"]["reward_funcs"] == ["rewards.py:fmt", "rewards.py:correct"]
+    assert config["task"]["reward_funcs"] == [f"{example}/rewards.py:fmt", f"{example}/rewards.py:correct"]  # resolved
     assert config["task"]["reward_weights"] == [0.5, 2.0]
     digest = sha16(example / "rewards.py")
-    assert config["reward_files"] == {"fmt": {"file": "rewards.py", "sha256": digest},
-                                      "correct": {"file": "rewards.py", "sha256": digest}}
+    assert config["reward_files"] == {"fmt": {"file": f"{example}/rewards.py", "sha256": digest},
+                                      "correct": {"file": f"{example}/rewards.py", "sha256": digest}}
     assert config["task_sha256"] == {"path": sha16(example / "data.jsonl")}
 
     ev = command(example, "run_dir=run", "k=1", "limit=4", "tracker=disabled", module="qerl_exp.eval")
@@ -216,7 +216,7 @@ def test_completions_follow_the_metrics_and_a_resume_and_an_edited_reward_file_i
         run_in_process(example / "cut", *overrides)
     line = str(refused.value)
     assert "\n" not in line and "reward_files.chars.sha256" in line
-    assert "a reward function's source file changed since the run started" in line
+    assert "a reward function's code (its source file, or a module of its folder it imports) changed since the run started" in line
     assert (example / "cut" / "metrics.jsonl").read_text() == kept  # nothing changed
     (example / "counting.py").write_text(COUNTING)
     resumed = run_in_process(example / "cut", *overrides)
@@ -306,7 +306,8 @@ def test_a_reward_function_that_cannot_run_is_refused_in_one_line_before_the_run
     with pytest.raises(UsageError) as err:
         validate([f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl", "task.reward_funcs=[rewards.py:fmt]"],
                  multirun=False)
-    assert message in str(err.value) and "\n" not in str(err.value)
+    line = str(err.value).replace(f"{example}/", "")  # the file as the config records it: resolved
+    assert message in line and "\n" not in line
     assert not (example / "runs").exists()
 
 
@@ -336,7 +337,8 @@ def test_bad_task_settings_are_one_line(example, monkeypatch, overrides, message
     with pytest.raises(UsageError) as err:
         args, flags = parse_command_line(overrides)
         validate(args, multirun=flags.multirun)
-    assert message in str(err.value) and "\n" not in str(err.value)
+    line = str(err.value).replace(f"{example}/", "")  # a local path as the config records it: resolved
+    assert message in line and "\n" not in line
 
 
 def test_presets_come_from_config_dirs_and_the_search_path_alike(example, checkpoint, monkeypatch):
@@ -345,7 +347,8 @@ def test_presets_come_from_config_dirs_and_the_search_path_alike(example, checkp
     assert by_dir[-1] == f"hydra.searchpath=['file://{example}/myconf']"
     by_path = ["hydra.searchpath=[file://myconf]", "task=mine", f"model.name={checkpoint}", "algo.max_new_tokens=64"]
     (a, choices), (b, _) = compose(by_dir), compose(by_path)
-    assert a == b and choices["task"] == "mine" and a.task.reward_funcs == ["rewards.py:fmt", "rewards.py:correct"]
+    assert a == b and choices["task"] == "mine"
+    assert a.task.reward_funcs == [f"{example}/rewards.py:fmt", f"{example}/rewards.py:correct"]  # recorded resolved
     assert validate(by_dir, multirun=True)[0] == a
 
 
@@ -454,3 +457,176 @@ def test_completions_no_function_applies_to_are_named_once(tmp_path, capsys):
     rewards.compute(problems, ["a", "b", "c"], "step 5")
     assert capsys.readouterr().err == ("warning: no reward function applies to 2 completion(s) at step 4 (each returned "
                                        "None): they get no reward and advantage 0, as in TRL (shown once)\n")
+
+
+# --------------------------------------------------------------------------- hostile input: what the run will use, checked first
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task.chat_template='{% for m in messages %}{{ m.content }'"], "is not a Jinja template Jinja can read (line 1: "),
+    (["task.chat_template='{% for m in messages %}{% endfor %}'"],
+     "renders the prompt of data.jsonl line 2 as empty text: the model would see none of it; fix the template"),
+    (["+task.chat_template_kwargs.add_generation_prompt=false"],
+     "task.chat_template_kwargs.add_generation_prompt is an argument of the template's rendering, not a variable of the "
+     "template (the harness renders every prompt as text with add_generation_prompt=true); drop it"),
+    (["task.chat_template='{{ \"x\" * 600 }}{% for m in messages %}{{ m.content }}{% endfor %}'"],
+     "tokens as the chat template renders it with task.system_prompt, data.jsonl line 7) leaves no room in the model's 512 "
+     "positions; shorten task.system_prompt (task.system_prompt='' sends none) or task.chat_template"),
+    (["task.path=data"], "task.path=data is not a file here, and would be read as a hub dataset id; did you mean "
+                         "task.path=data.jsonl?"),
+    (["task.columns.answer=prompt"], "task.columns.answer=prompt is the prompt's column of task.path=data.jsonl: every "
+                                     "row would be judged against its own question; name the column that holds the answer"),
+    (["task.eval_path=held.jsonl", "task.reward_funcs=[hard.py:hard]"],
+     "reward function hard (hard.py:hard) needs 'difficulty', which the held-out rows of task.eval_path=held.jsonl lack"),
+])
+def test_what_a_run_would_fail_on_later_is_refused_before_its_run_dir(example, checkpoint, monkeypatch, overrides,
+                                                                       message):
+    monkeypatch.chdir(example)
+    rows = [json.loads(line) for line in (example / "data.jsonl").read_text().splitlines()]
+    (example / "held.jsonl").write_text("".join(json.dumps({"prompt": f"{r['prompt'][-1]['content']} (held)",
+                                                            "answer": r["answer"]}) + "\n" for r in rows[:4]))
+    (example / "hard.py").write_text("def hard(prompts, completions, difficulty, **kwargs):\n"
+                                     "    return [float(d) for d in difficulty]\n")
+    with pytest.raises(UsageError) as err:
+        validate([f"model.name={checkpoint}", "task=dataset", "task.path=data.jsonl", f"run_dir={example / 'run'}",
+                  "algo.max_new_tokens=16", *overrides], multirun=False)
+    line = str(err.value).replace(f"{example}/", "")
+    assert message in line and "\n" not in line
+    assert not (example / "run").exists()
+
+
+def _helper_folders(tmp_path: Path) -> list[Path]:
+    """Two folders, each a reward file that imports its own `helper.py` (a different constant)."""
+    folders = []
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "helper.py").write_text(f"VALUE = {value}\n")
+        (folder / "rewards.py").write_text(f"import helper\n\n\ndef {name}(prompts, completions, **kwargs):\n"
+                                           "    import helper as late  # imported as it runs: its folder's too\n"
+                                           "    return [helper.VALUE + 10 * late.VALUE] * len(completions)\n")
+        folders.append(folder)
+    return folders
+
+
+def test_reward_files_in_two_folders_each_import_their_own_neighbours(tmp_path):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import Problem, source_files
+    from qerl_exp.tasks.reward_funcs import load
+
+    a, b = _helper_folders(tmp_path)
+    cfg = TaskConfig(name="dataset", path="x", reward_funcs=[f"{a}/rewards.py:a", f"{b}/rewards.py:b"])
+    scores = load(cfg, ("answer",)).compute([Problem("q", "1")] * 2, ["x", "y"], "step 0")
+    assert scores == {"a": [11.0, 11.0], "b": [22.0, 22.0]}
+    assert [entry["imports"] for entry in source_files(cfg).values()] == [{"helper.py": sha16(a / "helper.py")},
+                                                                          {"helper.py": sha16(b / "helper.py")}]
+
+
+def test_a_neighbour_edited_under_a_run_is_a_change_of_its_reward_code(tmp_path):
+    from qerl_exp import record
+    from qerl_exp.compose import compose
+    from qerl_exp.run_files import comparable, digests
+
+    a, _ = _helper_folders(tmp_path)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(8)))
+    cfg = compose(["task=dataset", f"task.path={tmp_path / 'data.jsonl'}", f"task.reward_funcs=[{a}/rewards.py:a]"])[0]
+    started = digests(cfg)
+    entry = started[record.REWARDS_KEY]["a"]
+    assert entry == {"file": str(a / "rewards.py"), "sha256": sha16(a / "rewards.py"),
+                     "imports": {"helper.py": sha16(a / "helper.py")}}
+    (a / "helper.py").write_text("VALUE = 5.0\n")
+    now = digests(cfg)
+    assert now[record.REWARDS_KEY]["a"]["imports"] != entry["imports"] and now[record.REWARDS_KEY]["a"]["sha256"] == entry["sha256"]
+    # a record made before imports were followed compares on the file alone, under its path as typed
+    older = {**as_dict_of(cfg), record.REWARDS_KEY: {"a": {"file": str(a / "rewards.py"), "sha256": entry["sha256"]}}}
+    assert comparable(older, now)[record.REWARDS_KEY] == older[record.REWARDS_KEY]
+
+
+def as_dict_of(cfg):
+    from qerl_exp.config import as_dict
+
+    return as_dict(cfg)
+
+
+def test_user_code_that_exits_is_an_error_and_its_top_level_sees_no_harness_arguments(tmp_path, monkeypatch):
+    from qerl_exp.config import ConfigError, TaskConfig
+    from qerl_exp.tasks import Problem
+    from qerl_exp.tasks.reward_funcs import RewardError, load
+
+    monkeypatch.setattr(sys, "argv", ["python -m qerl_exp", "train.steps=2", "task=dataset"])
+    (tmp_path / "quits.py").write_text("import sys\n\n\ndef quits(prompts, completions, **kwargs):\n    sys.exit(0)\n")
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/quits.py:quits"]), ("answer",))
+    with pytest.raises(RewardError) as err:
+        rewards.compute([Problem("q", "1")], ["x"], "step 3")
+    assert str(err.value) == (f"reward function quits ({tmp_path}/quits.py:quits) ended the program at step 3: "
+                              "SystemExit(0): it called sys.exit (or a library did for it); raise an exception instead")
+    script = ("import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--scale', type=float, {})\n"
+              "ARGS = parser.parse_args()\n\n\ndef scaled(prompts, completions, **kwargs):\n"
+              "    return [ARGS.scale] * len(completions)\n")
+    (tmp_path / "script.py").write_text(script.format("default=3.0"))
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/script.py:scaled"]), ("answer",))
+    assert rewards.compute([Problem("q", "1")], ["x"], "step 0") == {"scaled": [3.0]}
+    assert sys.argv == ["python -m qerl_exp", "train.steps=2", "task=dataset"]
+    (tmp_path / "needs.py").write_text(script.format("required=True"))
+    with pytest.raises(ConfigError) as err:
+        load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/needs.py:scaled"]), ("answer",))
+    assert str(err.value) == (
+        f"task.reward_funcs entry {tmp_path}/needs.py:scaled: importing {tmp_path}/needs.py ends the program "
+        "(SystemExit(2): it called sys.exit (or a library did for it); it printed: needs.py: error: the following "
+        "arguments are required: --scale); keep a script's own argument parsing and exits under if __name__ == '__main__':")
+
+
+@pytest.mark.parametrize("returned, weights, message", [
+    ("[1e39] * len(completions)", [1.0], "returned 1e+39 for completion 0 at step 2, beyond float32's range (+-3.4e+38)"),
+    ("[3e38] * len(completions)", [2.0], "the weighted rewards of completion 0 at step 2 (2 x 3e+38) sum beyond float32's "
+                                         "range (+-3.4e+38)"),
+])
+def test_rewards_are_checked_in_float32_which_sums_them(tmp_path, returned, weights, message):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import Problem
+    from qerl_exp.tasks.reward_funcs import RewardError, load
+
+    (tmp_path / "big.py").write_text(f"def big(prompts, completions, **kwargs):\n    return {returned}\n")
+    rewards = load(TaskConfig(name="dataset", path="x", reward_funcs=[f"{tmp_path}/big.py:big"], reward_weights=weights),
+                   ("answer",))
+    with pytest.raises(RewardError) as err:
+        rewards.compute([Problem("q", "1")] * 2, ["a", "b"], "step 2")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_python_repr_or_a_latin1_byte_in_a_jsonl_is_named_by_file_and_line(tmp_path):
+    from qerl_exp.config import TaskConfig
+    from qerl_exp.tasks import build_task
+
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    (tmp_path / "repr.jsonl").write_text("".join(f"{r}\n" for r in rows))  # str(row), not json.dumps(row)
+    with pytest.raises(ValueError) as err:
+        build_task(TaskConfig(name="dataset", path=str(tmp_path / "repr.jsonl")))
+    assert str(err.value).startswith(
+        f"{tmp_path / 'repr.jsonl'}: 6 malformed lines: line 1: not valid JSON (Expecting property name enclosed in "
+        "double quotes at column 2); it is a Python dict (str(row)), not JSON: write each row with json.dumps(row); line 2:")
+    lines = [json.dumps(r).encode() for r in rows]
+    lines[3] = lines[3].replace(b"What", b"Qu\xe9")  # a Latin-1 byte
+    (tmp_path / "latin.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError) as err:
+        build_task(TaskConfig(name="dataset", path=str(tmp_path / "latin.jsonl")))
+    assert str(err.value) == (f"{tmp_path / 'latin.jsonl'}: 1 malformed line: line 4: not UTF-8 text (byte 0xe9 at "
+                              "column 15); save the file as UTF-8 (JSON text is)")
+
+
+def test_the_data_of_a_save_to_disk_folder_is_digested_not_the_caches_datasets_writes_beside_it(example):
+    import datasets
+
+    from qerl_exp.tasks import reader
+
+    rows = datasets.load_dataset("json", data_files=str(example / "data.jsonl"))["train"]
+    rows.save_to_disk(str(example / "saved"))
+    before = reader.digest(str(example / "saved"))
+    loaded = datasets.load_from_disk(str(example / "saved"))
+    loaded.map(lambda row: {"n": len(row["answer"])})  # as in a notebook: its cache file goes into the folder
+    assert list((example / "saved").glob("cache-*.arrow"))
+    assert reader.digest(str(example / "saved")) == before
+    assert reader.digest(str(example / "saved"), caches=True) != before  # what records made before counted
+    loaded.filter(lambda row: True).save_to_disk(str(example / "other"))
+    (example / "saved" / "data-00000-of-00001.arrow").write_bytes((example / "other" / "data-00000-of-00001.arrow").read_bytes()[:-8])
+    assert reader.digest(str(example / "saved")) != before  # the data itself changed
