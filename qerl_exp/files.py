@@ -18,6 +18,7 @@ from pathlib import Path
 
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; mkstemp's files get 0600
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -25,7 +26,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
