@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         kb.main(["--shapes", "7b"])
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
-    record.write("rollout", results, {"prompt": a.prompt, "new": a.new, "hf_new": a.hf_new, "rank": a.rank})
+    rows = "all" if tuple(a.rows) == ROWS else ",".join(a.rows)
+    record.write("rollout", results, {"prompt": a.prompt, "new": a.new, "hf_new": a.hf_new, "rank": a.rank},
+                 workload=(a.shapes, "b" + ",".join(map(str, a.batch)), rows, f"p{a.prompt}", f"n{a.new}"))
 
 
 if __name__ == "__main__":

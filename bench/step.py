@@ -212,9 +212,10 @@ def main() -> None:
           f"{w['micro_tokens']} tokens, padded micro-batches of {args.micro} rows, {args.steps} steps (step 0 left "
           f"out), {args.nproc} process(es)\n")
     print(table(results, shapes, strategies, learners))
+    label = (args.workload, args.shapes, args.strategies, args.learners) + ((f"nproc{args.nproc}",) if args.nproc > 1 else ())
     record.write("step", [{"shape": s, "strategy": t, "learner": lr, **r} for (s, t, lr), r in results.items()],
                  {"workload": args.workload, **{k: v for k, v in workload.items() if k != "lengths"},
-                  "steps": args.steps, "nproc": args.nproc})
+                  "steps": args.steps, "nproc": args.nproc}, workload=label)
 
 
 if __name__ == "__main__":

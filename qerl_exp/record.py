@@ -18,6 +18,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from qerl_exp import __version__
 from qerl_exp.config import as_dict, from_dict
 
 # Config keys a rerun or `resume=` may change. Not `train.steps`: it sets the learning-rate and noise
@@ -50,7 +51,7 @@ def source_commit() -> str:
         The `QERL_COMMIT` environment variable when set (a copy of the tree whose own git data,
         if any, names another commit: a GPU machine's); else `git rev-parse HEAD` of the checkout
         holding this package, with `-dirty` when its tracked files differ from that commit; else
-        `unknown`.
+        (a copy of the tree without its git folder) the package's version, `v0.1.0`.
     """
     if os.environ.get(COMMIT_ENV, "").strip():
         return os.environ[COMMIT_ENV].strip()
@@ -63,7 +64,7 @@ def source_commit() -> str:
         head = git("rev-parse", "HEAD")
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return f"v{__version__}"
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

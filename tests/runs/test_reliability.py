@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import qerl_exp
 from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, kill_after, metrics_rows, qerl, stable, wait_for_steps
 
 pytestmark = pytest.mark.slow
@@ -302,12 +303,13 @@ def _commit(env: dict) -> str:
 
 def test_the_commit_comes_from_the_environment_or_else_from_git(tmp_path):
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    assert _commit(SUBPROCESS_ENV).removesuffix("-dirty") == (git.stdout.strip() if git.returncode == 0 else "unknown")
+    version = f"v{qerl_exp.__version__}"
+    assert _commit(SUBPROCESS_ENV).removesuffix("-dirty") == (git.stdout.strip() if git.returncode == 0 else version)
     # a copy whose git data names another commit (a GPU machine's) is named by QERL_COMMIT
     assert _commit({**SUBPROCESS_ENV, "QERL_COMMIT": "c0ffee"}) == "c0ffee"
     copy = {**SUBPROCESS_ENV, "GIT_DIR": str(tmp_path / "no-repository")}  # git finds no checkout
     assert _commit({**copy, "QERL_COMMIT": "a051848"}) == "a051848"
-    assert _commit(copy) == "unknown"
+    assert _commit(copy) == version  # a copy of the tree without its git folder
 
 
 def test_each_eval_writes_its_own_file(finished, tmp_path):

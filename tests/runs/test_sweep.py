@@ -120,6 +120,18 @@ def test_the_smollm2_study_specs_share_one_base():
     assert {o.split("=")[1] for c in lr.configs.values() for o in c if o.startswith("train.lr=")} == {"2.5e-4", "1e-3", "2e-3"}
 
 
+@pytest.mark.slow
+def test_the_qwen_coder_check_and_pilot_make_one_four_way_grid():
+    """The check's runs are the pilot's first two rows: analysis pairs runs only when every setting
+    matches, so the two specs share one base and differ in their configs alone."""
+    check, pilot = (load_plan(ROOT / "sweeps" / f"qwen_coder_{name}.yaml", []) for name in ("check", "pilot"))
+    assert check.grid and pilot.grid and check.overrides == pilot.overrides and (check.n_trials, pilot.n_trials) == (8, 8)
+    assert {"model=qwen2.5-coder-0.5b", "train.steps=60", "algo.max_new_tokens=192", "eval.at_start=true"} <= set(check.overrides)
+    rows = {tuple(c) for plan in (check, pilot) for c in plan.configs.values()}
+    assert rows == {(f"strategy={s}", f"train.lr={lr}") for s in ("full_precision", "nvfp4_lora_noaqn", "nvfp4_lora", "nf4_dq")
+                    for lr in ("2e-4", "5e-4")}
+
+
 def test_objective_reads_the_tail_or_the_area():
     rewards = [0.0, 1.0, 2.0, 3.0]
     assert Objective("reward", last=0.5).value(rewards, 4) == pytest.approx(2.5)

@@ -56,3 +56,31 @@ def test_a_record_names_what_made_it(tmp_path, monkeypatch):
     assert data["command"] == "python -m bench.quant --repeats 1" and data["threads"] == 1
     assert data["rows"] == [{"format": "nvfp4", "ratio": 0.28}] and data["device"] == record.device()
     assert data["commit"] == record.commit() != "unknown"
+
+
+def test_records_of_other_workloads_sit_side_by_side(tmp_path):
+    from bench import record
+
+    strategies = ("7b", "full_precision,nvfp4_lora", "packed")
+    paper = record.write("step", [{"step_s": 9.3}], out=tmp_path, workload=("paper", *strategies))
+    wide = record.write("step", [{"step_s": 5.3}], out=tmp_path, workload=("wide", *strategies))
+    assert paper.name == f"{paper.name.split('-paper-')[0]}-paper-7b-full_precision+nvfp4_lora-packed.json"
+    assert wide != paper and json.loads(paper.read_text())["rows"] == [{"step_s": 9.3}]
+    # a rerun of one workload replaces its own record
+    assert record.write("step", [{"step_s": 9.1}], out=tmp_path, workload=("paper", *strategies)) == paper
+    assert json.loads(paper.read_text())["rows"] == [{"step_s": 9.1}] and len(list(tmp_path.glob("step/*"))) == 2
+
+
+def test_a_copy_of_the_tree_without_git_is_named_by_qerl_commit_or_else_the_version(tmp_path, monkeypatch):
+    import qerl_exp
+    from bench import record
+
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "no-repository"))  # git finds no checkout
+    monkeypatch.delenv("QERL_COMMIT", raising=False)
+    path = record.write("rollout", [], out=tmp_path, workload=("7b", "b8,64"))
+    assert json.loads(path.read_text())["commit"] == f"v{qerl_exp.__version__}"
+    assert path.name.endswith(f"-v{qerl_exp.__version__}-7b-b8+64.json")
+    monkeypatch.setenv("QERL_COMMIT", "bb83d87b" + "0" * 32 + "-dirty")  # a full hash is shortened as git's
+    assert record.commit() == "bb83d87-dirty"
+    monkeypatch.setenv("QERL_COMMIT", "bb83d87")
+    assert record.write("rollout", [], out=tmp_path, workload=("7b",)).name.endswith("-bb83d87-7b.json")
