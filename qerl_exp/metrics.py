@@ -396,7 +396,7 @@ def eval_metrics(is_correct: list[bool], in_format: list[bool], rewards: list[fl
         "reward": mean(rewards),
         "clipped_ratio": float(1 - np.mean(terminated)),
         "solution_logp": float(solution_logp.mean()),
-        "problems": float(len(is_correct)),
+        "problems": float(len(terminated)),  # one per problem graded, whatever functions judge them
     }
     if k:
         out[f"pass@{k}"] = mean([pass_at_k(n, c, k) for c in counts])

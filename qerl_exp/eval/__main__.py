@@ -250,11 +250,15 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
 
 
 def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter: str | None) -> None:
-    """A W&B run of job type `eval` beside the training run (same project and task group)."""
+    """A W&B run of job type `eval` beside the training run (same project and task group). W&B points
+    `wandb/latest-run` at the run it starts: it is pointed back at the training run's, which
+    `wandb leet RUN/wandb` and the README's `wandb/latest-run/run-*.wandb` read."""
     import wandb  # only when the results go to W&B: importing it takes seconds
 
     os.environ.setdefault("WANDB_SILENT", "true")
     saved = json.loads((run_dir / "config.json").read_text())
+    latest = run_dir / "wandb" / "latest-run"
+    training = os.readlink(latest) if latest.is_symlink() else None
     try:
         run = wandb.init(
             dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
@@ -268,6 +272,20 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
         run.finish()
     except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
         warnings.warn(f"W&B failed ({first_line(e)}); the results are in the evaluation file only")
+    finally:
+        if training is not None:
+            _point(latest, training)
+
+
+def _point(link: Path, target: str) -> None:
+    """Make `link` a symlink to `target`, replacing what it is in one step (never missing)."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+    except OSError:  # the run dir became read-only: the link stays as W&B left it
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:

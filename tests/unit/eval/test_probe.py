@@ -3,6 +3,7 @@ top-1 agreement against an independent computation, AQN's draw, the matched temp
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -122,3 +123,11 @@ def test_the_probe_on_smollm2_prints_the_per_format_table(capsys):
     assert len(rows) == 3
     kl = {r.split("|")[1].strip(): float(r.split("|")[6].split()[0]) for r in rows}
     assert kl["bf16"] == 0 and kl["nvfp4"] > 0 and kl["nf4_dq"] > 0 and not math.isnan(kl["nvfp4"])
+
+
+def test_presets_of_a_config_dir_reach_the_probe(tmp_path):
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "mine.yaml").write_text("defaults:\n  - arith\n\neval_size: 3\n")
+    out = tmp_path / "probe.json"
+    P.main(["--config-dir", str(tmp_path / "conf"), "task=mine", "quant=bf16", "limit=50", "samples=2", f"out={out}"])
+    assert json.loads(out.read_text())["config"]["prompts"] == 3  # the preset's held-out problems, all of them
