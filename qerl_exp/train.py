@@ -345,7 +345,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         _truncate_log(run_dir, loop.start, "completions.jsonl")
         loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                                group=group or cfg.task.name, job_type="train",
-                               tags=[*run_tags(choices), f"seed:{cfg.seed}"], run_id=wandb_id)
+                               tags=[*run_tags(choices, cfg.model.name), f"seed:{cfg.seed}"], run_id=wandb_id)
     return loop
 
 

@@ -263,7 +263,7 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
         run = wandb.init(
             dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
             name=f"{run_dir.name}-eval", group=cfg.task.name, job_type="eval",
-            tags=run_tags(saved.get("choices", {})) + (["adapter:none"] if adapter is None else []),
+            tags=run_tags(saved.get("choices", {}), cfg.model.name) + (["adapter:none"] if adapter is None else []),
             config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, run_in_process, tiny_qwen2
 from qerl_exp.cli import parse_command_line, validate
@@ -70,9 +71,10 @@ def example(tmp_path) -> Path:
     return tmp_path
 
 
-def command(folder: Path, *args: str, module: str = "qerl_exp") -> subprocess.CompletedProcess:
+def command(folder: Path, *args: str, module: str = "qerl_exp", env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` run in `folder`, as a researcher runs it from theirs."""
-    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=folder, capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -454,3 +456,29 @@ def test_completions_no_function_applies_to_are_named_once(tmp_path, capsys):
     rewards.compute(problems, ["a", "b", "c"], "step 5")
     assert capsys.readouterr().err == ("warning: no reward function applies to 2 completion(s) at step 4 (each returned "
                                        "None): they get no reward and advantage 0, as in TRL (shown once)\n")
+
+
+@pytest.mark.slow
+def test_a_config_dir_presets_values_are_what_the_run_records_and_cfg_job_prints(example, checkpoint):
+    """A preset of a folder of your own that tunes the learning rate and the completion length, run on
+    a checkpoint named by `model.name`: the run records (and uses) the preset's values, `--cfg job`
+    prints what `config.json` records, and W&B's tags name the checkpoint."""
+    (example / "myconf" / "task" / "short.yaml").write_text(
+        "# @package _global_\n# a task preset that also tunes the run\ntrain:\n  lr: 2e-3\nalgo:\n  max_new_tokens: 32\n")
+    args = ["--config-dir", "myconf", "task=short", f"model.name={checkpoint}", "train.steps=1",
+            "train.prompts_per_step=2", "algo.group_size=2", "run_dir=run"]
+    shown = command(example, *args, "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    out = command(example, *args, env_extra={"WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((example / "run" / "config.json").read_text())
+    assert (config["train"]["lr"], config["algo"]["max_new_tokens"]) == (2e-3, 32)
+    assert config["choices"]["model"] == "checkpoint"
+    from qerl_exp.record import flatten
+
+    printed, recorded = flatten(yaml.safe_load(shown.stdout)), flatten(config)
+    assert {k: v for k, v in printed.items() if recorded[k] != v} == {}
+    leet = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json",
+                           str(next((example / "run").glob("wandb/latest-run/run-*.wandb")))],
+                          capture_output=True, text=True, timeout=120)
+    assert f"model:{checkpoint.name}" in json.loads(leet.stdout)["tags"], leet.stdout[-2000:]
