@@ -14,7 +14,7 @@ import re
 import typing
 from pathlib import Path
 
-from qerl_exp import rundir
+from qerl_exp import optim, rundir
 from qerl_exp.compose import (check_hydra_overrides, compose, expand_sweep, group_options, search_dirs,
                               with_search_path)
 from qerl_exp.config import Config, ConfigError, as_dict, from_dict
@@ -267,6 +267,7 @@ def preflight(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_task(run_cfg)
+    optim.check(run_cfg.train, cfg.verbose)
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
         import torch
 

@@ -37,6 +37,7 @@ from qerl_exp.loss import completion_logits, group_advantages, tokens_in_loss
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.models.pretrained import base_digest
 from qerl_exp.noise import AQN, Schedule
+from qerl_exp.optim import make_optimizer, make_scheduler
 from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.signals import Interrupted, StopSignals
 from qerl_exp.tasks import Task, build_task, file_digests, source_files
@@ -51,19 +52,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
-    """Linear warm-up over `warmup_ratio` of the steps, then cosine decay to 0."""
-    warmup = int(total_steps * warmup_ratio)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * done))
-
-    return f
 
 
 class NonFiniteError(RuntimeError):
@@ -223,7 +211,7 @@ class _Loop:
     schedule: Schedule
     params: list[torch.Tensor]
     opt: torch.optim.Optimizer
-    lr_sched: torch.optim.lr_scheduler.LambdaLR
+    lr_sched: torch.optim.lr_scheduler.LRScheduler
     data_rng: np.random.Generator
     weights: dict[str, int]
     load_peak: float
@@ -320,10 +308,10 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     if distributed.is_main() and (warning := aqn.scale_warning()):
         print(warning, file=sys.stderr)
     params = [p for p in policy.parameters() if p.requires_grad]
-    # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+    with logs.quiet(cfg.verbose):  # bitsandbytes' import notices, for its 8-bit AdamW
+        opt = make_optimizer(params, cfg.train, device)
     loop = _Loop(cfg, run_dir, config, device, task, models, generator, aqn, Schedule(cfg.noise, cfg.train.steps), params,
-                 opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio)),
+                 opt, make_scheduler(opt, cfg.train),
                  np.random.default_rng(cfg.seed), models.sampler.weights_bytes(), M.phase_peak_bytes(device))
     if resume_from is None:
         check_decoders(cfg, task, models, generator, device)

@@ -34,6 +34,11 @@ def test_presets_set_what_they_say():
     assert cfg.algo.mask_truncated_completions and compose(["algo=grpo"])[0].algo.loss_type == "grpo"
     assert (cfg.noise.schedule, cfg.noise.num_stages) == ("exp", 10)
     assert (cfg.lora.r, cfg.lora.alpha) == (32, 32)
+    # eps_high follows eps_low unless set (TRL's epsilon_high); config.json records the number
+    assert compose(["algo.eps_low=0.3"])[0].algo.eps_high == 0.3
+    assert compose(["algo.eps_low=0.3", "algo.eps_high=0.25"])[0].algo.eps_high == 0.25
+    assert compose(["algo=dapo", "algo.eps_low=0.1"])[0].algo.eps_high == 0.28
+    assert as_dict(compose([])[0])["algo"]["eps_high"] == 0.2
 
 
 def test_compose_gives_the_config_and_every_group_choice():

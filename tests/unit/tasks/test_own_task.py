@@ -477,7 +477,9 @@ def test_a_config_dir_presets_values_are_what_the_run_records_and_cfg_job_prints
     from qerl_exp.record import flatten
 
     printed, recorded = flatten(yaml.safe_load(shown.stdout)), flatten(config)
-    assert {k: v for k, v in printed.items() if recorded[k] != v} == {}
+    # null is "follow another setting" (algo.eps_high: algo.eps_low), which config.json records resolved
+    assert {k: v for k, v in printed.items() if v is not None and recorded[k] != v} == {}
+    assert printed["algo.eps_high"] is None and recorded["algo.eps_high"] == recorded["algo.eps_low"]
     leet = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json",
                            str(next((example / "run").glob("wandb/latest-run/run-*.wandb")))],
                           capture_output=True, text=True, timeout=120)
