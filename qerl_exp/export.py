@@ -126,7 +126,7 @@ def export(args: ExportCommand) -> dict:
         record = {"run_dir": str(run_dir), "base": models.base_info, "model": cfg.model.name,
                   "quant": cfg.quant.format, "merge": args.merge, "args": asdict(args)}
         if args.merge != "none":
-            prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in task.eval_problems()[: args.prompts]]
+            prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in task.eval_problems()[: args.prompts]]
             trained, logits = _policy_side(models.policy, tok, prompts, args.tokens)
             del models  # the merged model is built next: one model in memory at a time
             gc.collect()

@@ -215,7 +215,7 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
     task = build_task(cfg.task)
     problems = task.eval_problems(args.split)[: args.limit]
     cfg, models = _policy(overrides, REFERENCE, task, device)
-    prompts = [models.tokenizer.render_prompt(p.question, cfg.task.system_prompt) for p in problems]
+    prompts = [models.tokenizer.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     algo = replace(cfg.algo, group_size=args.samples)
     batch = sample(make_generator(cfg.rollout.engine, models.policy, models.tokenizer, device), models.tokenizer, prompts,
                    algo, device, seeds=row_seeds(args.seed, 0, range(len(prompts)), args.samples))

@@ -82,9 +82,14 @@ class TaskConfig:
             <answer>...</answer> (the paper); `text`, also a reply's natural forms when it has no
             tags: the last \\boxed{...}, else what follows the last `####` or "answer is", else its
             last number.
-        system_prompt: the system message that chat-template models get with a text prompt (the
-            embedded model ignores it; a conversational prompt carries its own messages); empty
-            sends none, so the template's default applies.
+        system_prompt: the system message that chat-template models get with a text prompt under
+            `text_prompts=chat` (the embedded model ignores it; a conversational prompt carries its
+            own messages); empty sends none, so the template's default applies.
+        text_prompts: how a checkpoint gets a text prompt (TRL's standard format): `chat`, as the user
+            message after `system_prompt` through the chat template (the built-in tasks' problems);
+            `verbatim`, the text itself, as TRL sends it (the `dataset` preset's). A conversational
+            prompt always goes through the chat template, and one whose last message is the
+            assistant's is continued, as TRL does; the embedded model's prompts are always the text.
         chat_template: the chat template of a checkpoint's tokenizer, for rollouts, the learner and
             evaluation alike: a Jinja template, or the path of a file holding one; empty: the
             checkpoint's own. The embedded model has none (its prompts are plain text).
@@ -110,6 +115,7 @@ class TaskConfig:
     correct_reward: float = 2.0
     answer_from: str = "tags"
     system_prompt: str = SYSTEM_PROMPT
+    text_prompts: str = "chat"
     chat_template: str = ""
     chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
     route_b_prior: float = 0.01
@@ -118,6 +124,7 @@ class TaskConfig:
         _choice("task.name", self.name, ("arith", "fork", "wordprob", *FILE_TASKS))
         _check(0 < self.route_b_prior <= 0.5, f"task.route_b_prior must be in (0, 0.5], got {self.route_b_prior}")
         _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        _choice("task.text_prompts", self.text_prompts, ("chat", "verbatim"))
         _choice("task.templates", self.templates, ("base", "wide"))
         _check(self.templates == "base" or self.name == "wordprob",
                f"task.templates={self.templates} is for task.name=wordprob; leave it at base for task.name={self.name}")

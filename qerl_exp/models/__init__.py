@@ -99,7 +99,7 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
         return model.to(device=device, dtype=dtype), tokenizer, info
     model, tokenizer, info = load_pretrained(cfg.model, dtype, device, on_block)
     template = cfg.task.chat_template_file and Path(cfg.task.chat_template_file).expanduser().read_text()
-    tokenizer.use_chat(template or cfg.task.chat_template, cfg.task.chat_template_kwargs)
+    tokenizer.use_chat(template or cfg.task.chat_template, cfg.task.chat_template_kwargs, cfg.task.text_prompts)
     return model, tokenizer, info
 
 

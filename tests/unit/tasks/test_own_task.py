@@ -385,6 +385,36 @@ def test_chat_settings_reach_the_rendered_prompt(checkpoint, tmp_path):
         CharTokenizer().render_prompt(messages, "")
 
 
+def test_prompts_render_as_trl_renders_them(checkpoint, tmp_path):
+    """A conversation whose last message is the assistant's (a prefill) is continued, not closed; a
+    text prompt under `task.text_prompts=verbatim` is the text, after the special tokens the
+    tokenizer adds to a text (a BOS), so its ids are the ones TRL's tokenizer call gives."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from trl.data_utils import maybe_apply_chat_template
+
+    from qerl_exp.models.tokenizers import HFTokenizer
+
+    tok = HFTokenizer(checkpoint, local_files_only=True)
+    prefill = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "<think>"}]
+    rendered = tok.render_prompt(prefill, "ignored")
+    assert rendered == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n<think>"
+    assert rendered == maybe_apply_chat_template({"prompt": prefill}, tok.tok)["prompt"]
+    tok.use_chat("", {}, text_prompts="verbatim")
+    assert tok.render_prompt("2 + 2 =", "ignored") == "2 + 2 ="  # this tokenizer adds no special token
+
+    # a tokenizer that puts a BOS before every text, as Llama's do
+    vocab = {c: i for i, c in enumerate(["<s>", "</s>", *"0123456789 +=abc"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "bos")
+    bos = HFTokenizer(tmp_path / "bos", local_files_only=True)
+    bos.use_chat("", {}, text_prompts="verbatim")
+    assert bos.render_prompt("2 + 2 =", "ignored") == "<s>2 + 2 ="
+    assert bos.encode(bos.render_prompt("2 + 2 =", "")) == bos.tok("2 + 2 =")["input_ids"]  # TRL's ids
+
+
 def test_a_hub_dataset_without_the_hub_fails_in_one_line_within_seconds(monkeypatch):
     from qerl_exp.config import TaskConfig
     from qerl_exp.tasks import build_task
