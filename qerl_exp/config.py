@@ -622,6 +622,9 @@ class Config:
         _check(not (self.task.chat_template or self.task.chat_template_kwargs) or self.model.source == "pretrained",
                "task.chat_template and task.chat_template_kwargs are for a checkpoint's tokenizer (model.name=<folder or "
                "hub id>); the embedded model has no chat template: its prompts are plain text")
+        _check(not self.eval.every or self.task.holds_out,
+               "eval.every needs held-out problems, and task.eval_size=0 holds none out: give task.eval_path (or "
+               "task.eval_split), or set eval.every=0")
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
                "(train.prompts_per_step * algo.group_size)")

@@ -35,6 +35,9 @@ TODAY = object()
 # The value each listed field had, in effect, before it existed (see the module docstring): a value,
 # or a function of the record giving it (or `TODAY`).
 BEFORE: dict[str, Any] = {
+    # data files: duplicate prompts were dropped, and each step's prompts drawn afresh
+    "task.drop_duplicates": True,
+    "task.sampler": "independent",
     # the adaptive controller's set point was in nats before it could be relative to step 0's
     # entropy; other schedules never read it
     "noise.target_relative": lambda record: False if record.get("noise", {}).get("schedule") == "adaptive" else TODAY,

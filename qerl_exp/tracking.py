@@ -203,10 +203,10 @@ class Tracker:
             return
         import wandb
 
-        names = list(records[0]["rewards"])
-        table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage"],
+        names, extra = list(records[0]["rewards"]), list(records[0].get("extra", {}))
+        table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage", *extra],
                             data=[[r["step"], r["prompt"], r["completion"], *(r["rewards"][n] for n in names),
-                                   r["reward"], r["advantage"]] for r in records])
+                                   r["reward"], r["advantage"], *(r["extra"][c] for c in extra)] for r in records])
         self._guarded(lambda run: run.log({"step": step, "completions": table}))
 
     def finish(self, summary: dict) -> None:

@@ -40,7 +40,9 @@ from qerl_exp.noise import AQN, Schedule
 from qerl_exp.optim import make_optimizer, make_scheduler
 from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.signals import Interrupted, StopSignals
-from qerl_exp.tasks import Task, build_task, file_digests, source_files
+from qerl_exp.tasks import Task, build_task, duplicates_line, file_digests, source_files
+from qerl_exp.tasks.base import epochs_done
+from qerl_exp.tasks.reward_funcs import trainer_state
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -239,7 +241,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     loop = _setup(cfg, run_dir, config, resume_from, choices, group)
     models = loop.models
     # Where the run began, before any update (the policy as built: LoRA is the identity); logged at step 0.
-    start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True) \
+    start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True,
+                                      state=trainer_state(0, cfg.train.steps, 0.0)) \
         if cfg.eval.at_start and loop.start == 0 else {}
     bar = progress.Progress(cfg.train.steps, "train", initial=loop.start, file=distributed.console())
     signals = StopSignals() if stop is None else None
@@ -249,7 +252,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             for step in range(loop.start, cfg.train.steps):
                 _step(loop, step, start_eval if step == 0 else {}, bar, on_step, stop)
         _save(loop, run_dir / "final", cfg.train.steps)
-        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
+        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info), **getattr(loop.task, "facts", {}),
                                          "world_size": distributed.world_size(), "commit": record.source_commit(),
                                          "device": loop.device.type}
                                         if distributed.is_main() else None)
@@ -296,7 +299,9 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     data stream; restored from `resume_from` when given; the tracker and the logged history."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, seed=cfg.seed)
+    if distributed.is_main() and (line := duplicates_line(cfg.task, task)):
+        print(line, file=sys.stderr)
     with logs.quiet(cfg.verbose):
         models = build_models(cfg, task, device)
     policy, sampling = models.policy, models.sampler.module
@@ -356,7 +361,8 @@ def _rollout(loop: _Loop, step: int) -> _Batch:
     this step's noise draw in the sampler's norm scales."""
     cfg, tok, sampling = loop.cfg, loop.models.tokenizer, loop.models.sampler.module
     share = distributed.shard(cfg.train.prompts_per_step)
-    problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng)[share.start:share.stop]
+    drawn = step * cfg.train.prompts_per_step if cfg.task.sampler == "epoch" else None  # the epoch sampler's position
+    problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng, start=drawn)[share.start:share.stop]
     prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     sigma, stage = loop.schedule(step)
     loop.aqn.draw(sigma)
@@ -392,7 +398,9 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
 
     # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
     repeated = [p for p in batch.problems for _ in range(G)]
-    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}")
+    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
+    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
+                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
     rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
     total = M.total_reward(rewards, loop.task.rewards.weights)
     advantages = group_advantages(total, G, algo.scale_rewards,
@@ -432,7 +440,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         models.sampler.sync()
     sync_s = learner.clock(device) - t0
     if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg))
+        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg,
+                                            state=trainer_state(step + 1, cfg.train.steps, _epoch(loop, step + 1))))
 
     # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
     phases = distributed.maximum({M.Phase.ROLLOUT: batch.seconds, M.Phase.REFERENCE: reference_s,
@@ -454,6 +463,10 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
         metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
                                               gather(rollout.sampler_entropy[:, 0]).tolist()))
+    # what the reward functions logged (`log_metric`: every rank's values), and how far through the data
+    metrics.update(M.logged_metrics(distributed.gather_objects([loop.task.rewards.logged])))
+    if hasattr(loop.task, "epoch"):
+        metrics.update(M.epoch_metrics(_epoch(loop, step + 1)))
     metrics.update(loop.schedule.observe(metrics))
     if distributed.is_main() and (warning := loop.schedule.pinned_warning()):
         print(warning, file=sys.stderr)
@@ -461,8 +474,12 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
             step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
-            advantages.tolist())))
+            advantages.tolist(), loop.task.rewards.extra)))
     return metrics
+
+
+def _epoch(loop: _Loop, step: int) -> float:
+    return epochs_done(loop.task, step, loop.cfg.train.prompts_per_step, loop.cfg.train.steps)
 
 
 def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:

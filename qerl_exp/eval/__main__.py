@@ -30,7 +30,8 @@ from qerl_exp.files import check_writable, user_path, write_atomic
 from qerl_exp.record import DATA_KEY, REWARDS_KEY, read_config
 from qerl_exp.task_check import check_task
 from qerl_exp.tasks import build_task, file_digests, reader, source_files
-from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
+from qerl_exp.tasks.reward_funcs import trainer_state
+from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split, epochs_done
 from qerl_exp.tracking import run_tags
 
 
@@ -209,7 +210,10 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
             raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
         check_writable(folder)
     cfg = run_config(run_dir)
-    check_split(build_task(cfg.task), args.split)  # before the model is built
+    check_split(built := build_task(cfg.task), args.split)  # before the model is built
+    if not built.eval_problems(args.split):
+        raise ValueError(f"run_dir={args.run_dir} holds no problem out for evaluation (its task.eval_size is 0 and it "
+                         "has no task.eval_path): nothing to evaluate")
     check_task(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
@@ -229,7 +233,9 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
             max_new_tokens=sampling["max_new_tokens"], batch_size=settings.batch_size,
             seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
             engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
-            split=args.split,
+            split=args.split, state=trainer_state(cfg.train.steps, cfg.train.steps,  # the finished run's
+                                                  epochs_done(task, cfg.train.steps, cfg.train.prompts_per_step,
+                                                              cfg.train.steps)),
         )
     finally:
         bar.close()  # an error line after it starts a line of its own

@@ -293,7 +293,8 @@ BAD_FUNCTIONS = [
     ("def other(prompts, completions, **kwargs):\n    return []\n", "rewards.py has no function 'fmt'"),
     ("def fmt(completions, answer):\n    return []\n", "reward function fmt (rewards.py:fmt) does not take 'prompts'"),
     ("def fmt(prompts, completions, level, **kwargs):\n    return []\n",
-     "reward function fmt (rewards.py:fmt) needs 'level', which is not a column of the task's rows (they give: answer, difficulty;"),
+     "reward function fmt (rewards.py:fmt) needs 'level', which is not a column of the task's rows (they give: answer, "
+     "difficulty) nor one of its task.reward_kwargs"),
     ("def fmt(prompts, completions, answer):\n    return []\n",
      "reward function fmt (rewards.py:fmt) does not take the column 'difficulty', and every column is passed to it; "
      "add **kwargs to its parameters"),
