@@ -41,7 +41,7 @@ from qerl_exp.files import os_error_line, write_atomic  # noqa: E402
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """Hydra's record of how the run was started (`.hydra/`), written once, into the run dir itself."""
     out = run_dir / ".hydra"
-    if (out / "config.yaml").exists():  # a continued run keeps the record of its start
+    if (out / "config.yaml").exists() and rundir.started(run_dir):  # a continued run keeps the record of its start
         return
     out.mkdir(exist_ok=True)
     hydra_cfg = HydraConfig.instance().cfg

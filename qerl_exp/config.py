@@ -163,7 +163,13 @@ class LoraConfig:
         r: adapter rank.
         alpha: scaling numerator; the update is scaled by alpha / r.
         dropout: dropout on the adapter input.
-        targets: module names that get adapters.
+        targets: the modules that get adapters, as peft's `target_modules` takes them: names, each
+            matching the modules whose name is it or ends with `.<name>` (any of the decoder
+            projections q, k, v, o, gate, up, down for the harness's decoders, which treat a
+            projection without one as a zero-rank adapter; any linear layer, e.g. GPT-2's `c_attn`,
+            through HF's forward: `train.padding_free=false rollout.engine=hf`), or `[all-linear]`
+            (every linear layer but the output head). Checked against the model before a run
+            (`qerl_exp.models.lora_targets`).
     """
 
     r: int = 16
@@ -176,8 +182,9 @@ class LoraConfig:
         _check(self.alpha > 0, f"lora.alpha must be > 0 (the update is scaled by alpha / r), got {self.alpha}")
         _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         _check(len(self.targets) > 0, "lora.targets must name at least one module")
-        for t in self.targets:
-            _choice("lora.targets entry", t, DECODER_LINEARS)
+        _check(all(isinstance(t, str) and t.strip() for t in self.targets), "lora.targets entries must be module names")
+        _check("all-linear" not in self.targets or len(self.targets) == 1,
+               "lora.targets=[all-linear] stands alone (every linear layer but the output head); drop the other names")
 
 
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")

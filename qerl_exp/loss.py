@@ -77,19 +77,20 @@ def _model_inputs(batch: Sequences) -> dict[str, torch.Tensor]:
 
 
 def _hidden_states(model, batch: Sequences):
-    """The teacher-forced decoder pass every score starts from: `(lm, hidden [B, P + T, H])`, `lm`
-    the HF causal LM (`.model`, `.lm_head`) inside a peft wrapper or the model itself."""
+    """The teacher-forced decoder pass every score starts from: `(head, hidden [B, P + T, H])`, the
+    HF causal LM's output layer and its decoder's last hidden states (any family: its `base_model`,
+    `model` in Llama's, `transformer` in GPT-2's), the LM inside a peft wrapper or the model itself."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return lm, lm.model(**_model_inputs(batch)).last_hidden_state
+    return lm.get_output_embeddings(), lm.base_model(**_model_inputs(batch)).last_hidden_state
 
 
 def completion_logits(model, batch: Sequences, temperature: float) -> torch.Tensor:
     """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced: the whole
     vocabulary at every position, for the monitor's exact KL (small models; the learner and
     evaluation use `score_completions`)."""
-    lm, hidden = _hidden_states(model, batch)
+    head, hidden = _hidden_states(model, batch)
     prompt_len, new = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    return lm.lm_head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
+    return head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
 
 
 def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -129,11 +130,11 @@ def score_completions(
         `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; `logp` is
         differentiable when grad is enabled, `entropy` only with `entropy_grad`.
     """
-    lm, hidden = _hidden_states(model, batch)
+    head, hidden = _hidden_states(model, batch)
     prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
     where = batch.completion_mask.reshape(-1).nonzero().squeeze(1)
-    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], lm.lm_head, temperature,
+    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], head, temperature,
                                  entropy_grad, chunk)
     zeros = hidden.new_zeros(b * t, dtype=torch.float32)
     return zeros.index_put((where,), logp).view(b, t), zeros.index_put((where,), entropy).view(b, t)

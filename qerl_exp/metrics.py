@@ -287,7 +287,7 @@ def entropy_metrics(learner_entropy: torch.Tensor, sampler_entropy: torch.Tensor
 def noise_metrics(sigma: float, stage: int, scales: list[float]) -> dict[str, float]:
     """The schedule's sigma and stage, and the noise's standard deviation per noised norm
     (`sigma * scale`, `scales` from `noise.AQN.scales`: 1 for absolute noise) as its spread."""
-    effective = sigma * np.asarray(scales, dtype=np.float64)
+    effective = sigma * np.asarray(scales or [0.0], dtype=np.float64)  # no noised norm: no noise anywhere
     return {"noise/sigma": sigma, "noise/stage": stage, "noise/sigma_eff_min": float(effective.min()),
             "noise/sigma_eff_median": float(np.median(effective)), "noise/sigma_eff_max": float(effective.max())}
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from qerl_exp import blocks
 from qerl_exp.config import Config, LoraConfig, QuantConfig
+from qerl_exp.models.lora_targets import peft_targets
 from qerl_exp.models.pretrained import load_pretrained
 from qerl_exp.models.synthetic import build
 from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
@@ -110,7 +111,7 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=peft_targets(cfg))
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:

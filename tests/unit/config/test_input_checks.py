@@ -51,7 +51,7 @@ def test_every_float_option_must_be_finite(key, value):
     (["model.vocab_size=10"], "model.vocab_size=10 is below the embedded tokenizer's"),
     (["model.cache_dir="], "model.cache_dir must name a folder"),
     (["quant=nvfp4", "quant.targets=[]"], "quant.targets must name at least one linear for quant.format=nvfp4"),
-    (["lora.targets=[foo]"], "lora.targets entry='foo' is not valid"),
+    (["lora.targets=[foo]"], "lora.targets entry 'foo' names no module of this qwen2 model (its linear layers: "),
     (["train.optimizer=sgd"], "train.optimizer='sgd' is not valid; choose one of: adamw_torch, adamw_8bit"),
     (["train.lr_scheduler=cosine_min"], "train.lr_scheduler='cosine_min' is not valid; choose one of: warmup_cosine, "),
     (["train.lr_scheduler=warmup_stable_decay"], "train.lr_scheduler=warmup_stable_decay with train.lr_scheduler_kwargs={}: "
