@@ -180,10 +180,7 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
     for path, parent, attr, _ in decoder_linears(sampler, quant.targets):
         src = learner[path]
         base = src.get_base_layer() if isinstance(src, LoraLayer) else src
-        weight = dense_weight(base).detach()
-        if isinstance(src, LoraLayer):
-            for adapter in src.active_adapters:
-                weight = weight + src.get_delta_weight(adapter).float()
+        weight = merged_weight(src)
         current = getattr(parent, attr)
         if isinstance(current, FP4Linear) and current.format == quant.format:
             current.requantize_(weight.to(dtype))  # in place: the rollout engine keeps its buffers and graphs
@@ -196,3 +193,17 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         if base.bias is not None:
             merged.bias.copy_(base.bias)
         setattr(parent, attr, quantize_linear(merged, quant, dtype))
+
+
+@torch.no_grad()
+def merged_weight(layer: nn.Module) -> torch.Tensor:
+    """The dense fp32 `[out, in]` weight a layer of the policy computes with: its base's (a 4-bit one
+    decoded exactly as it multiplies, `quant.dense_weight`) plus its active LoRA adapters' deltas."""
+    from peft.tuners.lora import LoraLayer  # imported on use, as in add_lora
+
+    base = layer.get_base_layer() if isinstance(layer, LoraLayer) else layer
+    weight = dense_weight(base).detach()
+    if isinstance(layer, LoraLayer):
+        for adapter in layer.active_adapters:
+            weight = weight + layer.get_delta_weight(adapter).float()
+    return weight
