@@ -9,13 +9,13 @@ unknown key names the counterpart of a TRL name (`did_you_mean`), e.g. `learning
 
 from __future__ import annotations
 
-# TRL's (or peft's) name -> (the harness's key, how they differ; empty where they mean the same).
+# TRL's (or peft's) name -> (the harness's key, how they differ; empty where they mean the same:
+# docs/trl.md writes "the same").
 TRL_NAMES: dict[str, tuple[str, str]] = {
     "learning_rate": ("train.lr", ""),
     "lr_scheduler_type": ("train.lr_scheduler", "transformers' names; the default, warmup_cosine, is the harness's"),
     "lr_scheduler_kwargs": ("train.lr_scheduler_kwargs", ""),
-    "warmup_ratio": ("train.warmup_ratio", ""),
-    "warmup_steps": ("train.warmup_ratio", "a fraction of train.steps"),
+    "warmup_steps": ("train.warmup_ratio", "a fraction of train.steps (as TRL reads a value below 1)"),
     "weight_decay": ("train.weight_decay", ""),
     "optim": ("train.optimizer", "adamw_torch or adamw_8bit"),
     "max_grad_norm": ("train.grad_clip", ""),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import typing
 from dataclasses import fields
 
 import pytest
@@ -266,3 +267,23 @@ def test_the_run_records_the_config_that_validation_composed(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: recorded[k] for k in composed} == composed
+
+
+def test_trls_names_map_onto_keys_of_the_schema_as_docs_trl_md_shows():
+    import dataclasses as dc
+
+    from peft import LoraConfig as PeftLoraConfig
+    from trl import GRPOConfig
+
+    from qerl_exp.trl_names import TRL_NAMES
+
+    theirs = {f.name for f in dc.fields(GRPOConfig)} | {f.name for f in dc.fields(PeftLoraConfig)}
+    assert set(TRL_NAMES) <= theirs, set(TRL_NAMES) - theirs  # every name is TRL's (or peft's)
+    def keys(cls, prefix=""):  # every field's dotted key, dict fields included (flatten drops empty ones)
+        for f in dc.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            yield from keys(hint, f"{prefix}{f.name}.") if dc.is_dataclass(hint) else [f"{prefix}{f.name}"]
+
+    assert {key for key, _ in TRL_NAMES.values()} <= set(keys(Config))  # and each key is the harness's
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| (.*) \|$", (ROOT / "docs" / "trl.md").read_text(), re.MULTILINE)
+    assert {name: (key, "" if how == "the same" else how) for name, key, how in rows} == TRL_NAMES
