@@ -401,6 +401,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
     scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
                                        state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
+    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
+    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
     rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
     total = M.total_reward(rewards, loop.task.rewards.weights)
     advantages = group_advantages(total, G, algo.scale_rewards,
@@ -464,7 +466,7 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
                                               gather(rollout.sampler_entropy[:, 0]).tolist()))
     # what the reward functions logged (`log_metric`: every rank's values), and how far through the data
-    metrics.update(M.logged_metrics(distributed.gather_objects([loop.task.rewards.logged])))
+    metrics.update(M.logged_metrics(distributed.gather_objects([logged])))
     if hasattr(loop.task, "epoch"):
         metrics.update(M.epoch_metrics(_epoch(loop, step + 1)))
     metrics.update(loop.schedule.observe(metrics))
@@ -474,7 +476,7 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
             step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
-            advantages.tolist(), loop.task.rewards.extra)))
+            advantages.tolist(), extra)))
     return metrics
 
 
