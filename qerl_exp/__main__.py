@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from qerl_exp import distributed, record, rundir  # noqa: E402
 from qerl_exp.cli import Refused, hydra_overrides, parse_command_line, split_command_line, validate  # noqa: E402
-from qerl_exp.compose import CONF_DIR, config_of, set_keys  # noqa: E402
+from qerl_exp.compose import CONF_DIR, config_of, select_presets, set_keys  # noqa: E402
 from qerl_exp.console import UsageError, fail, tolerate_closed_pipes  # noqa: E402
 from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs  # noqa: E402
 from qerl_exp.files import os_error_line, write_atomic  # noqa: E402
@@ -42,7 +42,7 @@ from qerl_exp.files import os_error_line, write_atomic  # noqa: E402
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """Hydra's record of how the run was started (`.hydra/`), written once, into the run dir itself."""
     out = run_dir / ".hydra"
-    if (out / "config.yaml").exists():  # a continued run keeps the record of its start
+    if (out / "config.yaml").exists() and rundir.started(run_dir):  # a continued run keeps the record of its start
         return
     out.mkdir(exist_ok=True)
     hydra_cfg = HydraConfig.instance().cfg
@@ -99,7 +99,7 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     # the run's config is Hydra's composition of its overrides (also recorded in .hydra/), validated
-    conf, choices = config_of(cfg, hc.runtime.choices, list(hc.overrides.task))
+    conf, choices = config_of(cfg, hc.runtime.choices)
     run_dir = Path(conf.resume or conf.run_dir or hc.runtime.output_dir)
     named = bool(conf.resume or conf.run_dir) or any(o.split("=")[0].lstrip("+~") in _DIR_KEYS for o in hc.overrides.hydra)
     multirun = hc.mode == RunMode.MULTIRUN
@@ -162,6 +162,7 @@ def cli() -> None:
         # the overrides with the preset folders of --config-dir, as every job composes them
         overrides, args = parse_command_line(sys.argv[1:])
         multirun, shown = args.multirun, bool(args.cfg or args.info or args.resolve)
+        presets = []
         if args.help or args.hydra_help or args.shell_completion:
             configs = None  # Hydra answers these itself
         elif shown:
@@ -169,11 +170,14 @@ def cli() -> None:
         else:
             configs = validate(overrides, multirun)
             distributed.check(configs[0], distributed.launched_world_size(), multirun)
+        if configs is not None:
+            presets = select_presets(overrides, multirun)
     except (UsageError, ConfigError) as e:  # on every rank of a torchrun command, printed once
         distributed.refuse(str(e), code=1 if isinstance(e, Refused) else 2)
     except KeyboardInterrupt:
         fail("interrupted before the run started; nothing was written", code=130)
-    sys.argv = [sys.argv[0], *options, *ordered]  # in the order Hydra's parser needs
+    # in the order Hydra's parser needs, with the presets the composition picks (`compose.select_presets`)
+    sys.argv = [sys.argv[0], *options, *ordered, *presets]
     if configs is not None and not shown:
         distributed.init(configs[0].train.dist_timeout_s, configs[0].train.device)
         sys.argv += hydra_overrides(configs[0], overrides, multirun, main=distributed.is_main())

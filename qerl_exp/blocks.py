@@ -56,8 +56,8 @@ class Group:
     Args:
         bases: the frozen base layers (`nn.Linear`, or a weight format's linear from `qerl_exp.quant`).
         adapters: per base its `Adapter`; None when no projection of the group applies one (no LoRA,
-            or the adapters disabled). A group never mixes the two: a partial group is refused by
-            `read`.
+            or the adapters disabled). Where some do (`lora.targets` names part of a group), each of
+            the others holds a zero-rank one (`A [0, in]`, `B [out, 0]`), which adds nothing.
     """
 
     bases: list[nn.Module]
@@ -188,10 +188,13 @@ def _group(modules: list[nn.Module], use_adapters: bool) -> Group:
     adapters = [a for _, a in read]
     if all(a is None for a in adapters):
         return Group([b for b, _ in read], None)
-    if any(a is None for a in adapters):
-        raise UnsupportedModel("LoRA on some projections of a group (q/k/v or gate/up) and not the others; "
-                               f"list all or none of them in lora.targets, or set {FALLBACK}")
-    return Group([b for b, _ in read], adapters)
+    like = next(a for a in adapters if a is not None)
+    return Group([b for b, _ in read], [a if a is not None else _zero_rank(b, like) for b, a in read])
+
+
+def _zero_rank(base: nn.Module, like: Adapter) -> Adapter:
+    """The adapter of a projection without one, in a group where others have one: rank 0."""
+    return Adapter(like.a.new_zeros(0, base.in_features), like.b.new_zeros(base.out_features, 0), 0.0, nn.Identity())
 
 
 def _block(layer: nn.Module, arch: Architecture, adapters: bool) -> Block:

@@ -14,7 +14,7 @@ import re
 import typing
 from pathlib import Path
 
-from qerl_exp import rundir
+from qerl_exp import optim, rundir
 from qerl_exp.compose import (check_hydra_overrides, compose, expand_sweep, group_options, search_dirs,
                               with_search_path)
 from qerl_exp.config import Config, ConfigError, as_dict, from_dict
@@ -282,6 +282,8 @@ def preflight(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_task(run_cfg)
+    optim.check(run_cfg.train, cfg.verbose)
+    _check_model(run_cfg, cfg.verbose)
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):
         import torch
 
@@ -295,6 +297,28 @@ def preflight(cfg: Config) -> None:
         if cfg.rollout.engine == "fast" or auto_fast:
             raise ConfigError("noise.resample=forward draws noise anew for every forward pass, which the fast engine's "
                               "captured decode step cannot; use noise.resample=step, or rollout.engine=hf")
+
+
+def _check_model(cfg: Config, verbose: bool) -> None:
+    """What the run needs of its model's modules, against its skeleton: an architecture its learner and
+    engine read, LoRA targets peft takes (`lora_targets.check`), RMSNorms for AQN (`noise.noisy_norms`)."""
+    import torch
+
+    from qerl_exp.models import lora_targets
+    from qerl_exp.noise import noisy_norms
+
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    with quiet(verbose):
+        model = lora_targets.skeleton(cfg)
+    if model is None:  # a GGUF checkpoint: checked as it loads
+        return
+    with quiet(verbose):
+        lora_targets.check(cfg, model, cuda)
+    if cfg.noise.schedule != "none":
+        try:
+            noisy_norms(model, cfg.noise.include_final_norm)
+        except ValueError as e:
+            raise ConfigError(f"noise.schedule={cfg.noise.schedule}: {e}; use noise=none") from None
 
 
 def _check_writable(path: Path, key: str) -> None:

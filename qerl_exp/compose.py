@@ -7,19 +7,23 @@ Presets kept outside the repository come in Hydra's own ways: `--config-dir DIR`
 after `conf/` (`search_dirs`; `cli.parse_command_line` turns `--config-dir` into the search-path
 override it amounts to). Hydra takes a preset from the first folder of its search path that has
 it, so a preset of such a folder named like one of `conf/` would never be used: it is refused
-(`check_own_presets`). A checkpoint named on the embedded model's preset gets the schema's
-defaults, not the embedded model's (`_checkpoint_defaults`).
+(`check_own_presets`).
+
+The `model` group's default preset is the embedded model's (`tiny`), which also sets what that model
+was tuned with (learning rate, completion length, the monitor). A composition that names a checkpoint
+(`model.name` other than `tiny`, not synthetic) on that default, with no `model=` override, is
+composed again on the `checkpoint` preset (`select_presets`): Hydra's composition is then the run's
+config, and `--cfg job` prints it (`cli` hands Hydra the same preset).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
 from qerl_exp.record import flatten
@@ -123,42 +127,51 @@ def compose(overrides: list[str]) -> tuple[Config, dict[str, str]]:
             compose (`validate` turns both into one line).
     """
     check_own_presets(overrides)
-    cfg = _compose_hydra([o for o in overrides if not _is_hydra(o) or _is_search_path(o)])
+    overrides = [o for o in overrides if not _is_hydra(o) or _is_search_path(o)]
+    cfg = _compose_hydra(overrides)
+    if _names_checkpoint(cfg, overrides):
+        cfg = _compose_hydra([*overrides, CHECKPOINT_PRESET])
     picked = cfg.hydra.runtime.choices
     with open_dict(cfg):
         del cfg["hydra"]
-    return config_of(cfg, picked, overrides)
+    return config_of(cfg, picked)
 
 
 EMBEDDED = "tiny"  # the preset of the embedded model, the default of the `model` group
+CHECKPOINT_PRESET = "model=checkpoint"  # the preset of a checkpoint named by model.name on that default
 
 
-def _checkpoint_defaults(cfg: Config, overrides: list[str]) -> Config:
-    """`model.name=<a checkpoint>` on the embedded model's preset: the settings that preset tunes for
-    the embedded model (lr, completion length, the monitor) take the schema's defaults instead, as
-    for a checkpoint preset, unless the command line or another preset set them."""
-    tuned = flatten({k: v for k, v in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{EMBEDDED}.yaml")).items()
-                            if k != "model"})
-    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
-    composed, default = flatten(as_dict(cfg)), flatten(as_dict(Config()))
-    groups: dict[str, dict] = {}
-    for key, value in tuned.items():
-        if composed[key] == value and not any(key == n or key.startswith(n + ".") for n in named):
-            group, leaf = key.split(".", 1)
-            groups.setdefault(group, {})[leaf] = default[key]
-    return dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g), **v) for g, v in groups.items()})
+def _names_checkpoint(cfg: DictConfig, overrides: list[str]) -> bool:
+    """The composition `cfg` names a checkpoint (`model.name` other than the embedded model, a
+    source other than synthetic) on the embedded model's preset, which no override chose."""
+    chosen = any(o.partition("=")[0].lstrip("+~") == "model" for o in overrides)
+    model = cfg.model
+    return (not chosen and cfg.hydra.runtime.choices.get("model") == EMBEDDED and model.get("name") != EMBEDDED
+            and model.get("source") != "synthetic")
 
 
-def config_of(cfg: DictConfig, picked, overrides: list[str]) -> tuple[Config, dict[str, str]]:
-    """The validated run config of a Hydra composition of `overrides` (without its `hydra` node)
-    and its group choices, from `picked` (`hydra.runtime.choices`): what `compose` returns, and
-    what Hydra's entry point makes of the composition Hydra hands it. A checkpoint named on the
-    embedded model's preset gets the schema's defaults (`_checkpoint_defaults`)."""
+def select_presets(overrides: list[str], multirun: bool = False) -> list[str]:
+    """The preset choices the composition adds to `overrides` (`[CHECKPOINT_PRESET]` or none), for
+    Hydra's own composition of the command line (the run and `--cfg job`), as `compose` makes it.
+
+    Raises:
+        ConfigError: the jobs of a multirun differ (the embedded model in some, a checkpoint in others).
+    """
+    jobs = expand_sweep(overrides) if multirun else [overrides]
+    picks = {_names_checkpoint(_compose_hydra([o for o in job if not _is_hydra(o) or _is_search_path(o)]), job)
+             for job in jobs}
+    if len(picks) > 1:
+        raise ConfigError("this multirun names the embedded model in some jobs and a checkpoint in others, which take "
+                          f"other presets (model=tiny, {CHECKPOINT_PRESET}); run them as two commands")
+    return [CHECKPOINT_PRESET] if picks == {True} else []
+
+
+def config_of(cfg: DictConfig, picked) -> tuple[Config, dict[str, str]]:
+    """The validated run config of a Hydra composition (without its `hydra` node) and its group
+    choices, from `picked` (`hydra.runtime.choices`): what `compose` returns, and what Hydra's entry
+    point makes of the composition Hydra hands it."""
     choices = {g: str(picked[g]) for g in (*GROUPS, "strategy") if picked.get(g) is not None}
-    config = to_config(cfg)
-    if choices.get("model") == EMBEDDED and config.model.source == "pretrained":
-        config = _checkpoint_defaults(config, overrides)
-    return config, choices
+    return to_config(cfg), choices
 
 
 def check_hydra_overrides(overrides: list[str]) -> None:

@@ -213,7 +213,13 @@ class LoraConfig:
         r: adapter rank.
         alpha: scaling numerator; the update is scaled by alpha / r.
         dropout: dropout on the adapter input.
-        targets: module names that get adapters.
+        targets: the modules that get adapters, as peft's `target_modules` takes them: names, each
+            matching the modules whose name is it or ends with `.<name>` (any of the decoder
+            projections q, k, v, o, gate, up, down for the harness's decoders, which treat a
+            projection without one as a zero-rank adapter; any linear layer, e.g. GPT-2's `c_attn`,
+            through HF's forward: `train.padding_free=false rollout.engine=hf`), or `[all-linear]`
+            (every linear layer but the output head). Checked against the model before a run
+            (`qerl_exp.models.lora_targets`).
     """
 
     r: int = 16
@@ -226,8 +232,9 @@ class LoraConfig:
         _check(self.alpha > 0, f"lora.alpha must be > 0 (the update is scaled by alpha / r), got {self.alpha}")
         _check(0 <= self.dropout < 1, f"lora.dropout must be in [0, 1), got {self.dropout}")
         _check(len(self.targets) > 0, "lora.targets must name at least one module")
-        for t in self.targets:
-            _choice("lora.targets entry", t, DECODER_LINEARS)
+        _check(all(isinstance(t, str) and t.strip() for t in self.targets), "lora.targets entries must be module names")
+        _check("all-linear" not in self.targets or len(self.targets) == 1,
+               "lora.targets=[all-linear] stands alone (every linear layer but the output head); drop the other names")
 
 
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
@@ -317,7 +324,8 @@ class AlgoConfig:
         name: `grpo` or `dapo`; a label recorded with the run, the fields below define the math.
         group_size: completions drawn per prompt (G); advantages are normalized within a group.
         eps_low: lower clip of the importance ratio, 1 - eps_low.
-        eps_high: upper clip of the importance ratio, 1 + eps_high (DAPO's clip-higher).
+        eps_high: upper clip of the importance ratio, 1 + eps_high (DAPO's clip-higher); null: eps_low
+            (TRL's `epsilon_high`), resolved when the config is made, so `config.json` records the number.
         loss_type: how token losses make the batch loss: `grpo` the mean over completions (with a
             token in the loss) of each one's token mean; `bnpo` each rank's token mean, averaged over
             ranks; `dapo` the whole batch's token mean; `dr_grpo` the token sum over (completions x
@@ -359,7 +367,7 @@ class AlgoConfig:
     name: str = "grpo"
     group_size: int = 8
     eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_high: float | None = None
     loss_type: str = "grpo"
     importance_sampling_level: str = "token"
     scale_rewards: str = "group"
@@ -390,6 +398,8 @@ class AlgoConfig:
         _choice("algo.scale_rewards", self.scale_rewards, ("group", "batch", "none"))
         _choice("algo.kl_estimator", self.kl_estimator, ("k3", "k3_ratio"))
         _check(self.group_size >= 2, f"algo.group_size must be >= 2 (advantages need a group), got {self.group_size}")
+        if self.eps_high is None:  # resolved here, so that config.json and W&B record the clip the run used
+            self.eps_high = self.eps_low
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "algo.eps_low must be in [0, 1) and algo.eps_high >= 0")
         _check(self.beta >= 0, f"algo.beta must be >= 0, got {self.beta}")
         _check(self.entropy_coef >= 0, f"algo.entropy_coef must be >= 0 (a bonus; 0 turns it off), got {self.entropy_coef}")
@@ -401,6 +411,15 @@ class AlgoConfig:
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+# `train.optimizer`: TRL's (transformers') `optim` names of the optimizers `qerl_exp.optim` builds.
+OPTIMIZERS = ("adamw_torch", "adamw_8bit")
+# `train.lr_scheduler`: the harness's default, then transformers' `SchedulerType` names but those that
+# step on a metric (`reduce_lr_on_plateau`, `greedy`).
+LR_SCHEDULERS = ("warmup_cosine", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                 "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay")
+
+
 @schema
 class TrainConfig:
     """The outer loop and the optimizer of the LoRA parameters.
@@ -409,10 +428,18 @@ class TrainConfig:
         steps: RL steps (one rollout batch and one policy update each).
         prompts_per_step: distinct prompts per step; the batch holds prompts_per_step * group_size
             completions.
-        lr: AdamW peak learning rate; the default is the paper's for 4-bit bases (5e-6 for bf16 LoRA,
+        lr: peak learning rate; the default is the paper's for 4-bit bases (5e-6 for bf16 LoRA,
             which collapses above it); the embedded model's preset sets 2e-3.
-        weight_decay: AdamW weight decay.
-        warmup_ratio: fraction of steps of linear LR warm-up, then cosine decay to 0.
+        weight_decay: the optimizer's (decoupled) weight decay.
+        optimizer: `adamw_torch` (torch's AdamW, fused on CUDA) or `adamw_8bit` (bitsandbytes'
+            8-bit AdamW); TRL's `optim` names (`qerl_exp.optim`).
+        lr_scheduler: the learning-rate schedule over `steps`: `warmup_cosine` (linear warm-up to the
+            peak at the last warm-up step, then cosine decay to 0), or a name of transformers'
+            `get_scheduler` (TRL's `lr_scheduler_type`: `linear`, `cosine`, `constant`, ...;
+            `qerl_exp.optim`).
+        lr_scheduler_kwargs: the schedule's own arguments, as TRL's `lr_scheduler_kwargs` (e.g.
+            `{min_lr_rate: 0.1}` for `cosine_with_min_lr`).
+        warmup_ratio: fraction of the steps that warm the learning rate up.
         grad_clip: max global grad norm (0 disables clipping).
         device: `auto` (CUDA when present), `cpu` or `cuda`.
         deterministic: ask torch for deterministic kernels.
@@ -442,6 +469,9 @@ class TrainConfig:
     prompts_per_step: int = 8
     lr: float = 1e-5
     weight_decay: float = 0.0
+    optimizer: str = "adamw_torch"
+    lr_scheduler: str = "warmup_cosine"
+    lr_scheduler_kwargs: dict[str, typing.Any] = field(default_factory=dict)
     warmup_ratio: float = 0.1
     grad_clip: float = 1.0
     device: str = "auto"
@@ -465,6 +495,8 @@ class TrainConfig:
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _check(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        _choice("train.optimizer", self.optimizer, OPTIMIZERS)
+        _choice("train.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _choice("train.device", self.device, ("auto", "cpu", "cuda"))
         _check(self.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
@@ -647,6 +679,9 @@ class Config:
         _check(not (self.task.chat_template or self.task.chat_template_kwargs) or self.model.source == "pretrained",
                "task.chat_template and task.chat_template_kwargs are for a checkpoint's tokenizer (model.name=<folder or "
                "hub id>); the embedded model has no chat template: its prompts are plain text")
+        _check(not self.eval.every or self.task.holds_out,
+               "eval.every needs held-out problems, and task.eval_size=0 holds none out: give task.eval_path (or "
+               "task.eval_split), or set eval.every=0")
         _check(batch % self.algo.mini_batches == 0,
                f"algo.mini_batches={self.algo.mini_batches} must divide the batch of {batch} completions "
                "(train.prompts_per_step * algo.group_size)")

@@ -1,26 +1,32 @@
-"""`python -m qerl_exp.export run_dir=RUN out=DIR [merge=bf16]`: a finished run's policy to take away.
+"""`python -m qerl_exp.export run_dir=RUN out=DIR [merge=bf16|dequantized]`: a finished run's policy to take away.
 
 Writes a new folder `DIR` (an existing one is refused, and so is one inside a run directory; nothing
 in `RUN` changes; an export cut short, by an error, Ctrl-C or SIGTERM, leaves nothing behind):
 - the trained LoRA adapter in peft format (`adapter_config.json`, `adapter_model.safetensors`, as the
-  run saved it: its `base_model_name_or_path` names the base as the run loaded it, a checkpoint
-  folder or hub id, a converted GGUF's folder, or the embedded model's warm-up folder in
-  `model.cache_dir`);
+  run saved it, with `task_type` `CAUSAL_LM` and a `base_model_name_or_path` that loads from anywhere:
+  a hub id, or the absolute path of the checkpoint folder, converted GGUF's folder or embedded
+  model's warm-up folder in `model.cache_dir` the run loaded);
 - the tokenizer as `transformers` saves it, chat template included; the embedded model's character
   tokenizer is written as an equivalent fast tokenizer (`CharTokenizer.to_hf`: the same ids, `<bos>`
   prepended as the run loop does; a character outside its vocabulary is dropped where the run
   loop refused it);
 - `export.json`: the run, its base and quantization, and with `merge` the measured difference.
 
-With `merge=bf16` the adapter moves to `DIR/adapter/` and `DIR` holds the unquantized base (in the
-run's `model.dtype`) with the adapter merged into it, saved in bfloat16, with the tokenizer and the
-EOS ids in `generation_config.json`: `AutoModelForCausalLM.from_pretrained(DIR)` and
-`AutoTokenizer.from_pretrained(DIR)` load it alone. A run trained on a quantized base (NVFP4, NF4,
-MXFP4) learned its adapter on that base, not on the unquantized one it is merged into: the command
-says so in one line, and in every case it prints how far the merged model, loaded back from `DIR`,
-is from the run's policy (its base as trained + the adapter) on the first `prompts` held-out
-prompts: how many greedy completions of `tokens` tokens are identical, how often the argmax agrees
-and the mean KL(policy || merged) per token, both along the policy's greedy completions.
+With a merge the adapter moves to `DIR/adapter/` and `DIR` holds a plain transformers checkpoint,
+with the tokenizer and the EOS ids in `generation_config.json`:
+`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it alone.
+- `merge=dequantized` (a run on a 4-bit base: NVFP4, MXFP4, NF4): the policy as trained, every 4-bit
+  layer decoded to the weights it multiplies by (`quant.dense_weight`) with its adapter added
+  (`models.merged_weight`), saved in the dtype the run computes in (`model.dtype`: bfloat16 on a
+  GPU, float32 for the embedded model on the CPU), so it differs from the run's policy by the
+  rounding of the adapter's sum alone.
+- `merge=bf16`: the adapter merged into the unquantized base (in the run's `model.dtype`), saved in
+  bfloat16. A run trained on a quantized base learned its adapter on that base, not on this one: the
+  command says so in one line.
+Either way it prints how far the merged model, loaded back from `DIR`, is from the run's policy (its
+base as trained + the adapter) on the first `prompts` held-out prompts: how many greedy completions
+of `tokens` tokens are identical, how often the argmax agrees and the mean KL(policy || merged) per
+token, both along the policy's greedy completions.
 
 The run's base is checked against the digest its `config.json` records, as for a resume: an adapter
 is never exported for (or merged into) another base than its own; a merge also checks the run's
@@ -45,6 +51,7 @@ from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_
 from qerl_exp.eval.__main__ import load_run, run_config
 from qerl_exp.scoring import completion_logits
 from qerl_exp.metrics import kl_full
+from qerl_exp.models import merged_weight
 from qerl_exp.batch import Sequences
 from qerl_exp.record import BASE_KEY, DATA_KEY, run_holding
 from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate
@@ -52,7 +59,7 @@ from qerl_exp.files import check_writable, os_error_line, temp_dir
 from qerl_exp.signals import StopSignals
 from qerl_exp.task_check import check_task
 
-MERGES = ("none", "bf16")
+MERGES = ("none", "bf16", "dequantized")
 
 
 @dataclass
@@ -62,8 +69,9 @@ class ExportCommand:
     Args:
         run_dir: the finished run's directory (holds `config.json`, `summary.json`, `final/adapter`).
         out: the folder to create; it must not exist.
-        merge: `none` (the adapter and the tokenizer) or `bf16` (also the base with the adapter
-            merged, in bfloat16, loadable by transformers alone).
+        merge: `none` (the adapter and the tokenizer), `dequantized` (also the policy as trained: a
+            4-bit base decoded, the adapter merged into it, in the run's compute dtype, loadable by
+            transformers alone) or `bf16` (the adapter merged into the unquantized base, in bfloat16).
         prompts: held-out prompts on which merge compares the merged model with the run's policy.
         tokens: greedy tokens a prompt in that comparison.
         device: `auto` (CUDA when present), `cpu` or `cuda`.
@@ -114,6 +122,9 @@ def check(args: ExportCommand):
     if not (run_dir / "summary.json").is_file():
         raise ValueError(f"run_dir={args.run_dir} holds an unfinished run (no summary.json); finish it with "
                          f"python -m qerl_exp resume={args.run_dir}, then export it")
+    if args.merge == "dequantized" and json.loads((run_dir / "config.json").read_text()).get("quant", {}).get("format") == "none":
+        raise ValueError("merge=dequantized merges the adapter into a 4-bit base's decoded weights, and this run's base "
+                         "is unquantized (quant.format=none); use merge=bf16")
     if out.exists():
         raise ValueError(f"out={args.out} exists; give a new folder (export never writes into an existing one)")
     held = run_holding(out)
@@ -149,15 +160,17 @@ def export(args: ExportCommand) -> dict:
         adapter.mkdir(exist_ok=True)
         for file in (run_dir / "final" / "adapter").iterdir():  # the files alone: the folders keep the umask's mode
             shutil.copyfile(file, adapter / file.name)
+        _portable(adapter / "adapter_config.json")
         tok.save_pretrained(tmp)
         record = {"run_dir": str(run_dir), "base": models.base_info, "model": cfg.model.name,
                   "quant": cfg.quant.format, "merge": args.merge, "args": asdict(args)}
         if args.merge != "none":
-            prompts = [tok.render_prompt(p.question, cfg.task.system_prompt) for p in task.eval_problems()[: args.prompts]]
+            prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in task.eval_problems()[: args.prompts]]
             trained, logits = _policy_side(models.policy, tok, prompts, args.tokens)
-            del models  # the merged model is built next: one model in memory at a time
+            merged = _dequantized(models.policy) if args.merge == "dequantized" else None
+            del models  # a bf16 merge builds its model next: one model in memory at a time
             gc.collect()
-            record["difference"] = _merge(args, tmp, tok, trained, logits)
+            record["difference"] = _merge(args, tmp, tok, trained, logits, merged)
         (tmp / "export.json").write_text(json.dumps(record, indent=2))
         os.replace(tmp, out)
     finally:
@@ -174,18 +187,68 @@ def _policy_side(policy, tok, prompts: list[str], tokens: int) -> tuple[Sequence
         return trained, completion_logits(policy, trained, 1.0).cpu()
 
 
-def _merge(args: ExportCommand, tmp: Path, tok, trained: Sequences, trained_logits: torch.Tensor) -> dict[str, float]:
-    """Merge the adapter into the unquantized base, save it in bf16 into `tmp`, load it back as a user
-    would, and measure it against the run's policy's greedy completions `trained` and logits."""
+def _portable(config: Path) -> None:
+    """The exported adapter's `adapter_config.json` as it loads on any machine and in any folder: its
+    base an absolute path (a folder the run named relative to where it ran) or a hub id, and peft's
+    `task_type` for a causal LM (`AutoPeftModelForCausalLM` reads it)."""
+    data = json.loads(config.read_text())
+    base = data.get("base_model_name_or_path")
+    if base and Path(base).expanduser().is_dir():
+        data["base_model_name_or_path"] = str(Path(base).expanduser().resolve())
+    data["task_type"] = "CAUSAL_LM"
+    config.write_text(json.dumps(data, indent=2))
+
+
+@torch.no_grad()
+def _dequantized(policy) -> torch.nn.Module:
+    """The run's policy as a plain transformers model, in place: every layer that carries an adapter
+    or a 4-bit base becomes an `nn.Linear` of the weight it computes with (`merged_weight`: the
+    decoded base plus the adapter), in fp32.
+
+    Raises:
+        ValueError: an adapter on a layer that is not linear (an embedding on HF's forward path).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    lm = policy.get_base_model()
+    for parent in list(lm.modules()):
+        for name, child in list(parent.named_children()):
+            four_bit = isinstance(child, torch.nn.Linear) and type(child) is not torch.nn.Linear  # a format's layer
+            if not isinstance(child, LoraLayer) and not four_bit:
+                continue
+            base = child.get_base_layer() if isinstance(child, LoraLayer) else child
+            if not isinstance(base, torch.nn.Linear):
+                raise ValueError(f"merge=dequantized merges linear layers, and {name} is a {type(base).__name__}; "
+                                 "use merge=none (the adapter) or merge=bf16")
+            weight = merged_weight(child)
+            dense = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0],
+                                             bias=base.bias is not None, device=weight.device, dtype=torch.float32)
+            dense.weight.copy_(weight)
+            if base.bias is not None:
+                dense.bias.copy_(base.bias)
+            setattr(parent, name, dense)
+    return lm
+
+
+def _merge(args: ExportCommand, tmp: Path, tok, trained: Sequences, trained_logits: torch.Tensor,
+           merged: torch.nn.Module | None = None) -> dict[str, float]:
+    """Save the merged model in bf16 into `tmp` (`merged`, the dequantized policy; None: the adapter
+    merged into the unquantized base), load it back as a user would, and measure it against the run's
+    policy's greedy completions `trained` and logits."""
     from transformers import AutoModelForCausalLM
 
-    _, _, dense = load_run(args.run_dir, device=args.device, quantized=False, checked=_checked(args))
-    device = next(dense.policy.parameters()).device
-    merged = dense.policy.merge_and_unload().to(torch.bfloat16)
+    if merged is None:
+        _, _, dense = load_run(args.run_dir, device=args.device, quantized=False, checked=_checked(args))
+        merged, dtype = dense.policy.merge_and_unload(), torch.bfloat16
+        del dense
+    else:
+        dtype = merged.get_input_embeddings().weight.dtype  # the run's compute dtype
+    device = next(merged.parameters()).device
+    merged = merged.to(dtype)
     merged.generation_config.eos_token_id = list(tok.eos_ids)
     merged.generation_config.pad_token_id = tok.pad_id
     merged.save_pretrained(tmp)
-    del dense, merged
+    del merged
     gc.collect()
     loaded = AutoModelForCausalLM.from_pretrained(tmp).to(device).eval()
     ours = _greedy(loaded, trained.prompt_ids, trained.prompt_mask, tok, args.tokens)
@@ -213,9 +276,10 @@ def report(record: dict) -> list[str]:
     lines = []
     diff = record.get("difference")
     if diff is not None:
-        if record["quant"] != "none":
+        if record["quant"] != "none" and record["merge"] == "bf16":
             lines.append(f"warning: the run trained its adapter on a {record['quant']} base; the merged model adds it to "
-                         "the unquantized base, which is not the model it learned on")
+                         "the unquantized base, which is not the model it learned on (merge=dequantized merges it into "
+                         "the decoded 4-bit weights it learned on)")
         lines.append(f"merged vs the run's policy on {diff['prompts']} held-out prompts: greedy completions identical "
                      f"on {diff['greedy_identical']}/{diff['prompts']}, argmax agrees on {diff['argmax_agreement']:.1%} of "
                      f"{diff['tokens']} tokens, mean KL {diff['mean_kl']:.3g} nats/token")

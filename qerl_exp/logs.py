@@ -2,7 +2,7 @@
 
 Loading a model prints notes that ask nothing of the user: transformers' tensor-parallel note and
 its "Loading weights" bar, bitsandbytes' hint to install an optional CPU kernel, torchao's
-GPU-only extensions that a CPU build lacks, and a deprecation that peft triggers inside
+GPU-only extensions that a CPU build lacks, the `kernels` package skipping its hub check offline, and a deprecation that peft triggers inside
 transformers. `quiet(verbose)` silences exactly these, by logger name and warning message, for the
 calls it wraps (building the models, importing bitsandbytes), and restores every level and filter
 afterwards; anything else a library says still shows. `verbose=true` on the command line shows
@@ -13,6 +13,7 @@ them all.
 | `transformers.distributed.tensor_parallel` | The following layers were not sharded: ... | a tensor-parallel plan note; runs use one device |
 | transformers' progress bars | Loading weights, Writing model shards | the embedded model loads in milliseconds |
 | `bitsandbytes.backends.cpu.ops` | Failed to load CPU gemm_4bit_forward ... pip install kernels | an optional faster CPU kernel from the hub |
+| `kernels._internals.hf_hub` | Skipping publisher trust check for 'kernels-community/...' because Hugging Face Hub is in offline mode | that optional kernel's lookup, with the hub offline |
 | `torchao` | Failed to load .../_C_mxfp8...so | CUDA-only extensions, absent here |
 | `torch.utils._pytree` | register_constant() on Enum subclasses is deprecated | torchao's import-time registration |
 | `FutureWarning` from transformers | `is_gradient_checkpointing` is deprecated | peft reads the old alias when wrapping the model |
@@ -29,6 +30,7 @@ from typing import Iterator
 NOTICE_LOGGERS = (
     "transformers.distributed.tensor_parallel",
     "bitsandbytes.backends.cpu.ops",
+    "kernels._internals.hf_hub",
     "torchao",
     "torch.utils._pytree",
 )

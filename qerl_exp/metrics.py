@@ -34,6 +34,8 @@ these functions; it never builds metric names itself. Token means are over compl
 | mem/rollout_peak_bytes, mem/learner_peak_bytes | CUDA: the step's peak in the rollout, and in the reference, monitor and learner passes |
 | loss, grad_norm, lr | the optimized loss and the global grad norm before clipping (means over the step's optimizer steps), the learning rate |
 | train/skipped | 1 when the step's loss or gradient was not finite and the update was skipped |
+| epoch | tasks that read data (`task=gsm8k`, `math`, `dataset`): the passes over the training prompts drawn through this step, prompts_per_step x steps / training prompts (TRL's fractional `epoch`) |
+| rewards/<fn>/<name> | what reward function `fn` logged with `log_metric(name, value)` in the step: the mean of its values (every call, every rank) |
 | noise/target_error | `noise=adaptive` only: the controller's set point minus the measured entropy (or entropy gain) |
 | noise/target | `noise=adaptive` only: the controller's set point in nats (`noise.target_value`, or with `noise.target_relative` that multiple of the learner's entropy on the first step's rollout) |
 | fork/b_share | `task=fork` only: the share of the step's completions that take route B (`tasks.fork`) |
@@ -46,12 +48,15 @@ these functions; it never builds metric names itself. Token means are over compl
 Every `tracker.completions_every` steps, `completions.jsonl` (beside `metrics.jsonl`) gets one JSON
 object per completion of the step (`completion_records`): `step`, `prompt` (as the model saw it,
 chat template applied), `completion`, `rewards` (each reward function's value, unweighted; null
-where it returned None), `reward` (their weighted sum; null when none applies) and `advantage`.
+where it returned None), `reward` (their weighted sum; null when none applies), `advantage`, and
+`extra` when reward functions logged columns (`log_extra(column, values)`: `{column: value}`).
 
 Summary keys (`summary.json`, `run_summary`): `reward/final` (mean reward over the last quarter of the
 steps, `FINAL_FRACTION`; the console line and the sweep's default objective use the same window;
 null, as `reward/best`, when no reward function scored any completion), `reward/best`, `<metric>/mean` for entropy, speed and noise metrics, the last `eval/*`, the largest
-`mem/*`, `steps` (the run loop adds `world_size`, `commit` and `device`, `cpu` or `cuda`); for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
+`mem/*`, `steps` (the run loop adds `world_size`, `commit` and `device`, `cpu` or `cuda`, and for a
+task that reads data `data/train_prompts`, `data/held_out_prompts` and `data/duplicate_prompts`, the
+rows that repeat an earlier row's prompt: `tasks.datasets.FileTask.facts`); for the embedded model, its warm-up: `warmup/greedy_accuracy`, `warmup/steps` and
 `warmup/weights` (a digest of the weights: runs that show the same one started from the same model;
 another kind of CPU can warm up another, `models.warmup.weights_digest`); for a two-route task
 (`task=fork`), what its warm-up measured, `warmup/pi0_b` (the base's mean probability of opening
@@ -105,13 +110,14 @@ MACHINE_METRICS = ("perf/", "timing_s/", "mem/peak_bytes", f"mem/{Phase.ROLLOUT}
 
 def _logged_patterns() -> list[str]:
     """The per-step names of this module's table (its first column), as regular expressions:
-    `<fn>` is any reward function's name, `@k` / `@n` any count."""
+    `<fn>` is any reward function's name, `<name>` any name it logs, `@k` / `@n` any count."""
     names = []
     for line in __doc__.split("Summary keys")[0].splitlines():
         cells = line.split("|")
         if len(cells) > 2 and cells[1].strip() not in ("name", "---"):
             names += [n.strip() for n in cells[1].split(",")]
-    return [re.escape(n).replace("<fn>", "[^/]+").replace("@k", r"@\d+").replace("@n", r"@\d+") for n in names]
+    return [re.escape(n).replace("<fn>", "[^/]+").replace("<name>", "[^/]+").replace("@k", r"@\d+").replace("@n", r"@\d+")
+            for n in names]
 
 
 LOGGED = _logged_patterns()
@@ -202,15 +208,36 @@ def reward_metrics(rewards: dict[str, torch.Tensor], weights: dict[str, float], 
 
 
 def completion_records(step: int, prompts: list[str], completions: list[str], rewards: dict[str, list[float]],
-                       total: list[float], advantages: list[float]) -> list[dict]:
-    """The rows of `completions.jsonl` (the module doc): one per completion, NaN written as null."""
+                       total: list[float], advantages: list[float], extra: dict[str, list] | None = None) -> list[dict]:
+    """The rows of `completions.jsonl` (the module doc): one per completion, NaN written as null;
+    `extra`: the columns reward functions logged (`log_extra`), one value per completion."""
     def value(v: float) -> float | None:
         return None if math.isnan(v) else v
 
     return [{"step": step, "prompt": prompt, "completion": completion,
              "rewards": {name: value(values[i]) for name, values in rewards.items()},
-             "reward": value(total[i]), "advantage": advantages[i]}
+             "reward": value(total[i]), "advantage": advantages[i],
+             **({"extra": {c: _plain(v[i]) for c, v in extra.items()}} if extra else {})}
             for i, (prompt, completion) in enumerate(zip(prompts, completions))]
+
+
+def _plain(value):
+    """A logged value as JSON holds it: numbers, text, booleans and None as they are, anything else as text."""
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    return str(value)
+
+
+def logged_metrics(logs: list[dict[str, list[float]]]) -> dict[str, float]:
+    """`rewards/<fn>/<name>`: the mean of what reward function `fn` logged as `name` (`log_metric`) in
+    the step, over every call and rank (`logs`: each rank's values by metric)."""
+    names = sorted({name for log in logs for name in log})
+    return {name: float(np.mean([v for log in logs for v in log.get(name, [])])) for name in names}
+
+
+def epoch_metrics(epoch: float) -> dict[str, float]:
+    """`epoch`: the passes over the training prompts drawn so far (TRL's fractional epoch)."""
+    return {"epoch": epoch}
 
 
 def completion_metrics(mask: torch.Tensor, terminated: torch.Tensor) -> dict[str, float]:
@@ -260,7 +287,7 @@ def entropy_metrics(learner_entropy: torch.Tensor, sampler_entropy: torch.Tensor
 def noise_metrics(sigma: float, stage: int, scales: list[float]) -> dict[str, float]:
     """The schedule's sigma and stage, and the noise's standard deviation per noised norm
     (`sigma * scale`, `scales` from `noise.AQN.scales`: 1 for absolute noise) as its spread."""
-    effective = sigma * np.asarray(scales, dtype=np.float64)
+    effective = sigma * np.asarray(scales or [0.0], dtype=np.float64)  # no noised norm: no noise anywhere
     return {"noise/sigma": sigma, "noise/stage": stage, "noise/sigma_eff_min": float(effective.min()),
             "noise/sigma_eff_median": float(np.median(effective)), "noise/sigma_eff_max": float(effective.max())}
 
@@ -396,7 +423,7 @@ def eval_metrics(is_correct: list[bool], in_format: list[bool], rewards: list[fl
         "reward": mean(rewards),
         "clipped_ratio": float(1 - np.mean(terminated)),
         "solution_logp": float(solution_logp.mean()),
-        "problems": float(len(is_correct)),
+        "problems": float(len(terminated)),  # one per problem graded, whatever functions judge them
     }
     if k:
         out[f"pass@{k}"] = mean([pass_at_k(n, c, k) for c in counts])

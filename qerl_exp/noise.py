@@ -181,7 +181,8 @@ class AQN:
 
     def __init__(self, model: nn.Module, cfg: NoiseConfig, seed: int):
         self.cfg = cfg
-        self.norms = noisy_norms(model, cfg.include_final_norm)
+        # without noise no norm is needed: a family with other norms (GPT-2's LayerNorm) runs noise-free
+        self.norms = noisy_norms(model, cfg.include_final_norm) if cfg.schedule != "none" else []
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.sigma = 0.0
         self.draws: list[torch.Tensor] = []
@@ -193,6 +194,8 @@ class AQN:
         """One line when the planned noise's standard deviation exceeds `SCALE_WARNING` of a noised
         norm's median |gamma| (named: the norm where it perturbs its linears' inputs the most)."""
         sigma, option = planned_sigma(self.cfg)
+        if not self.norms:  # no noise
+            return None
         if self.cfg.relative:
             if sigma <= SCALE_WARNING:
                 return None

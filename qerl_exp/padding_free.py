@@ -129,8 +129,9 @@ def same_adapters():
 
 
 def _stack(a_list, b_list, scales: list[float], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(A, B)`: the adapters' A stacked `[R, K]`, B block-diagonal with its scales `[O, R]`, in `dtype`."""
-    key = (id(a_list[0]), dtype)
+    """`(A, B)`: the adapters' A stacked `[R, K]`, B block-diagonal with its scales `[O, R]`, in `dtype`
+    (a zero-rank adapter, `blocks`' of a projection without one, adds no rows and no columns)."""
+    key = (*(id(a) for a in a_list if a.shape[0]), dtype)  # the parameters: a zero-rank A is made at each read
     if _stacks is not None and key in _stacks:
         return _stacks[key]
     with torch.no_grad():
@@ -216,8 +217,8 @@ def _group(group: blocks.Group, x: torch.Tensor) -> torch.Tensor:
     """One projection group (its projections' outputs side by side) on `x`."""
     if group.adapters is None:
         return _frozen_linear(x, group)
-    dropout = group.adapters[0].dropout
-    xa = dropout(x) if not isinstance(dropout, nn.Identity) and dropout.training else None  # one config a group
+    dropout = next(a.dropout for a in group.adapters if a.a.shape[0])  # one config a group (zero-rank ones: none)
+    xa = dropout(x) if not isinstance(dropout, nn.Identity) and dropout.training else None
     scales = [a.scale for a in group.adapters]
     a_list, b_list = [a.a for a in group.adapters], [a.b for a in group.adapters]
     if not torch.is_grad_enabled():  # a forward without backward (old or reference log-probs, a checkpointed block)

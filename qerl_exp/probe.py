@@ -56,6 +56,7 @@ import torch
 
 from analysis.stats import t_interval
 from qerl_exp import logs
+from qerl_exp.cli import parse_command_line
 from qerl_exp.compose import compose, group_options
 from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{__doc__}\n{ProbeArgs.__doc__}")
         return
     try:
-        args, overrides = parse(argv)
+        args, overrides = parse(parse_command_line(argv)[0])  # --config-dir DIR: the preset folder it adds
         with logs.quiet(args.verbose):
             check(args, overrides)
             results = probe(args, overrides)

@@ -241,7 +241,7 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature: float, top_p: float,
              max_new_tokens: int, batch_size: int, on_batch: Callable[[int], None] | None = None,
              engine: str = "hf", top_k: int = 0, min_p: float = 0.0,
-             stop: Sequence[str] = ()) -> tuple[list[str], list[bool]]:
+             stop: Sequence[str] = ()) -> tuple[list[str], list[bool], list[list[int]]]:
     """Completion texts of prompt texts, in batches.
 
     Args:
@@ -262,14 +262,15 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
         stop: strings that end a completion (kept in its text).
 
     Returns:
-        `(texts, terminated)`: each completion up to (without) its EOS or through its stop string,
-        and whether EOS or a stop string came. Sampling draws from torch's global generator.
+        `(texts, terminated, ids)`: each completion up to (without) its EOS or through its stop
+        string, whether EOS or a stop string came, and its token ids (through its EOS). Sampling
+        draws from torch's global generator.
     """
     rows = [p for p in prompts for _ in range(samples)]
     device = next(model.parameters()).device
     generator = make_generator(engine, model, tokenizer, device, min(batch_size, len(rows)), max_new_tokens)
     how = Sampling(max_new_tokens, temperature, top_p, top_k, min_p, tuple(stop))
-    texts, terminated = [], []
+    texts, terminated, token_ids = [], [], []
     try:
         for start in range(0, len(rows), batch_size):
             ids, mask = encode_prompts(rows[start:start + batch_size], tokenizer, device)
@@ -278,11 +279,12 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
             cmask, stopped = cut_at_stop(tokenizer, out, cmask, stop)
             texts += decode_completions(tokenizer, out, cmask, tokenizer.eos_ids)
             terminated += (ended | stopped).tolist()
+            token_ids += [row[m].tolist() for row, m in zip(out.cpu(), cmask.bool().cpu())]
             if on_batch is not None:
                 on_batch(len(out))
     finally:
         generator.release()
-    return texts, terminated
+    return texts, terminated, token_ids
 
 
 class HFGenerator:

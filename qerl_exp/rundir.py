@@ -7,7 +7,9 @@ continuation of an unfinished one. It refuses, changing nothing on disk:
   released by the kernel when the process dies);
 - a rerun whose config differs from the run's record (`config.json`, read with today's schema:
   `record.current`) outside `record.RESUMABLE_KEYS`, or whose task data or base model files have
-  changed since the run started (their digests);
+  changed since the run started (their digests), once the run has logged a step or written a
+  checkpoint (`started`): a run that failed before its first step holds nothing of a config's, and
+  the same command, fixed, takes its directory over;
 - a directory that holds other runs, or a `config.json` that is not a run's.
 
 A default run directory (named by Hydra from the time, the choices and the seed) is never taken
@@ -191,7 +193,8 @@ def _take(run_dir: Path, config: dict, fresh: bool) -> RunDir:
         lock.flush()
         saved = saved_config(run_dir)
         # a resumed run keeps the choices and the commit it started with (`summary.json` gets the one that ends it)
-        merged = config if saved is None else {**config, **{k: saved[k] for k in ("choices", "commit") if k in saved}}
+        merged = config if saved is None or not started(run_dir) else \
+            {**config, **{k: saved[k] for k in ("choices", "commit") if k in saved}}
         if merged != saved:
             write_atomic(run_dir / "config.json", json.dumps(merged, indent=2))
     except BaseException:
@@ -218,10 +221,21 @@ def _check(run_dir: Path, config: dict, fresh: bool) -> None:
         length = "" if steps in (None, record.flatten(config).get("train.steps")) else (
             f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
         raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
+    if not started(run_dir):  # it failed before its first step: nothing in it is another config's
+        return
     changes, listed = _changes(saved, run_dir / "config.json", config)
     if changes:
         raise ConfigChangedError(
             f"{run_dir} holds an unfinished run started with another config ({listed}); {_advice(changes, run_dir)}")
+
+
+def started(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` has done anything a config shaped: logged a step (`metrics.jsonl`)
+    or written a checkpoint or its final state."""
+    run_dir = Path(run_dir)
+    log = run_dir / "metrics.jsonl"
+    return (log.is_file() and log.stat().st_size > 0) or (run_dir / "final").exists() or \
+        any((run_dir / "checkpoints").glob("step_*"))
 
 
 def _advice(changes: list[str], run_dir: Path, resuming: bool = False) -> str:

@@ -3,7 +3,7 @@
 `@schema` makes a config dataclass (`qerl_exp.config` holds the groups, `qerl_exp.task_config` the
 task group): its `__post_init__` checks
 that every float field is finite (nan and inf are refused for every field alike, before the
-field's own range checks), runs the class's own checks, and freezes the instance. `check` and
+field's own range checks; an optional one may be None), runs the class's own checks, and freezes the instance. `check` and
 `choice` raise `ConfigError` with a message that names the field and what to change.
 """
 
@@ -50,12 +50,13 @@ def schema(cls):
     cls = dataclass(cls)
     _SCHEMAS.append(cls)
     validate = cls.__dict__.get("__post_init__")
-    floats = [f.name for f in dataclasses.fields(cls) if f.type in ("float", float)]
+    # float fields, and whether None is allowed (a field resolved from others when unset)
+    floats = {f.name: f.type == "float | None" for f in dataclasses.fields(cls) if f.type in ("float", float, "float | None")}
 
     def __post_init__(self) -> None:
-        for name in floats:
+        for name, optional in floats.items():
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value)) and not (optional and value is None):
                 raise ConfigError(f"{place(cls)}{name} must be a finite number, got {value}")
         if validate is not None:
             validate(self)

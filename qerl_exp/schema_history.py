@@ -27,12 +27,17 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
+from qerl_exp.trl_names import did_you_mean
+
 # What leaves a field to today's default in `BEFORE` (its value never mattered to that run).
 TODAY = object()
 
 # The value each listed field had, in effect, before it existed (see the module docstring): a value,
 # or a function of the record giving it (or `TODAY`).
 BEFORE: dict[str, Any] = {
+    # data files: duplicate prompts were dropped, and each step's prompts drawn afresh
+    "task.drop_duplicates": True,
+    "task.sampler": "independent",
     # the adaptive controller's set point was in nats before it could be relative to step 0's
     # entropy; other schedules never read it
     "noise.target_relative": lambda record: False if record.get("noise", {}).get("schedule") == "adaptive" else TODAY,
@@ -58,8 +63,14 @@ RETIRED = {
 
 
 def unknown_key_line(key: str) -> str:
-    """The one line for a config key the schema does not have: its retirement notice, if it had one."""
-    return RETIRED.get(key, f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job")
+    """The one line for a config key the schema does not have: its retirement notice, if it had one;
+    for a name of TRL's, the key it is here (`trl_names`)."""
+    if key in RETIRED:
+        return RETIRED[key]
+    hint = did_you_mean(key)
+    if hint:
+        return f"unknown config key '{key}'{hint} (docs/trl.md maps TRL's names)"
+    return f"unknown config key '{key}'; check the spelling, or list the fields with --cfg job"
 
 
 def _pop(tree: dict, key: str) -> tuple[bool, Any]:

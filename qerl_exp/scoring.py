@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from qerl_exp import blocks, padding_free
-from qerl_exp.architectures import body, causal_lm
+from qerl_exp.architectures import causal_lm
 from qerl_exp.batch import Sequences
 from qerl_exp.config import TrainConfig
 from qerl_exp.packing import pack
@@ -37,19 +37,21 @@ def _model_inputs(batch: Sequences) -> dict[str, torch.Tensor]:
 
 
 def _hidden_states(model, batch: Sequences):
-    """The teacher-forced HF forward every padded score starts from: `(lm, hidden [B, P + T, H])`,
-    `lm` the HF causal LM inside a peft wrapper or the model itself, `hidden` its decoder body's
-    output (peft's LoRA layers inside it apply their adapters)."""
-    return causal_lm(model), body(model)(**_model_inputs(batch)).last_hidden_state
+    """The teacher-forced HF forward every padded score starts from: `(head, hidden [B, P + T, H])`,
+    the HF causal LM's output layer and its backbone's last hidden states (peft's LoRA layers inside
+    it apply their adapters). Read through HF's own accessors (`base_model`, `get_output_embeddings`),
+    so the padded path scores any causal LM, a family the decoders do not declare included."""
+    lm = causal_lm(model)
+    return lm.get_output_embeddings(), lm.base_model(**_model_inputs(batch)).last_hidden_state
 
 
 def completion_logits(model, batch: Sequences, temperature: float) -> torch.Tensor:
     """Tempered logits `[B, T, V]` that predict each completion token, teacher-forced: the whole
     vocabulary at every position, for the monitor's exact KL (small models; the learner and
     evaluation use `score`)."""
-    lm, hidden = _hidden_states(model, batch)
+    head, hidden = _hidden_states(model, batch)
     prompt_len, new = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    return lm.lm_head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
+    return head(hidden)[:, prompt_len - 1 : prompt_len - 1 + new].float() / temperature
 
 
 def token_logp(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,11 +91,11 @@ def score_completions(
         `(logp, entropy)`, each `[B, T]` fp32, 0 where the completion mask is 0; `logp` is
         differentiable when grad is enabled, `entropy` only with `entropy_grad`.
     """
-    lm, hidden = _hidden_states(model, batch)
+    head, hidden = _hidden_states(model, batch)
     prompt_len, (b, t) = batch.prompt_ids.shape[1], batch.completion_ids.shape
     hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + t].reshape(b * t, -1)
     where = batch.completion_mask.reshape(-1).nonzero().squeeze(1)
-    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], lm.lm_head, temperature,
+    logp, entropy = chunk_scores(hidden[where], batch.completion_ids.reshape(-1)[where], head, temperature,
                                  entropy_grad, chunk)
     zeros = hidden.new_zeros(b * t, dtype=torch.float32)
     return zeros.index_put((where,), logp).view(b, t), zeros.index_put((where,), entropy).view(b, t)

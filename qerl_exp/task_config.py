@@ -79,13 +79,25 @@ class TaskConfig:
             `wide` (those and six more, with their own sentence and question forms, names and
             objects); the evaluation splits are the same for both.
         eval_size: held-out problems used by evaluation (a single file holds out at most a
-            quarter of its problems).
+            quarter of its problems). 0: none; every problem of `path` trains, and evaluation
+            scores all of `eval_path` (or `eval_split`), or is off without one.
+        drop_duplicates: task=gsm8k, math, dataset: drop a row whose prompt an earlier row has
+            (false: keep it, as TRL does; their count is printed and recorded in `summary.json`). A
+            held-out prompt never trains either way.
+        sampler: task=gsm8k, math, dataset: how training draws its prompts: `epoch` shuffles the
+            training prompts once per epoch, seeded by the run's seed, and draws every one of them
+            once per epoch (`epoch` is logged); `independent` draws each step's prompts afresh (a
+            prompt may come back before the others have been seen). The generated tasks draw
+            new problems each step.
         reward_funcs: the reward functions, in TRL's batched signature
-            `fn(prompts, completions, **columns) -> list[float | None]` (`qerl_exp.tasks.reward_funcs`):
-            `path/to/file.py:function`, `package.module:function`, or the built-in `format` and
-            `correct`. Each is logged as `rewards/<function>/mean` and `/std`; a completion's reward
-            is their weighted sum. Empty: `format` (unless format_reward is 0) and `correct`.
+            `fn(prompts, completions, **kwargs) -> list[float | None]` (`qerl_exp.tasks.reward_funcs`;
+            sync or async): `path/to/file.py:function`, `package.module:function`, or the built-in
+            `format` and `correct`. Each is logged as `rewards/<function>/mean` and `/std`; a
+            completion's reward is their weighted sum. Empty: `format` (unless format_reward is 0)
+            and `correct`.
         reward_weights: one weight per entry of reward_funcs; empty: 1 each.
+        reward_kwargs: keyword arguments of your own for a reward function, by its name: e.g.
+            `{length: {target: 200}}` calls `length(..., target=200)` on every batch.
         format_reward: the built-in `format`'s reward for a completion in the
             <think>...</think><answer>...</answer> format; 0 leaves it out of the default functions.
         correct_reward: the built-in `correct`'s reward for an exactly correct answer.
@@ -93,9 +105,14 @@ class TaskConfig:
             <answer>...</answer> (the paper); `text`, also a reply's natural forms when it has no
             tags: the last \\boxed{...}, else what follows the last `####` or "answer is", else its
             last number.
-        system_prompt: the system message that chat-template models get with a text prompt (the
-            embedded model ignores it; a conversational prompt carries its own messages); empty
-            sends none, so the template's default applies.
+        system_prompt: the system message that chat-template models get with a text prompt under
+            `text_prompts=chat` (the embedded model ignores it; a conversational prompt carries its
+            own messages); empty sends none, so the template's default applies.
+        text_prompts: how a checkpoint gets a text prompt (TRL's standard format): `chat`, as the user
+            message after `system_prompt` through the chat template (the built-in tasks' problems);
+            `verbatim`, the text itself, as TRL sends it (the `dataset` preset's). A conversational
+            prompt always goes through the chat template, and one whose last message is the
+            assistant's is continued, as TRL does; the embedded model's prompts are always the text.
         chat_template: the chat template of a checkpoint's tokenizer, for rollouts, the learner and
             evaluation alike: a Jinja template, or the path of a file holding one; empty: the
             checkpoint's own. The embedded model has none (its prompts are plain text).
@@ -116,12 +133,16 @@ class TaskConfig:
     ops: list[str] = field(default_factory=lambda: ["+", "-"])
     templates: str = "base"
     eval_size: int = 200
+    drop_duplicates: bool = False
+    sampler: str = "epoch"
     reward_funcs: list[str] = field(default_factory=list)
     reward_weights: list[float] = field(default_factory=list)
+    reward_kwargs: dict[str, dict[str, typing.Any]] = field(default_factory=dict)
     format_reward: float = 0.2
     correct_reward: float = 2.0
     answer_from: str = "tags"
     system_prompt: str = SYSTEM_PROMPT
+    text_prompts: str = "chat"
     chat_template: str = ""
     chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
     route_b_prior: float = 0.01
@@ -130,6 +151,7 @@ class TaskConfig:
         _choice("task.name", self.name, ("arith", "fork", "wordprob", *FILE_TASKS))
         _check(0 < self.route_b_prior <= 0.5, f"task.route_b_prior must be in (0, 0.5], got {self.route_b_prior}")
         _choice("task.answer_from", self.answer_from, ("tags", "text"))
+        _choice("task.text_prompts", self.text_prompts, ("chat", "verbatim"))
         _choice("task.templates", self.templates, ("base", "wide"))
         _check(self.templates == "base" or self.name == "wordprob",
                f"task.templates={self.templates} is for task.name=wordprob; leave it at base for task.name={self.name}")
@@ -146,7 +168,8 @@ class TaskConfig:
         _check(len(self.ops) > 0, "task.ops must name at least one operator")
         for op in self.ops:
             _choice("task.ops entry", op, ("+", "-", "*", "/") if self.name == "wordprob" else ("+", "-", "*"))
-        _check(self.eval_size >= 1, "task.eval_size must be >= 1")
+        _check(self.eval_size >= 0, "task.eval_size must be >= 0 (0: hold no problem out)")
+        _choice("task.sampler", self.sampler, ("epoch", "independent"))
         own = [k for k in self.chat_template_kwargs if k in TEMPLATE_ARGUMENTS]
         _check(not own, f"task.chat_template_kwargs.{own[0] if own else ''} is an argument of the template's rendering, not "
                         "a variable of the template (the harness renders every prompt as text with "
@@ -182,6 +205,18 @@ class TaskConfig:
                f"task.reward_weights has {len(self.reward_weights)} entries for {len(self.reward_funcs)} task.reward_funcs; "
                "give one weight per function, or none (1 each)")
         _check(all(math.isfinite(w) for w in self.reward_weights), "task.reward_weights must be finite numbers")
+        for name, kwargs in self.reward_kwargs.items():
+            _check(name in names or (not self.reward_funcs and name in BUILTIN_REWARDS),
+                   f"task.reward_kwargs.{name} names no function of task.reward_funcs ({', '.join(names) or 'the built-in ones'}); "
+                   "key it by the name after the colon")
+            _check(isinstance(kwargs, dict), f"task.reward_kwargs.{name} must map argument names to values, "
+                                             f"e.g. {{{name}: {{scale: 2.0}}}}")
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether evaluation has problems: held out of the data (`eval_size`), or its own (`eval_path`,
+        `eval_split`, the hub GSM8K's test split)."""
+        return self.eval_size > 0 or bool(self.eval_path or self.eval_split) or (self.name == "gsm8k" and not self.path)
 
     @property
     def chat_template_file(self) -> str:

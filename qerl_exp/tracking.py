@@ -34,9 +34,16 @@ from qerl_exp.files import check_writable, write_atomic
 RESOLVE_TIMEOUT_S = 3.0
 
 
-def run_tags(choices: dict[str, str]) -> list[str]:
-    """`group:choice` tags, e.g. `noise:adaptive`, `quant:nf4`."""
-    return [f"{group}:{choice}" for group, choice in sorted(choices.items())]
+def run_tags(choices: dict[str, str], model: str = "") -> list[str]:
+    """`group:choice` tags, e.g. `noise:adaptive`, `quant:nf4`. With `model` (`model.name`), a model
+    preset that takes its model from `model.name` (`checkpoint`, or `tiny` given another name) is
+    tagged with the model that ran: a hub id, or a checkpoint folder's name (`model:Qwen3-0.6B`).
+    W&B keeps 64 characters of a tag."""
+    tags = dict(choices)
+    if model and model != "tiny" and tags.get("model") in ("checkpoint", "tiny"):
+        folder = Path(model).expanduser()
+        tags["model"] = folder.resolve().name if folder.is_dir() else model
+    return [f"{group}:{choice}"[:64] for group, choice in sorted(tags.items())]
 
 
 def _unreachable(base_url: str) -> str | None:
@@ -196,10 +203,10 @@ class Tracker:
             return
         import wandb
 
-        names = list(records[0]["rewards"])
-        table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage"],
+        names, extra = list(records[0]["rewards"]), list(records[0].get("extra", {}))
+        table = wandb.Table(columns=["step", "prompt", "completion", *names, "reward", "advantage", *extra],
                             data=[[r["step"], r["prompt"], r["completion"], *(r["rewards"][n] for n in names),
-                                   r["reward"], r["advantage"]] for r in records])
+                                   r["reward"], r["advantage"], *(r["extra"][c] for c in extra)] for r in records])
         self._guarded(lambda run: run.log({"step": step, "completions": table}))
 
     def finish(self, summary: dict) -> None:

@@ -37,9 +37,12 @@ from qerl_exp.loss import group_advantages, tokens_in_loss
 from qerl_exp.scoring import completion_logits
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
 from qerl_exp.noise import AQN, Schedule
+from qerl_exp.optim import make_optimizer, make_scheduler
 from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.signals import Interrupted, StopSignals
-from qerl_exp.tasks import Task, build_task
+from qerl_exp.tasks import Task, build_task, duplicates_line
+from qerl_exp.tasks.base import epochs_done
+from qerl_exp.tasks.reward_funcs import trainer_state
 from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -51,19 +54,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
-    """Linear warm-up over `warmup_ratio` of the steps, then cosine decay to 0."""
-    warmup = int(total_steps * warmup_ratio)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * done))
-
-    return f
 
 
 class NonFiniteError(RuntimeError):
@@ -204,7 +194,7 @@ class _Loop:
     schedule: Schedule
     params: list[torch.Tensor]
     opt: torch.optim.Optimizer
-    lr_sched: torch.optim.lr_scheduler.LambdaLR
+    lr_sched: torch.optim.lr_scheduler.LRScheduler
     data_rng: np.random.Generator
     weights: dict[str, int]
     load_peak: float
@@ -232,7 +222,8 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     loop = _setup(cfg, run_dir, config, resume_from, choices, group)
     models = loop.models
     # Where the run began, before any update (the policy as built: LoRA is the identity); logged at step 0.
-    start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True) \
+    start_eval = evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg, start=True,
+                                      state=trainer_state(0, cfg.train.steps, 0.0)) \
         if cfg.eval.at_start and loop.start == 0 else {}
     bar = progress.Progress(cfg.train.steps, "train", initial=loop.start, file=distributed.console())
     signals = StopSignals() if stop is None else None
@@ -242,7 +233,7 @@ def _train(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
             for step in range(loop.start, cfg.train.steps):
                 _step(loop, step, start_eval if step == 0 else {}, bar, on_step, stop)
         _save(loop, run_dir / "final", cfg.train.steps)
-        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info),
+        summary = distributed.broadcast({**M.run_summary(loop.history, models.base_info), **getattr(loop.task, "facts", {}),
                                          "world_size": distributed.world_size(), "commit": record.source_commit(),
                                          "device": loop.device.type}
                                         if distributed.is_main() else None)
@@ -289,7 +280,9 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     data stream; restored from `resume_from` when given; the tracker and the logged history."""
     seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, seed=cfg.seed)
+    if distributed.is_main() and (line := duplicates_line(cfg.task, task)):
+        print(line, file=sys.stderr)
     with logs.quiet(cfg.verbose):
         models = build_models(cfg, task, device)
     policy, sampling = models.policy, models.sampler.module
@@ -301,10 +294,10 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
     if distributed.is_main() and (warning := aqn.scale_warning()):
         print(warning, file=sys.stderr)
     params = [p for p in policy.parameters() if p.requires_grad]
-    # fused on CUDA: one kernel, no temporary copies of every parameter list (foreach makes several)
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+    with logs.quiet(cfg.verbose):  # bitsandbytes' import notices, for its 8-bit AdamW
+        opt = make_optimizer(params, cfg.train, device)
     loop = _Loop(cfg, run_dir, config, device, task, models, generator, aqn, Schedule(cfg.noise, cfg.train.steps), params,
-                 opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train.steps, cfg.train.warmup_ratio)),
+                 opt, make_scheduler(opt, cfg.train),
                  np.random.default_rng(cfg.seed), models.sampler.weights_bytes(), M.phase_peak_bytes(device))
     if resume_from is None:
         check_decoders(cfg, task, models, generator, device)
@@ -326,7 +319,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         _truncate_log(run_dir, loop.start, "completions.jsonl")
         loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                                group=group or cfg.task.name, job_type="train",
-                               tags=[*run_tags(choices), f"seed:{cfg.seed}"], run_id=wandb_id)
+                               tags=[*run_tags(choices, cfg.model.name), f"seed:{cfg.seed}"], run_id=wandb_id)
     return loop
 
 
@@ -349,7 +342,8 @@ def _rollout(loop: _Loop, step: int) -> _Batch:
     this step's noise draw in the sampler's norm scales."""
     cfg, tok, sampling = loop.cfg, loop.models.tokenizer, loop.models.sampler.module
     share = distributed.shard(cfg.train.prompts_per_step)
-    problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng)[share.start:share.stop]
+    drawn = step * cfg.train.prompts_per_step if cfg.task.sampler == "epoch" else None  # the epoch sampler's position
+    problems = loop.task.sample(cfg.train.prompts_per_step, loop.data_rng, start=drawn)[share.start:share.stop]
     prompts = [tok.render_prompt(p.prompt, cfg.task.system_prompt) for p in problems]
     sigma, stage = loop.schedule(step)
     loop.aqn.draw(sigma)
@@ -385,7 +379,11 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
 
     # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
     repeated = [p for p in batch.problems for _ in range(G)]
-    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}")
+    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
+    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
+                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
+    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
+    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
     rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
     total = M.total_reward(rewards, loop.task.rewards.weights)
     advantages = group_advantages(total, G, algo.scale_rewards,
@@ -425,7 +423,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         models.sampler.sync()
     sync_s = learner.clock(device) - t0
     if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg))
+        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg,
+                                            state=trainer_state(step + 1, cfg.train.steps, _epoch(loop, step + 1))))
 
     # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
     phases = distributed.maximum({M.Phase.ROLLOUT: batch.seconds, M.Phase.REFERENCE: reference_s,
@@ -447,6 +446,10 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
         metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
                                               gather(rollout.sampler_entropy[:, 0]).tolist()))
+    # what the reward functions logged (`log_metric`: every rank's values), and how far through the data
+    metrics.update(M.logged_metrics(distributed.gather_objects([logged])))
+    if hasattr(loop.task, "epoch"):
+        metrics.update(M.epoch_metrics(_epoch(loop, step + 1)))
     metrics.update(loop.schedule.observe(metrics))
     if distributed.is_main() and (warning := loop.schedule.pinned_warning()):
         print(warning, file=sys.stderr)
@@ -454,8 +457,12 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
             step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
-            advantages.tolist())))
+            advantages.tolist(), extra)))
     return metrics
+
+
+def _epoch(loop: _Loop, step: int) -> float:
+    return epochs_done(loop.task, step, loop.cfg.train.prompts_per_step, loop.cfg.train.steps)
 
 
 def _check_nonfinite(nonfinite: int, cfg: Config, step: int, run_dir: Path) -> None:

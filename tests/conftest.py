@@ -133,17 +133,19 @@ def tiny_decoder(family: str, seed: int = 0, *, vocab: int = 96, hidden: int = 1
     return model.eval()
 
 
-def with_lora(model, seed: int | None = 1, random_b: bool = True):
-    """`model` wrapped by peft with LoRA r=8, alpha 16 on the seven decoder projections. `random_b`: B is
-    random as well as A (peft's init_lora_weights=False), so both get a gradient and the adapter
-    changes the output; `seed`: torch's seed for that initialisation (None: the stream as it is)."""
+def with_lora(model, seed: int | None = 1, random_b: bool = True, targets: list[str] | None = None,
+              rank_pattern: dict | None = None):
+    """`model` wrapped by peft with LoRA r=8, alpha 16 on the seven decoder projections (or `targets`;
+    `rank_pattern`: peft's other ranks by module name). `random_b`: B is random as well as A (peft's
+    init_lora_weights=False), so both get a gradient and the adapter changes the output; `seed`:
+    torch's seed for that initialisation (None: the stream as it is)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     if seed is not None:
         torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(DECODER_LINEARS),
-                                            init_lora_weights=not random_b))
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(targets or DECODER_LINEARS),
+                                            rank_pattern=rank_pattern or {}, init_lora_weights=not random_b))
 
 
 def tiny_models(*overrides: str):

@@ -71,7 +71,8 @@ class LinearGroup:
     lora_a: list | None  # the engine's copy of each projection's LoRA A [r, K]
     lora_b: list | None  # ... and B [N, r]
     scale: list
-    r: int
+    r: int  # the group's rank: its largest adapter's; a smaller one (0: no adapter) is zero-padded to it
+    ranks: list  # each projection's own rank
     glu: bool
     bases: list  # the base layers the weights were read from (an in-place requantize_ is seen)
     updates: list  # each base layer's `updates` count when read (None: not an FP4Linear)
@@ -138,16 +139,26 @@ def _linear(group: blocks.Group, glu: bool = False) -> LinearGroup:
     if len(fmts) != 1:
         raise NotImplementedError(f"mixed weight formats in one projection group: {sorted(fmts)}")
     lora_a = lora_b = None
-    scale, r = [0.0] * len(parts), 0
+    scale, r, ranks = [0.0] * len(parts), 0, [0] * len(parts)
     if group.adapters is not None:
-        ranks = {a.a.shape[0] for a in group.adapters}
-        if len(ranks) != 1:
-            raise NotImplementedError(f"LoRA ranks differ inside one projection group: {sorted(ranks)}")
-        r = ranks.pop()
-        lora_a, lora_b = [_copy(a.a) for a in group.adapters], [_copy(a.b) for a in group.adapters]
+        # the kernels take one rank a group: a projection of a lower one (0: without an adapter, `blocks`)
+        # gets zero rows of A and zero columns of B up to the largest, which add nothing
+        ranks = [a.a.shape[0] for a in group.adapters]
+        r = max(ranks)
+        lora_a = [a.a.new_zeros(r, a.a.shape[1]) for a in group.adapters]
+        lora_b = [a.b.new_zeros(a.b.shape[0], r) for a in group.adapters]
+        _copy_adapters(lora_a, lora_b, group)
         scale = [a.scale for a in group.adapters]
-    return LinearGroup(fmts.pop(), [w for _, w, _ in parts], [b for _, _, b in parts], lora_a, lora_b, scale, r, glu,
-                   list(group.bases), [getattr(b, "updates", None) for b in group.bases], stacked)
+    return LinearGroup(fmts.pop(), [w for _, w, _ in parts], [b for _, _, b in parts], lora_a, lora_b, scale, r, ranks,
+                       glu, list(group.bases), [getattr(b, "updates", None) for b in group.bases], stacked)
+
+
+def _copy_adapters(lora_a: list[Tensor], lora_b: list[Tensor], group: blocks.Group) -> None:
+    """The group's adapters into the engine's (zero-padded) copies: A's first rows, B's first columns."""
+    for a, b, adapter in zip(lora_a, lora_b, group.adapters):
+        rank = adapter.a.shape[0]
+        a[:rank].copy_(adapter.a)
+        b[:, :rank].copy_(adapter.b)
 
 
 def build_model(dec: blocks.Decoder, max_seq_len: int) -> Model:
@@ -178,9 +189,8 @@ def refresh(m: Model, dec: blocks.Decoder) -> None:
             ly.q_norm.copy_(blk.q_norm)
             ly.k_norm.copy_(blk.k_norm)
         for lin, group in zip((ly.qkv, ly.o, ly.gate_up, ly.down), blk.groups.values()):
-            for s, adapter in enumerate(group.adapters or []):
-                lin.lora_a[s].copy_(adapter.a)
-                lin.lora_b[s].copy_(adapter.b)
+            if group.adapters is not None:
+                _copy_adapters(lin.lora_a, lin.lora_b, group)
 
 
 def frozen(m: Model) -> list[Tensor]:
@@ -199,7 +209,7 @@ def same_layout(m: Model, dec: blocks.Decoder) -> bool:
         for lin, group in zip((ly.qkv, ly.o, ly.gate_up, ly.down), blk.groups.values()):
             if any(a is not b for a, b in zip(lin.bases, group.bases)) or (lin.lora_a is None) != (group.adapters is None):
                 return False
-            if group.adapters is not None and any(a.a.shape != mine.shape for a, mine in zip(group.adapters, lin.lora_a)):
+            if group.adapters is not None and [a.a.shape[0] for a in group.adapters] != lin.ranks:
                 return False
     return len(m.layers) == len(dec.blocks)
 

@@ -66,8 +66,8 @@ def _device(policy) -> torch.device:
 @torch.no_grad()
 def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
                        batch_size: int, on_batch=None, engine: str = "hf",
-                       stop: Sequence[str] = ()) -> tuple[list[str], list[bool]]:
-    """Greedy completions of `problems`: `(texts, terminated)`, one entry per problem.
+                       stop: Sequence[str] = ()) -> tuple[list[str], list[bool], list[list[int]]]:
+    """Greedy completions of `problems`: `(texts, terminated, token ids)`, one entry per problem.
 
     Args:
         policy: the model (eval mode is the caller's business).
@@ -93,7 +93,7 @@ def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str
     Returns:
         `(texts, terminated, correct)`, one entry per problem.
     """
-    texts, terminated = greedy_completions(policy, tokenizer, problems, **settings)
+    texts, terminated, _ = greedy_completions(policy, tokenizer, problems, **settings)
     return texts, terminated, judge(problems, texts)
 
 
@@ -143,7 +143,7 @@ def samples_per_problem(k: int, n: int) -> int:
 def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n: int, temperature: float,
           top_p: float, max_new_tokens: int, batch_size: int, seed: int, system_prompt: str,
           on_batch=None, engine: str = "hf", split: str = HELD_OUT, start: bool = False, top_k: int = 0,
-          min_p: float = 0.0, stop: Sequence[str] = ()) -> tuple[dict[str, float], list[dict]]:
+          min_p: float = 0.0, stop: Sequence[str] = (), state=None) -> tuple[dict[str, float], list[dict]]:
     """`evaluate`'s metrics and one row per problem (question, reference, greedy completion,
     verdicts); the arguments are `evaluate`'s, and `on_batch(rows)` follows each generated batch."""
     if k < 0:
@@ -162,18 +162,19 @@ def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
         # and the same seed gives the same samples.
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            greedy, terminated = greedy_completions(
+            greedy, terminated, greedy_ids = greedy_completions(
                 policy, tokenizer, problems, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
                 batch_size=batch_size, on_batch=on_batch, engine=engine, stop=stop)
-            sampled = complete(policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch,
-                               engine=engine, top_k=top_k, min_p=min_p, stop=stop)[0] if k else []
+            sampled, _, sampled_ids = complete(
+                policy, tokenizer, prompts, samples=n, temperature=temperature, top_p=top_p,
+                max_new_tokens=max_new_tokens, batch_size=batch_size, on_batch=on_batch, engine=engine, top_k=top_k,
+                min_p=min_p, stop=stop) if k else ([], [], [])
             logp = solution_logprobs(policy, tokenizer, problems, system_prompt=system_prompt, batch_size=batch_size)
     finally:
         policy.train(was_training)
 
     where = f"evaluation ({split})"
-    scores = task.rewards.compute(problems, greedy, where)
+    scores = task.rewards.compute(problems, greedy, where, completion_ids=greedy_ids, state=state)
     # float64, as the values came: the weighted sum of the built-in 0.2 and 2.0 stays 2.2
     rewards = M.total_reward({name: torch.tensor(v, dtype=torch.float64) for name, v in scores.items()},
                              task.rewards.weights).tolist()
@@ -181,7 +182,8 @@ def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     rows = [{"question": p.question, "answer": p.answer, "greedy": t, "correct": is_correct[i] if is_correct else None,
              "terminated": ended, "rewards": {name: None if math.isnan(v[i]) else v[i] for name, v in scores.items()},
              "solution_logp": float(lp)} for i, (p, t, ended, lp) in enumerate(zip(problems, greedy, terminated, logp))]
-    verdicts = task.rewards.verdicts([p for p in problems for _ in range(n)], sampled, where) if k else None
+    verdicts = task.rewards.verdicts([p for p in problems for _ in range(n)], sampled, where, completion_ids=sampled_ids,
+                                     state=state) if k else None
     counts = [sum(verdicts[i * n:(i + 1) * n]) for i in range(len(problems))] if verdicts else []
     for row, c in zip(rows, counts):
         row["samples_correct"] = f"{c}/{n}"
@@ -195,7 +197,8 @@ def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
 def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 32, batch_size: int = 64, seed: int = 0, system_prompt: str = SYSTEM_PROMPT,
              problems: list[Problem] | None = None, engine: str = "hf", split: str = HELD_OUT,
-             start: bool = False, top_k: int = 0, min_p: float = 0.0, stop: Sequence[str] = ()) -> dict[str, float]:
+             start: bool = False, top_k: int = 0, min_p: float = 0.0, stop: Sequence[str] = (),
+             state=None) -> dict[str, float]:
     """Grade `policy` on one evaluation split: greedy pass@1, and pass@k from sampling.
 
     Call it with the policy as it samples in deployment: adapters enabled and AQN off (outside
@@ -222,6 +225,8 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
         top_k: top-k of the pass@k samples (0: off).
         min_p: min-p of the pass@k samples (0: off).
         stop: strings that end every completion, greedy or sampled (`algo.stop`).
+        state: the `transformers.TrainerState` reward functions get as `trainer_state`
+            (`tasks.reward_funcs.trainer_state`); None: not passed.
 
     Returns:
         The metrics listed in this module's docstring.
@@ -232,10 +237,10 @@ def evaluate(policy, tokenizer, task, *, k: int = 8, n: int = 0, temperature: fl
     """
     return grade(policy, tokenizer, task, problems=problems, k=k, n=n, temperature=temperature, top_p=top_p,
                  max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, system_prompt=system_prompt,
-                 engine=engine, split=split, start=start, top_k=top_k, min_p=min_p, stop=stop)[0]
+                 engine=engine, split=split, start=start, top_k=top_k, min_p=min_p, stop=stop, state=state)[0]
 
 
-def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = False) -> dict[str, float]:
+def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = False, state=None) -> dict[str, float]:
     """The run loop's evaluation: every split of the task, with the run's `eval.*` settings, its
     sampling settings (temperature, top-p, top-k, min-p, stop strings), and its rollout engine.
 
@@ -246,6 +251,7 @@ def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = 
         cfg: the run config.
         start: the evaluation before the first update (`eval.at_start`): its metrics are named
             `eval/start/...` and `eval/ood/start/...`.
+        state: the run's `transformers.TrainerState` at this evaluation, for the reward functions.
 
     Returns:
         The metrics of every split, e.g. `eval/pass@1` and `eval/ood/pass@1` for `task=wordprob`.
@@ -256,5 +262,5 @@ def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = 
             policy, tokenizer, task, k=cfg.eval.k, n=cfg.eval.n, temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.algo.max_new_tokens, batch_size=cfg.eval.batch_size,
             seed=cfg.seed, system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, _device(policy)),
-            split=split, start=start, top_k=cfg.algo.top_k, min_p=cfg.algo.min_p, stop=cfg.algo.stop))
+            split=split, start=start, top_k=cfg.algo.top_k, min_p=cfg.algo.min_p, stop=cfg.algo.stop, state=state))
     return out

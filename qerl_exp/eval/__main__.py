@@ -31,7 +31,8 @@ from qerl_exp.record import DATA_KEY, DIGEST_KEYS, REWARDS_KEY, read_config
 from qerl_exp.run_files import comparable, digests
 from qerl_exp.task_check import check_task
 from qerl_exp.tasks import build_task, reader
-from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split
+from qerl_exp.tasks.reward_funcs import trainer_state
+from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split, epochs_done
 from qerl_exp.tracking import run_tags
 
 
@@ -225,7 +226,10 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
             raise ValueError(f"out={args.out}: {folder} is not a folder; create it or choose another out=")
         check_writable(folder)
     cfg = run_config(run_dir)
-    check_split(build_task(cfg.task), args.split)  # before the model is built
+    check_split(built := build_task(cfg.task), args.split)  # before the model is built
+    if not built.eval_problems(args.split):
+        raise ValueError(f"run_dir={args.run_dir} holds no problem out for evaluation (its task.eval_size is 0 and it "
+                         "has no task.eval_path): nothing to evaluate")
     check_task(cfg, ("max_new_tokens", args.eval.max_new_tokens or cfg.algo.max_new_tokens), model_fixed=True)
     cfg, task, models = load_run(run_dir, device=args.device, adapter=args.adapter)
     device = next(models.policy.parameters()).device
@@ -245,7 +249,9 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
             max_new_tokens=sampling["max_new_tokens"], batch_size=settings.batch_size,
             seed=args.seed, system_prompt=cfg.task.system_prompt, on_batch=bar.advance,
             engine=engine_for(cfg.rollout.engine if device.type == "cuda" else "hf", device),  # the run's, on its GPU
-            split=args.split,
+            split=args.split, state=trainer_state(cfg.train.steps, cfg.train.steps,  # the finished run's
+                                                  epochs_done(task, cfg.train.steps, cfg.train.prompts_per_step,
+                                                              cfg.train.steps)),
         )
     finally:
         bar.close()  # an error line after it starts a line of its own
@@ -266,16 +272,20 @@ def evaluate_run(args: EvalCommand) -> dict[str, float]:
 
 
 def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter: str | None) -> None:
-    """A W&B run of job type `eval` beside the training run (same project and task group)."""
+    """A W&B run of job type `eval` beside the training run (same project and task group). W&B points
+    `wandb/latest-run` at the run it starts: it is pointed back at the training run's, which
+    `wandb leet RUN/wandb` and the README's `wandb/latest-run/run-*.wandb` read."""
     import wandb  # only when the results go to W&B: importing it takes seconds
 
     os.environ.setdefault("WANDB_SILENT", "true")
     saved = json.loads((run_dir / "config.json").read_text())
+    latest = run_dir / "wandb" / "latest-run"
+    training = os.readlink(latest) if latest.is_symlink() else None
     try:
         run = wandb.init(
             dir=str(run_dir), mode=mode, project=cfg.tracker.project, entity=cfg.tracker.entity or None,
             name=f"{run_dir.name}-eval", group=cfg.task.name, job_type="eval",
-            tags=run_tags(saved.get("choices", {})) + (["adapter:none"] if adapter is None else []),
+            tags=run_tags(saved.get("choices", {}), cfg.model.name) + (["adapter:none"] if adapter is None else []),
             config={**as_dict(cfg), "eval": {"run_dir": str(run_dir), "adapter": adapter}},
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
@@ -284,6 +294,20 @@ def _log_wandb(run_dir: Path, cfg, metrics: dict[str, float], mode: str, adapter
         run.finish()
     except Exception as e:  # noqa: BLE001 - a tracker fault must not lose results already written
         warnings.warn(f"W&B failed ({first_line(e)}); the results are in the evaluation file only")
+    finally:
+        if training is not None:
+            _point(latest, training)
+
+
+def _point(link: Path, target: str) -> None:
+    """Make `link` a symlink to `target`, replacing what it is in one step (never missing)."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+    except OSError:  # the run dir became read-only: the link stays as W&B left it
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from qerl_exp import architectures
 from qerl_exp.config import Config, LoraConfig, QuantConfig, TaskConfig
+from qerl_exp.models.lora_targets import peft_targets, uses_decoders
 from qerl_exp.models.pretrained import load_pretrained
 from qerl_exp.models.synthetic import build
 from qerl_exp.models.tokenizers import CharTokenizer, HFTokenizer
@@ -98,7 +99,7 @@ def _load_base(cfg: Config, task, device: torch.device, dtype: torch.dtype, on_b
         model, info = load_or_warm_up(cfg.model, cfg.task, task, tokenizer)
         return model.to(device=device, dtype=dtype), tokenizer, info
     model, tokenizer, info = load_pretrained(cfg.model, dtype, device, on_block)
-    tokenizer.use_chat(chat_template_text(cfg.task), cfg.task.chat_template_kwargs)
+    tokenizer.use_chat(chat_template_text(cfg.task), cfg.task.chat_template_kwargs, cfg.task.text_prompts)
     return model, tokenizer, info
 
 
@@ -115,7 +116,7 @@ def add_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets))
+    peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=peft_targets(cfg))
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
@@ -153,12 +154,13 @@ def build_models(cfg: Config, task, device: torch.device) -> Models:
     blockwise = not dense_copies and cfg.quant.format != "none" and cfg.quant.fake == "none"
     on_block = (lambda block: quantize_model(block, cfg.quant, dtype)) if blockwise else None
     base, tokenizer, info = _load_base(cfg, task, device, dtype, on_block)
-    # every reader finds a model's parts through its declared architecture; the padding-free learner
-    # and the CUDA engine (rollout.engine=fast, or auto on CUDA) also compute its blocks by hand:
-    # refuse an undeclared family, or a variant they do not compute, before anything else reads it
-    if cfg.train.padding_free or cfg.rollout.engine == "fast" or (cfg.rollout.engine == "auto" and device.type == "cuda"):
+    # the padding-free learner and the CUDA engine (rollout.engine=fast, or auto on CUDA) compute its
+    # blocks by hand, and quantization and AQN find their layers through its declared architecture:
+    # refuse an undeclared family, or a variant the decoders do not compute, before anything reads it
+    # (HF's forward alone, with neither, runs any causal LM)
+    if uses_decoders(cfg, device.type == "cuda"):
         architectures.architecture(base.config)
-    else:
+    elif cfg.quant.format != "none" or cfg.rollout.quant != "none" or cfg.noise.schedule != "none":
         architectures.declared(base.config)
     base.requires_grad_(False)
     reference = copy.deepcopy(base) if cfg.monitor.every > 0 else None
@@ -188,10 +190,7 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
     for (_, _, src), (parent, attr, _) in zip(architectures.projections(policy, quant.targets),
                                              architectures.projections(sampler, quant.targets), strict=True):
         base = src.get_base_layer() if isinstance(src, LoraLayer) else src
-        weight = dense_weight(base).detach()
-        if isinstance(src, LoraLayer):
-            for adapter in src.active_adapters:
-                weight = weight + src.get_delta_weight(adapter).float()
+        weight = merged_weight(src)
         current = getattr(parent, attr)
         if isinstance(current, FP4Linear) and current.format == quant.format:
             current.requantize_(weight.to(dtype))  # in place: the rollout engine keeps its buffers and graphs
@@ -204,3 +203,17 @@ def requantize_sampler(policy: nn.Module, sampler: nn.Module, quant: QuantConfig
         if base.bias is not None:
             merged.bias.copy_(base.bias)
         setattr(parent, attr, quantize_linear(merged, quant, dtype))
+
+
+@torch.no_grad()
+def merged_weight(layer: nn.Module) -> torch.Tensor:
+    """The dense fp32 `[out, in]` weight a layer of the policy computes with: its base's (a 4-bit one
+    decoded exactly as it multiplies, `quant.dense_weight`) plus its active LoRA adapters' deltas."""
+    from peft.tuners.lora import LoraLayer  # imported on use, as in add_lora
+
+    base = layer.get_base_layer() if isinstance(layer, LoraLayer) else layer
+    weight = dense_weight(base).detach()
+    if isinstance(layer, LoraLayer):
+        for adapter in layer.active_adapters:
+            weight = weight + layer.get_delta_weight(adapter).float()
+    return weight

@@ -193,8 +193,8 @@ def load_pretrained(cfg: ModelConfig, dtype: torch.dtype, device: torch.device |
         model, tokenizer = _load_folder(folder, dtype, local_only=True, device=device, on_block=on_block)
         return model, tokenizer, {"source": cfg.package or str(path), "gguf_file": path.name}
     local = Path(cfg.name).expanduser()
-    if local.is_dir():
-        model, tokenizer = _load_folder(local, dtype, local_only=True, device=device, on_block=on_block)
+    if local.is_dir():  # by its absolute path: the adapter the run saves names the base wherever it is loaded
+        model, tokenizer = _load_folder(local.resolve(), dtype, local_only=True, device=device, on_block=on_block)
         return model, tokenizer, {"source": str(local)}
     online = hub_reachable()
     try:

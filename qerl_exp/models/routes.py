@@ -44,7 +44,7 @@ def route_probability(model, tokenizer, problems: list[Problem], route: str) -> 
 def route_accuracy(model, tokenizer, problems: list[Problem], route: str, max_new_tokens: int = 16) -> float:
     """Greedy accuracy of the replies that follow `route` when the route token is given."""
     prompts = [tokenizer.render_prompt(p.question, "") + route for p in problems]
-    texts, _ = complete(model, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
+    texts, _, _ = complete(model, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0,
                         max_new_tokens=max_new_tokens, batch_size=len(prompts))
     return float(np.mean([is_correct(route + t, p.answer) for t, p in zip(texts, problems)]))
 

@@ -99,14 +99,15 @@ class HFTokenizer:
         self.bos_id = None  # the chat template adds what the model expects
         # Some transformers versions leave SmolLM2's tokenizer without a pad token.
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
-        self.name, self.template_kwargs = str(name_or_path), {}
+        self.name, self.template_kwargs, self.text_prompts = str(name_or_path), {}, "chat"
 
-    def use_chat(self, template: str, kwargs: dict) -> None:
+    def use_chat(self, template: str, kwargs: dict, text_prompts: str = "chat") -> None:
         """Render prompts with `template` (a Jinja chat template; empty keeps the checkpoint's own)
-        and the extra template variables `kwargs` (e.g. `{"enable_thinking": False}`)."""
+        and the extra template variables `kwargs` (e.g. `{"enable_thinking": False}`); text prompts
+        as `text_prompts` says (`task.text_prompts`: `chat` or `verbatim`)."""
         if template:
             self.tok.chat_template = template
-        self.template_kwargs = dict(kwargs)
+        self.template_kwargs, self.text_prompts = dict(kwargs), text_prompts
 
     def __len__(self) -> int:
         return len(self.tok)
@@ -118,8 +119,14 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def render_prompt(self, prompt: str | list[dict], system_prompt: str) -> str:
-        """The text the model continues: `prompt` (a question, or a conversation's messages, which
-        keep their own system message) through the chat template, with the generation prompt."""
+        """The text the model continues, as TRL renders a prompt: a conversation's messages (which keep
+        their own system message) through the chat template with the generation prompt, or, when the
+        last message is the assistant's (a prefill such as `<think>`), continuing that message
+        (`continue_final_message`); a text prompt as `text_prompts` says: `verbatim` as TRL sends a
+        standard-format prompt (the tokenizer's own special tokens, e.g. a BOS, before it), `chat` as
+        the user message after `system_prompt`."""
+        if isinstance(prompt, str) and self.text_prompts == "verbatim":
+            return self._specials_before() + prompt
         if self.tok.chat_template is None:  # a base model: the plain text
             if not isinstance(prompt, str):
                 raise ValueError(f"the tokenizer of {self.name} has no chat template to render conversational prompts "
@@ -131,7 +138,17 @@ class HFTokenizer:
             messages.append({"role": "user", "content": prompt})
         else:
             messages = prompt
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+        prefill = messages[-1]["role"] == "assistant"
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                            continue_final_message=prefill, **self.template_kwargs)
+
+    def _specials_before(self) -> str:
+        """The special tokens the tokenizer puts before a text it encodes (a BOS, or nothing), spelled
+        as text: `encode` leaves them out, and parses them back from their spelling."""
+        ids = self.tok("x")["input_ids"]
+        plain = self.tok("x", add_special_tokens=False)["input_ids"]
+        lead = ids[: len(ids) - len(plain)] if ids[len(ids) - len(plain):] == plain else []
+        return "".join(self.tok.convert_ids_to_tokens(lead))
 
     def save_pretrained(self, path: Path) -> None:
         """The tokenizer and its chat template, as `transformers` saves them."""

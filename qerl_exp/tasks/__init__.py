@@ -13,22 +13,26 @@ from typing import Callable
 from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
 from qerl_exp.tasks import arith, datasets, fork, wordprob
 from qerl_exp.tasks.base import Problem, Task, reference_completion
-from qerl_exp.tasks.datasets import file_digests
+from qerl_exp.tasks.datasets import duplicates_line, file_digests
 from qerl_exp.tasks.reward_funcs import source_files
 
-__all__ = ["SYSTEM_PROMPT", "Problem", "Task", "build_task", "file_digests", "reference_completion", "source_files"]
+__all__ = ["SYSTEM_PROMPT", "Problem", "Task", "build_task", "duplicates_line", "file_digests", "reference_completion",
+           "source_files"]
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg.name`, with its reward functions loaded and checked against its rows.
+def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
+    """The task named by `cfg.name`, with its reward functions loaded and checked against its rows;
+    `seed` (the run's) orders the epoch sampler of a task that reads data.
 
     Raises:
         ValueError: one line: data that cannot be read, malformed rows, a reward function that
             does not import or cannot take the rows' columns (`reward_funcs.load`).
     """
-    tasks: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "fork": fork.ForkTask,
-                                                      "wordprob": wordprob.WordProblemTask,
-                                                      **datasets.TASKS}
-    if cfg.name not in tasks:
-        raise ValueError(f"task.name={cfg.name!r} is not available; choose one of: {', '.join(sorted(tasks))}")
-    return tasks[cfg.name](cfg)
+    generated: dict[str, Callable[[TaskConfig], Task]] = {"arith": arith.ArithTask, "fork": fork.ForkTask,
+                                                          "wordprob": wordprob.WordProblemTask}
+    if cfg.name in generated:
+        return generated[cfg.name](cfg)
+    if cfg.name not in datasets.TASKS:
+        raise ValueError(f"task.name={cfg.name!r} is not available; choose one of: "
+                         f"{', '.join(sorted([*generated, *datasets.TASKS]))}")
+    return datasets.TASKS[cfg.name](cfg, seed)

@@ -24,7 +24,8 @@ class ArithTask:
         self.cfg = cfg
         self.rewards = reward_funcs.load(cfg, self.columns)
 
-    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
+    def sample(self, n: int, rng: np.random.Generator, start: int | None = None) -> list[Problem]:
+        # new problems at every draw: no epochs (`start` is for tasks over a fixed list)
         hi = 10 ** self.cfg.difficulty
         a, b = rng.integers(0, hi, size=n), rng.integers(0, hi, size=n)
         ops = rng.choice(len(self.cfg.ops), size=n)

@@ -24,7 +24,8 @@ class Problem:
     Args:
         question: the prompt as text; for a conversational prompt, its last user message (what
             evaluation files show, and what tells problems apart with `messages`).
-        answer: the reference answer, as text.
+        answer: the reference answer, as text; None for a prompt-only data set (reward functions
+            then get no `answer`).
         solution: a worked solution (the embedded model's warm-up imitates it); may be empty.
         completion: the whole reference reply of a task whose replies are not in the paper's
             format (`tasks.fork`); empty: `reference_completion` writes it from `solution`.
@@ -36,7 +37,7 @@ class Problem:
     """
 
     question: str
-    answer: str
+    answer: str | None
     solution: str = ""
     completion: str = ""
     messages: tuple[dict[str, Any], ...] = field(default=(), hash=False)
@@ -55,7 +56,7 @@ def reference_completion(problem: Problem) -> str:
     """The problem's reference reply (its worked solution and answer in the paper's format, unless
     the task gives its own): what the embedded model's warm-up imitates and what evaluation's
     `eval/solution_logp` scores."""
-    return problem.completion or f"<think>{problem.solution}</think><answer>{problem.answer}</answer>"
+    return problem.completion or f"<think>{problem.solution}</think><answer>{problem.answer or ''}</answer>"
 
 
 class Task(Protocol):
@@ -69,8 +70,10 @@ class Task(Protocol):
     splits: tuple[str, ...]  # its evaluation splits, HELD_OUT first
     columns: tuple[str, ...]  # the keyword lists its reward functions get: `answer` and the rows' other columns
 
-    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
-        """`n` training problems drawn with `rng` (the run's data stream)."""
+    def sample(self, n: int, rng: np.random.Generator, start: int | None = None) -> list[Problem]:
+        """`n` training problems drawn with `rng` (the run's data stream); a task over a fixed list
+        of problems (`datasets.FileTask`) takes `start`, the number drawn before, to draw them epoch
+        by epoch instead (`task.sampler=epoch`); a generated task makes new ones either way."""
         ...
 
     def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
@@ -82,3 +85,11 @@ def check_split(task: Task, split: str) -> None:
     """Raise a one-line `ValueError` unless `split` is one of the task's evaluation splits."""
     if split not in task.splits:
         raise ValueError(f"split={split!r} is not a split of task {task.name}; choose one of: {', '.join(task.splits)}")
+
+
+def epochs_done(task: Task, step: int, prompts_per_step: int, steps: int) -> float:
+    """The passes over the training prompts that `step` steps have drawn (TRL's fractional epoch); a
+    generated task, which has no fixed prompts, counts the run of `steps` steps as one."""
+    if hasattr(task, "epoch"):
+        return task.epoch(step * prompts_per_step)
+    return step / steps

@@ -14,11 +14,15 @@ Row formats:
 Every other column of a row reaches the reward functions (`Problem.columns`), beside `answer`.
 
 A bad row is never skipped silently: loading fails with one line that names every malformed line
-or row (the first few, and how many more). Duplicate prompts are dropped before splitting, so that
-no held-out problem is also a training problem. The held-out problems come from `task.eval_path`
-(its `task.eval_split`, else its only split), else from `task.eval_split` of `task.path`, else
-from a fixed slice of the training split (`task.split`); the slice and the subset taken from a
-larger held-out split are fixed by the data and `task.eval_size` alone, never by the run's seed.
+or row (the first few, and how many more). A row whose prompt an earlier row has is kept, as TRL
+keeps it (counted: `FileTask.facts`), or dropped with `task.drop_duplicates`; either way a held-out
+prompt is never a training one. The held-out problems come from `task.eval_path` (its
+`task.eval_split`, else its only split), else from `task.eval_split` of `task.path`, else from a
+fixed slice of the training split (`task.split`; none with `task.eval_size=0`); the slice and the
+subset taken from a larger held-out split are fixed by the data and `task.eval_size` alone, never by
+the run's seed. Training draws its prompts epoch by epoch (`task.sampler=epoch`: each epoch a
+shuffle of every training prompt, seeded by the run's seed and the epoch) or afresh each step
+(`independent`).
 """
 
 from __future__ import annotations
@@ -122,13 +126,15 @@ def dataset_parser(columns: ColumnsConfig) -> Parser:
     answer, resolved once a table's columns are known (one `ValueError` line when they are not there)."""
     def make(table: reader.Table, where: str) -> Callable[[dict], Problem]:
         prompt = _column(columns.prompt, ("prompt", "question"), table.columns, "prompt", where)
-        answer = _column(columns.answer, ("answer", "solution"), table.columns, "answer", where)
-        if answer == prompt:
+        answer = _column(columns.answer, ("answer", "solution"), table.columns, "answer", where, optional=True)
+        if answer is not None and answer == prompt:
             raise ValueError(f"task.columns.answer={answer} is the prompt's column of {where}: every row would be judged "
                              "against its own question; name the column that holds the answer")
 
         def parse(row: dict) -> Problem:
             question, messages = _prompt(row.get(prompt), prompt)
+            if answer is None:  # prompt-only data: the reward functions need no reference
+                return Problem(question=question, answer=None, messages=messages, columns=_others(row, prompt))
             value = row.get(answer)
             if value is None or isinstance(value, str) and not value.strip():
                 raise RowError(f"column {answer!r} (the answer) is empty")
@@ -141,7 +147,10 @@ def dataset_parser(columns: ColumnsConfig) -> Parser:
     return make
 
 
-def _column(chosen: str, defaults: tuple[str, ...], columns: list[str], what: str, where: str) -> str:
+def _column(chosen: str, defaults: tuple[str, ...], columns: list[str], what: str, where: str,
+            optional: bool = False) -> str | None:
+    """The column that holds `what`: the chosen one, else the first of `defaults` the table has; None
+    when it has none and `what` is `optional`."""
     if chosen:
         if chosen not in columns:
             raise ValueError(f"task.columns.{what}={chosen} is not a column of {where} (it has: {', '.join(columns)})")
@@ -149,6 +158,8 @@ def _column(chosen: str, defaults: tuple[str, ...], columns: list[str], what: st
     for name in defaults:
         if name in columns:
             return name
+    if optional:
+        return None
     raise ValueError(f"{where} has no {what} column ({' or '.join(defaults)}; it has: {', '.join(columns)}); "
                      f"name it with task.columns.{what}=<column>")
 
@@ -234,33 +245,39 @@ def _unique(problems: list[Problem]) -> list[Problem]:
 
 
 def split(problems: list[Problem], eval_size: int, where: str = "the file") -> tuple[list[Problem], list[Problem]]:
-    """Deterministic train/held-out split of one problem list.
+    """Deterministic train/held-out split of one problem list, by prompt: a prompt that several rows
+    hold is held out (or trains) with all of them.
 
     Args:
-        problems: all problems (duplicates already removed).
-        eval_size: held-out problems wanted; capped at a quarter of the list (with a warning) so
-            that a small file still leaves most of it for training.
+        problems: all problems (duplicate prompts kept or removed).
+        eval_size: distinct held-out prompts wanted; capped at a quarter of them (with a warning) so
+            that a small file still leaves most of it for training; 0 holds none out.
         where: the file, for the message when it is too small.
 
     Returns:
         `(train, held_out)`, disjoint, each in file order. The held-out set for a smaller
         `eval_size` is a subset of the one for a larger `eval_size`.
     """
-    n = len(problems)
+    if eval_size == 0:
+        return list(problems), []
+    distinct = _unique(problems)
+    n = len(distinct)
     n_eval = min(eval_size, int(n * _MAX_EVAL_FRACTION))
     if n_eval < 1 or n - n_eval < 1:
         raise ValueError(f"{where} holds {n} distinct problem{'s' * (n != 1)}, too few to hold any out for evaluation; "
-                         "use a file with at least 4, or give the held-out ones in task.eval_path")
+                         "use a file with at least 4, give the held-out ones in task.eval_path, or hold none out "
+                         "(task.eval_size=0)")
     if n_eval < eval_size:
         warnings.warn(f"task.eval_size={eval_size} is more than a quarter of the {n} problems; holding out {n_eval}")
     order = np.random.default_rng(_SPLIT_SEED).permutation(n)
-    held = set(order[:n_eval].tolist())
-    return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
+    held = {_key(distinct[i]) for i in order[:n_eval].tolist()}
+    return [p for p in problems if _key(p) not in held], [p for p in distinct if _key(p) in held]
 
 
 def _subset(problems: list[Problem], size: int) -> list[Problem]:
-    """The first `size` problems of a fixed shuffle (a whole test split when it is small enough)."""
-    if size >= len(problems):
+    """The first `size` problems of a fixed shuffle (a whole test split when it is small enough;
+    all of them for size 0)."""
+    if size == 0 or size >= len(problems):
         return problems
     order = np.random.default_rng(_SPLIT_SEED).permutation(len(problems))[:size]
     return [problems[i] for i in sorted(order.tolist())]
@@ -285,37 +302,70 @@ class FileTask:
 
     Args:
         name: the task name (`gsm8k`, `math`, `dataset`).
-        cfg: the task config (rewards).
+        cfg: the task config (rewards, the sampler).
         train: training problems.
         held_out: evaluation problems, never drawn for training.
         fingerprint: a digest of the data and the split; equal fingerprints mean equal problems.
+        duplicates: rows whose prompt an earlier row of the training data has (kept unless
+            `task.drop_duplicates`).
+        seed: the run's seed, which orders the epoch sampler's shuffles.
     """
 
     splits = (HELD_OUT,)
 
-    def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str):
-        self.name, self.cfg = name, cfg
+    def __init__(self, name: str, cfg: TaskConfig, train: list[Problem], held_out: list[Problem], fingerprint: str,
+                 duplicates: int = 0, seed: int = 0):
+        self.name, self.cfg, self.seed = name, cfg, seed
         self.train, self.held_out, self.fingerprint = train, held_out, fingerprint
-        self.columns = ("answer", *dict.fromkeys(k for p in train + held_out for k in p.columns))
+        answered = any(p.answer is not None for p in train + held_out)  # prompt-only data has no answer column
+        self.columns = (*(("answer",) if answered else ()), *dict.fromkeys(k for p in train + held_out for k in p.columns))
         self.conversational = any(p.messages for p in train + held_out)
         self.rewards = reward_funcs.load(cfg, self.columns)
+        self.facts = {"data/train_prompts": len(train), "data/held_out_prompts": len(held_out),
+                      "data/duplicate_prompts": duplicates}
 
-    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
+    def sample(self, n: int, rng: np.random.Generator, start: int | None = None) -> list[Problem]:
+        """`n` training problems: with `start` (the epoch sampler), those at positions `start`,
+        `start + 1`, ... of the run's sequence of epochs, each epoch a shuffle of `train` seeded by
+        the run's seed and the epoch (`rng` unused); without, drawn with `rng`."""
+        if start is not None:
+            size = len(self.train)
+            epochs = {e: np.random.default_rng([self.seed, e]).permutation(size)
+                      for e in range(start // size, (start + n - 1) // size + 1)}
+            return [self.train[epochs[k // size][k % size]] for k in range(start, start + n)]
         # Without replacement when the batch fits, so one step never repeats a question.
         idx = rng.choice(len(self.train), size=n, replace=n > len(self.train))
         return [self.train[i] for i in idx]
+
+    def epoch(self, drawn: int) -> float:
+        """How many passes over the training prompts `drawn` problems make (TRL's fractional `epoch`)."""
+        return drawn / len(self.train)
 
     def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:
         check_split(self, split)
         return self.held_out
 
 
-def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", hub_name: str | None = None,
+def duplicates_line(cfg: TaskConfig, task) -> str:
+    """The line a run prints about the duplicate prompts of its data (empty when it has none)."""
+    n = getattr(task, "facts", {}).get("data/duplicate_prompts", 0)
+    if not n:
+        return ""
+    done = "dropped them (task.drop_duplicates=true)" if cfg.drop_duplicates else \
+        "kept, as TRL keeps them (task.drop_duplicates=true drops them)"
+    return f"task.path={cfg.path}: {n} row{'s' * (n > 1)} repeat an earlier row's prompt; {done}"
+
+
+def _from_source(name: str, cfg: TaskConfig, parser: Parser, seed: int, source: str = "", hub_name: str | None = None,
                  default_eval_split: str = "") -> FileTask:
     """The task whose training problems are `task.split` of `source` (default `task.path`), and
     whose held-out ones come as the module doc says."""
     source = source or cfg.path
-    problems = _unique(_load(source, cfg.split, "task.path", parser, hub_name))
+    rows = _load(source, cfg.split, "task.path", parser, hub_name)
+    problems = _unique(rows)
+    duplicates = len(rows) - len(problems)
+    if not cfg.drop_duplicates:
+        problems = rows
     eval_split = cfg.eval_split or ("" if cfg.eval_path else default_eval_split)
     if cfg.eval_path or eval_split:
         key, eval_source = ("task.eval_path", cfg.eval_path) if cfg.eval_path else ("task.path", source)
@@ -330,7 +380,9 @@ def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", h
         train, held_out = split(problems, cfg.eval_size, f"task.path={cfg.path}")
         eval_source = source
     data = [reader.digest(s) or s for s in dict.fromkeys((source, eval_source))]
-    task = FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out)))
+    kept = [f"duplicates kept: {duplicates}"] if duplicates and not cfg.drop_duplicates else []  # other training rows
+    task = FileTask(name, cfg, train, held_out, _fingerprint(name, *data, cfg.split, eval_split, len(held_out), *kept),
+                    duplicates=duplicates, seed=seed)
     if cfg.eval_path or eval_split:  # two tables: each gives the functions what they need (all rows together did)
         for rows, where in ((train, f"the training rows of task.path={source}"),
                             (held_out, f"the held-out rows of {key}={eval_source}")):
@@ -338,37 +390,37 @@ def _from_source(name: str, cfg: TaskConfig, parser: Parser, source: str = "", h
     return task
 
 
-def gsm8k_task(cfg: TaskConfig) -> FileTask:
+def gsm8k_task(cfg: TaskConfig, seed: int = 0) -> FileTask:
     """`task=gsm8k`: `task.path` (GSM8K's format), else `openai/gsm8k` from the hub.
 
     From the hub, training uses the `train` split and evaluation a fixed subset of `test`.
     """
     parser: Parser = lambda table, where: gsm8k_problem  # noqa: E731 - one row format for every table
     if cfg.path:
-        return _from_source("gsm8k", cfg, parser)
+        return _from_source("gsm8k", cfg, parser, seed)
     try:
-        return _from_source("gsm8k", cfg, parser, source="openai/gsm8k", hub_name="main", default_eval_split="test")
+        return _from_source("gsm8k", cfg, parser, seed, source="openai/gsm8k", hub_name="main", default_eval_split="test")
     except (FileNotFoundError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"could not load openai/gsm8k from the hub ({first}); "
                          "pass task.path=<local GSM8K file>") from None
 
 
-def math_task(cfg: TaskConfig) -> FileTask:
+def math_task(cfg: TaskConfig, seed: int = 0) -> FileTask:
     r"""`task=math`: `task.path`, problems with `\boxed{}` answers or an `answer` field."""
     if not cfg.path:
         raise ValueError(
             "task=math needs task.path=<JSONL, JSON, CSV, Parquet or a save_to_disk folder with 'problem' and a "
             "'solution' holding \\boxed{answer}, or an 'answer' field>"
         )
-    return _from_source("math", cfg, lambda table, where: math_problem)
+    return _from_source("math", cfg, lambda table, where: math_problem, seed)
 
 
-def dataset_task(cfg: TaskConfig) -> FileTask:
+def dataset_task(cfg: TaskConfig, seed: int = 0) -> FileTask:
     """`task=dataset`: your own rows, read from `task.path` (docs/own_task.md)."""
     if not cfg.path:
         raise ValueError(f"task=dataset needs task.path=<{reader.SOURCES}>")
-    return _from_source("dataset", cfg, dataset_parser(cfg.columns))
+    return _from_source("dataset", cfg, dataset_parser(cfg.columns), seed)
 
 
-TASKS: dict[str, Callable[[TaskConfig], FileTask]] = {"gsm8k": gsm8k_task, "math": math_task, "dataset": dataset_task}
+TASKS: dict[str, Callable[[TaskConfig, int], FileTask]] = {"gsm8k": gsm8k_task, "math": math_task, "dataset": dataset_task}

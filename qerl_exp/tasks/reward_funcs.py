@@ -1,16 +1,25 @@
 """The run's reward functions (`task.reward_funcs`): loaded, checked, called and weighed.
 
-A reward function has TRL's batched signature, `fn(prompts, completions, **columns) -> list[float | None]`,
+A reward function has TRL's batched signature, `fn(prompts, completions, **kwargs) -> list[float | None]`,
 and is called once for a batch of completions, with keyword arguments, as TRL's GRPOTrainer calls it:
 - `prompts`: each completion's prompt: its text, or its list of `{role, content}` messages;
 - `completions`: each completion: its text, or `[{"role": "assistant", "content": text}]` where its
   prompt is conversational;
-- one keyword list per column of the problems' rows: `answer` (the reference answer, as text) and
-  every column of the data beside the prompt (e.g. `difficulty`); a function names the ones it
-  reads and takes the others with `**kwargs`. TRL's `completion_ids` and `trainer_state` are not
-  passed.
-It returns one value per completion: a number, or None where it does not apply (a code reward on a
-math row).
+- `completion_ids`: each completion's token ids, up to and including its EOS (a list of ints);
+- `trainer_state`: a `transformers.TrainerState` of the step: `global_step` (the updates done before
+  this batch), `max_steps` (`train.steps`) and `epoch` (the passes over the training prompts drawn
+  before this batch; a generated task's is `global_step / max_steps`);
+- `log_extra(column, values)`: adds a column, one value per completion, to the step's rows of
+  `completions.jsonl` (under `extra`) and of the W&B table;
+- `log_metric(name, value)`: logs a number as `rewards/<function>/<name>` (the mean of the values
+  logged in the step);
+- one keyword list per column of the problems' rows: `answer` (the reference answer, as text; none
+  for a prompt-only data set) and every column of the data beside the prompt (e.g. `difficulty`);
+- the keyword arguments `task.reward_kwargs.<function>` gives it, the same on every call.
+A function names what it reads and takes the rest with `**kwargs`; one without `**kwargs` gets, of
+`completion_ids`, `trainer_state`, `log_extra` and `log_metric`, only those it names. An `async def`
+function is awaited, all of a batch's together (`asyncio.gather`), as TRL does. It returns one value
+per completion: a number, or None where it does not apply (a code reward on a math row).
 
 Where a function comes from (the name it is logged by is what follows the colon):
 - `format`, `correct`: the built-in ones (`qerl_exp.tasks.rewards`), with task.format_reward and
@@ -29,10 +38,11 @@ Each function's source file is recorded in `config.json` (`reward_files`: its pa
 the neighbour modules its folder's files import, `imports`: their paths in that folder and sha256s),
 so that a run is neither resumed nor evaluated with reward code other than its own.
 
-Faults, each in one line that names the function: one that does not import, whose signature cannot
-take `prompts` and `completions` by keyword, that needs a column the data lacks, or that lacks
-`**kwargs` for the columns it does not name, is refused when the task is built (`load`; before any
-run directory, in `cli.preflight`). One that raises, returns another number of values than
+Faults, each in one line that names the function: one that does not import, is a class or a
+generator, whose signature cannot take `prompts` and `completions` by keyword, that needs a column
+the data lacks, that lacks `**kwargs` for the columns it does not name, or that does not take an
+argument its `task.reward_kwargs` gives, is refused when the task is built (`load`; before any run
+directory, in `cli.preflight`). One that raises, returns another number of values than
 completions, a value that is neither a finite number nor None, or values whose weighted sum is
 beyond float32 (the dtype the rewards are summed and normalized in) stops the run (`RewardError`,
 naming the step); so does a `SystemExit` from it or a library it calls; its checkpoints stay as
@@ -41,6 +51,7 @@ they were.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import importlib
@@ -50,7 +61,7 @@ import math
 import numbers
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -68,6 +79,8 @@ JUDGE, FORMAT = "correct", "format"
 _OWN = ("prompts", "completions")
 # The largest reward float32 holds: rewards are summed, normalized and logged in float32.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# TRL's other arguments, given to a function that takes them (by name or **kwargs).
+_TRL = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 class RewardError(RuntimeError):
@@ -84,6 +97,7 @@ class RewardFunc:
         fn: the function.
         weight: its weight in the sum.
         file: its source file ('' for a built-in one).
+        kwargs: its own keyword arguments (`task.reward_kwargs.<name>`), passed on every call.
     """
 
     name: str
@@ -91,6 +105,7 @@ class RewardFunc:
     fn: Callable
     weight: float
     file: str
+    kwargs: dict = field(default_factory=dict)
 
 
 def specs(cfg: TaskConfig) -> list[str]:
@@ -164,14 +179,40 @@ def load(cfg: TaskConfig, columns: Sequence[str] | None = None,
             that cannot take `prompts`, `completions` and the columns.
     """
     weights = list(cfg.reward_weights) or [1.0] * len(specs(cfg))
+    if columns is not None and "answer" not in columns and "correct" in specs(cfg):
+        raise ConfigError("the built-in correct judges replies against the answer column, which the data lacks; "
+                          "name your own reward functions in task.reward_funcs")
     funcs = []
     for spec, weight in zip(specs(cfg), weights):
         name = spec.rpartition(":")[2]
         fn = builtins(name, cfg) if spec in BUILTIN_REWARDS else _import(spec)
-        func = RewardFunc(name, spec, fn, float(weight), source_file(spec))
+        func = RewardFunc(name, spec, fn, float(weight), source_file(spec), dict(cfg.reward_kwargs.get(name, {})))
+        _check_kind(func)
         _check_signature(func, columns)
         funcs.append(func)
     return Rewards(funcs)
+
+
+def trainer_state(step: int, steps: int, epoch: float):
+    """The `transformers.TrainerState` reward functions get as `trainer_state`: `global_step` (updates
+    done), `max_steps` (`train.steps`) and `epoch` (passes over the training prompts so far)."""
+    from transformers import TrainerState  # a reward batch needs it; the config checks do not
+
+    return TrainerState(global_step=step, max_steps=steps, epoch=epoch)
+
+
+def _check_kind(func: RewardFunc) -> None:
+    """Refuse what a batch call cannot use: a class (calling it makes an instance) or a generator."""
+    where = f"task.reward_funcs entry {func.spec}"
+    if inspect.isclass(func.fn):
+        raise ConfigError(f"{where}: {func.name} is a class; name an instance of it (made in your file) or a function")
+    if inspect.isgeneratorfunction(func.fn) or inspect.isasyncgenfunction(func.fn):
+        raise ConfigError(f"{where}: {func.name} is a generator; return the list of rewards instead of yielding them")
+
+
+def _is_async(fn: Callable) -> bool:
+    """An `async def` function, or an object whose `__call__` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def _import(spec: str) -> Callable:
@@ -211,21 +252,42 @@ def _check_signature(func: RewardFunc, columns: Sequence[str] | None) -> None:
     for own in _OWN:
         if own not in params and not takes_any:
             raise ConfigError(f"{where} does not take {own!r}; {fix}")
+    for arg in func.kwargs:
+        if arg in (*_OWN, *_TRL) or (columns is not None and arg in columns):
+            raise ConfigError(f"task.reward_kwargs.{func.name}.{arg} is an argument the run passes itself; "
+                              "give yours another name")
+        if arg not in params and not takes_any:
+            raise ConfigError(f"task.reward_kwargs.{func.name}.{arg}: {where} takes no argument {arg!r} "
+                              f"(it takes: {', '.join(params)})")
     if columns is None:
         return
-    clash = [c for c in columns if c in _OWN]
+    clash = [c for c in columns if c in (*_OWN, *_TRL)]
     if clash:
         raise ConfigError(f"the data has a column named {clash[0]!r}, which reward functions get as their own "
                           "argument; rename that column")
     missing = [n for n in _required(func) if n not in columns]
     if missing:
         raise ConfigError(f"{where} needs {missing[0]!r}, which is not a column of the task's rows "
-                          f"(they give: {', '.join(columns)}; TRL's completion_ids and trainer_state are not passed); "
-                          "give it a default or read another column")
+                          f"(they give: {', '.join(columns) or 'none'}) nor one of its task.reward_kwargs; "
+                          "give it a default, read another column, or set task.reward_kwargs."
+                          f"{func.name}.{missing[0]}")
     unnamed = [c for c in columns if c not in params]
     if unnamed and not takes_any:
         raise ConfigError(f"{where} does not take the column {unnamed[0]!r}, and every column is passed to it; "
                           "add **kwargs to its parameters")
+
+
+def _scope(f: RewardFunc):
+    """Where `f` runs: its file's folder's neighbour modules, for what it imports as it runs."""
+    return user_code.scope(f.file) if f.spec.rpartition(":")[0].endswith(".py") else nullcontext()
+
+
+def _fault(f: RewardFunc, e: Exception | SystemExit, where: str) -> RewardError:
+    """The one line the run stops with when `f` raised `e`, or ended the program (`SystemExit`)."""
+    if isinstance(e, SystemExit):
+        return RewardError(f"reward function {f.name} ({f.spec}) ended the program at {where}: "
+                           f"{user_code.exit_line(e)}; raise an exception instead")
+    return RewardError(f"reward function {f.name} ({f.spec}) raised {type(e).__name__} at {where}: {_first_line(e)}")
 
 
 def _required(func: RewardFunc) -> list[str]:
@@ -235,7 +297,7 @@ def _required(func: RewardFunc) -> list[str]:
     except (TypeError, ValueError):
         return []
     kinds = inspect.Parameter
-    return [n for n, p in params.items() if p.default is p.empty and n not in _OWN
+    return [n for n, p in params.items() if p.default is p.empty and n not in (*_OWN, *_TRL, *func.kwargs)
             and p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
 
 
@@ -270,56 +332,110 @@ class Rewards:
         self.names = [f.name for f in funcs]
         self.weights = {f.name: f.weight for f in funcs}
         self._warned = False
+        # what the last `compute`'s functions logged: `log_extra` columns, and `log_metric` values by
+        # metric name (`rewards/<function>/<name>`)
+        self.extra: dict[str, list] = {}
+        self.logged: dict[str, list[float]] = {}
 
     def compute(self, problems: Sequence, completions: list[str], where: str,
-                names: Sequence[str] | None = None) -> dict[str, list[float]]:
+                names: Sequence[str] | None = None, completion_ids: list[list[int]] | None = None,
+                state=None) -> dict[str, list[float]]:
         """Every function's value for each completion, unweighted; NaN where a function returned None.
+        What the functions log (`log_extra`, `log_metric`) is in `extra` and `logged` afterwards.
 
         Args:
             problems: each completion's `tasks.Problem` (a group's problem repeated).
             completions: the completions' texts.
             where: what the batch is, for messages (e.g. `step 3`, `evaluation`).
             names: compute only these functions; None: all of them.
+            completion_ids: each completion's token ids (through its EOS); None: not passed.
+            state: the `transformers.TrainerState` functions get as `trainer_state` (`trainer_state`).
 
         Returns:
             `{name: [value per completion]}`, in the order of the functions.
 
         Raises:
             RewardError: a function raised, or returned another number of values or a value that
-                is neither a finite number nor None (one line naming it and `where`).
+                is neither a finite number nor None, or logged a column of another length or a
+                value that is not a finite number (one line naming it and `where`).
         """
         kwargs = {"prompts": [p.prompt for p in problems],
                   "completions": [[{"role": "assistant", "content": c}] if p.messages else c
-                                  for p, c in zip(problems, completions)],
-                  "answer": [p.answer for p in problems]}
+                                  for p, c in zip(problems, completions)]}
+        if any(p.answer is not None for p in problems):
+            kwargs["answer"] = [p.answer for p in problems]
         keys = dict.fromkeys(k for p in problems for k in p.columns)
         kwargs.update({k: [p.columns.get(k) for p in problems] for k in keys})
-        out = {}
-        for f in self.funcs:
-            if names is not None and f.name not in names:
-                continue
-            own = user_code.scope(f.file) if f.spec.rpartition(":")[0].endswith(".py") else nullcontext()
-            try:
-                with own:  # its folder's neighbour modules, for what it imports as it runs
-                    values = f.fn(**copy.deepcopy(kwargs))  # a function that edits its arguments edits a copy
-            except SystemExit as e:
-                raise RewardError(f"reward function {f.name} ({f.spec}) ended the program at {where}: "
-                                  f"{user_code.exit_line(e)}; raise an exception instead") from e
-            except Exception as e:  # noqa: BLE001 - the user's code may raise anything
-                raise RewardError(f"reward function {f.name} ({f.spec}) raised {type(e).__name__} at {where}: "
-                                  f"{_first_line(e)}") from e
-            out[f.name] = _values(f, values, len(completions), where)
+        self.extra, self.logged = {}, {}
+        calls = [f for f in self.funcs if names is None or f.name in names]
+        args = {f.name: self._arguments(f, kwargs, completion_ids, state, len(completions), where) for f in calls}
+        results = {f.name: self._call(f, args[f.name], where) for f in calls if not _is_async(f.fn)}
+        waited = [f for f in calls if _is_async(f.fn)]
+        if waited:
+            results.update(zip([f.name for f in waited], self._await(waited, args, where)))
+        out = {f.name: _values(f, results[f.name], len(completions), where) for f in calls}
         if names is None:
             self._check_sum(out, where)
             self._warn_unscored(out, where)
         return out
 
-    def verdicts(self, problems: Sequence, completions: list[str], where: str, name: str = JUDGE) -> list[bool] | None:
+    def _arguments(self, f: RewardFunc, columns: dict, completion_ids, state, n: int, where: str) -> dict:
+        """Function `f`'s keyword arguments: the batch's prompts, completions and columns (copies: a
+        function that edits its arguments edits its own), TRL's others as far as it takes them, and
+        its `task.reward_kwargs`."""
+        def log_extra(column: str, values) -> None:
+            values = list(values)
+            if len(values) != n:
+                raise RewardError(f"reward function {f.name} ({f.spec}) logged {len(values)} values of column "
+                                  f"{column!r} for {n} completions at {where}; log one per completion")
+            self.extra[str(column)] = values
+
+        def log_metric(name: str, value) -> None:
+            if not isinstance(value, numbers.Real) or not math.isfinite(value) or str(name) in ("mean", "std"):
+                raise RewardError(f"reward function {f.name} ({f.spec}) logged {name!r}: {value!r} at {where}; "
+                                  "log_metric takes a name other than mean and std, and a finite number")
+            self.logged.setdefault(f"rewards/{f.name}/{name}", []).append(float(value))
+
+        trl = {"completion_ids": copy.deepcopy(completion_ids), "trainer_state": state, "log_extra": log_extra,
+               "log_metric": log_metric}
+        return {**copy.deepcopy(columns), **{k: v for k, v in trl.items() if v is not None and _takes(f.fn, k)},
+                **copy.deepcopy(f.kwargs)}
+
+    @staticmethod
+    def _call(f: RewardFunc, kwargs: dict, where: str):
+        try:
+            with _scope(f):
+                return f.fn(**kwargs)
+        except RewardError:
+            raise  # log_extra or log_metric refusing what the function logged
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code may raise anything
+            raise _fault(f, e, where) from e
+
+    @staticmethod
+    def _await(funcs: list[RewardFunc], args: dict[str, dict], where: str) -> list:
+        """The async functions' results, awaited together (TRL's `asyncio.gather`)."""
+        async def one(f: RewardFunc):
+            try:
+                with _scope(f):
+                    return await f.fn(**args[f.name])
+            except RewardError:
+                raise
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code may raise anything
+                raise _fault(f, e, where) from e
+
+        async def together():
+            return await asyncio.gather(*(one(f) for f in funcs))
+
+        return asyncio.run(together())
+
+    def verdicts(self, problems: Sequence, completions: list[str], where: str, name: str = JUDGE,
+                 completion_ids: list[list[int]] | None = None, state=None) -> list[bool] | None:
         """Whether function `name` gives each completion a positive value; None when the run has no
-        function of that name."""
+        function of that name (the other arguments are `compute`'s)."""
         if name not in self.names:
             return None
-        return [v > 0 for v in self.compute(problems, completions, where, names=[name])[name]]
+        values = self.compute(problems, completions, where, names=[name], completion_ids=completion_ids, state=state)
+        return [v > 0 for v in values[name]]
 
     def _check_sum(self, scores: dict[str, list[float]], where: str) -> None:
         """Refuse weighted values whose sum float32 cannot hold (`metrics.total_reward` sums them in it)."""
@@ -341,6 +457,15 @@ class Rewards:
             self._warned = True
             print(f"warning: no reward function applies to {unscored} completion(s) at {where} (each returned None): "
                   "they get no reward and advantage 0, as in TRL (shown once)", file=sys.stderr)
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes the keyword argument `name` (by name, or with **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: give it everything, as TRL does
+        return True
+    return name in params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _values(f: RewardFunc, values, n: int, where: str) -> list[float]:

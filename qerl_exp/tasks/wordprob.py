@@ -290,7 +290,8 @@ class WordProblemTask:
         ops = [self.cfg.ops[i] for i in rng.integers(len(self.cfg.ops), size=self.cfg.difficulty + 1)]
         return make_problem(ops, rng, scale=self.cfg.difficulty, templates=OOD_TEMPLATES)
 
-    def sample(self, n: int, rng: np.random.Generator) -> list[Problem]:
+    def sample(self, n: int, rng: np.random.Generator, start: int | None = None) -> list[Problem]:
+        # new problems at every draw: no epochs (`start` is for tasks over a fixed list)
         return [self._draw(rng) for _ in range(n)]
 
     def eval_problems(self, split: str = HELD_OUT) -> list[Problem]:

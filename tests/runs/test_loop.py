@@ -28,6 +28,7 @@ from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
 from qerl_exp.scoring import completion_logits, token_logp
 from qerl_exp.noise import noisy_norms
 from qerl_exp.architectures import projections
+from qerl_exp.optim import warmup_cosine
 from qerl_exp.quant import dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
 from qerl_exp.rollout import HFGenerator, sample
@@ -272,7 +273,7 @@ def test_lr_warms_up_then_follows_a_cosine(clean):
             for k in range(steps)]
     assert _series(rows, "lr") == pytest.approx(want, rel=1e-12)
     assert want == pytest.approx([1e-3, 2e-3, 2e-3, 1.5e-3, 0.5e-3])
-    f = train.lr_lambda(10, 0.0)  # no warm-up: the cosine starts at the peak
+    f = warmup_cosine(10, 0.0)  # no warm-up: the cosine starts at the peak
     assert [f(0), f(5)] == pytest.approx([1.0, 0.5])
 
 

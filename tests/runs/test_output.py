@@ -16,13 +16,14 @@ from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, qerl
 
 # The notices `qerl_exp.logs.quiet` silences, as they read on these machines.
 NOTICES = ("not sharded", "Loading weights", "Writing model shards", "gemm_4bit_forward", "pip install kernels",
-           "FutureWarning", "torchao", "register_constant")
+           "FutureWarning", "torchao", "register_constant", "publisher trust check")
 
 
 @pytest.mark.slow
 def test_nf4_run_shows_progress_and_no_third_party_notices(tmp_path):
     run_dir = tmp_path / "run"
-    out = qerl("quant=nf4", "train.steps=6", f"run_dir={run_dir}", env={"WANDB_MODE": "offline"})
+    # the hub offline: bitsandbytes' optional kernel is then looked up by `kernels` without its trust check
+    out = qerl("quant=nf4", "train.steps=6", f"run_dir={run_dir}", env={"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     for notice in NOTICES:
@@ -35,7 +36,7 @@ def test_nf4_run_shows_progress_and_no_third_party_notices(tmp_path):
     assert out.stdout.strip().splitlines() == [f"run dir: {run_dir}  final reward: {json.loads((run_dir / 'summary.json').read_text())['reward/final']:.3f} (mean of the last quarter of steps)"]
 
     # W&B's terminal viewer (`wandb leet RUN_DIR/wandb`, README) reads the offline run it wrote.
-    wandb_file = next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    wandb_file = next(run_dir.glob("wandb/latest-run/run-*.wandb"))
     leet = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(wandb_file)],
                           capture_output=True, text=True, timeout=120)
     assert leet.returncode == 0, leet.stderr[-2000:]

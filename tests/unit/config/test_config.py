@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import typing
 from dataclasses import fields
 
 import pytest
@@ -21,7 +22,9 @@ from qerl_exp.flat_config import field_docs, flat_yaml
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_every_preset_composes_into_valid_dataclasses(group):
     for preset in group_options(group):
-        cfg = compose([f"{group}={preset}"])[0]
+        # the checkpoint preset loads what model.name names
+        named = ["model.name=/some/checkpoint"] if (group, preset) == ("model", "checkpoint") else []
+        cfg = compose([f"{group}={preset}", *named])[0]
         assert isinstance(cfg, Config)
 
 
@@ -32,6 +35,11 @@ def test_presets_set_what_they_say():
     assert cfg.algo.mask_truncated_completions and compose(["algo=grpo"])[0].algo.loss_type == "grpo"
     assert (cfg.noise.schedule, cfg.noise.num_stages) == ("exp", 10)
     assert (cfg.lora.r, cfg.lora.alpha) == (32, 32)
+    # eps_high follows eps_low unless set (TRL's epsilon_high); config.json records the number
+    assert compose(["algo.eps_low=0.3"])[0].algo.eps_high == 0.3
+    assert compose(["algo.eps_low=0.3", "algo.eps_high=0.25"])[0].algo.eps_high == 0.25
+    assert compose(["algo=dapo", "algo.eps_low=0.1"])[0].algo.eps_high == 0.28
+    assert as_dict(compose([])[0])["algo"]["eps_high"] == 0.2
 
 
 def test_compose_gives_the_config_and_every_group_choice():
@@ -44,8 +52,8 @@ def test_compose_gives_the_config_and_every_group_choice():
 
 def test_model_source_names_what_the_model_is():
     """Synthetic presets are labelled by what they build; `auto` loads any name but `tiny`."""
-    sources = {preset: (cfg.model.source, cfg.model.name)
-               for preset in group_options("model") for cfg in [compose([f"model={preset}"])[0]]}
+    sources = {preset: (cfg.model.source, cfg.model.name) for preset in group_options("model") if preset != "checkpoint"
+               for cfg in [compose([f"model={preset}"])[0]]}
     assert sources["tiny"] == ("synthetic", "tiny")
     assert sources["qwen2.5-7b-shape"] == ("synthetic", "qwen2.5-7b-shape")
     assert sources["smollm2-135m"] == ("pretrained", "SmolLM2-135M-Instruct")
@@ -53,6 +61,24 @@ def test_model_source_names_what_the_model_is():
     assert {s for p, (s, _) in sources.items() if not (p.endswith("-shape") or p == "tiny")} == {"pretrained"}
     assert compose(["model.name=/some/checkpoint"])[0].model.source == "pretrained"
     assert compose(["model=qwen2.5-7b-shape", "model.num_layers=2"])[0].model.source == "synthetic"
+
+
+def test_a_checkpoint_by_name_takes_the_checkpoint_preset_and_keeps_every_value_given(tmp_path):
+    """`model.name=<folder>` on the default model preset composes on the `checkpoint` preset: the
+    schema's settings for a real model, and every value a preset or the command line gives, as is."""
+    cfg, choices = compose(["model.name=/some/checkpoint"])
+    assert choices["model"] == "checkpoint" and cfg.model.source == "pretrained"
+    assert (cfg.train.lr, cfg.algo.max_new_tokens, cfg.monitor.every) == (1e-5, 1024, 0)
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "short.yaml").write_text("# @package _global_\ntrain:\n  lr: 2e-3\nalgo:\n  max_new_tokens: 32\n")
+    mine = [f"hydra.searchpath=[file://{tmp_path}]", "task=short", "model.name=/some/checkpoint"]
+    cfg, choices = compose(mine)
+    assert choices["model"] == "checkpoint" and (cfg.train.lr, cfg.algo.max_new_tokens) == (2e-3, 32)
+    # a value equal to the embedded model's, given on the command line or by a chosen model preset, stays
+    assert compose(["model.name=/some/checkpoint", "monitor.every=1"])[0].monitor.every == 1
+    cfg, choices = compose(["model=tiny", "model.name=/some/checkpoint"])
+    assert choices["model"] == "tiny" and cfg.train.lr == 2e-3
+    assert compose([])[1]["model"] == "tiny" and compose(["model.source=synthetic", "model.name=x"])[1]["model"] == "tiny"
 
 
 def test_yaml_presets_comment_every_field():
@@ -241,3 +267,23 @@ def test_the_run_records_the_config_that_validation_composed(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert {k: recorded[k] for k in composed} == composed
+
+
+def test_trls_names_map_onto_keys_of_the_schema_as_docs_trl_md_shows():
+    import dataclasses as dc
+
+    from peft import LoraConfig as PeftLoraConfig
+    from trl import GRPOConfig
+
+    from qerl_exp.trl_names import TRL_NAMES
+
+    theirs = {f.name for f in dc.fields(GRPOConfig)} | {f.name for f in dc.fields(PeftLoraConfig)}
+    assert set(TRL_NAMES) <= theirs, set(TRL_NAMES) - theirs  # every name is TRL's (or peft's)
+    def keys(cls, prefix=""):  # every field's dotted key, dict fields included (flatten drops empty ones)
+        for f in dc.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            yield from keys(hint, f"{prefix}{f.name}.") if dc.is_dataclass(hint) else [f"{prefix}{f.name}"]
+
+    assert {key for key, _ in TRL_NAMES.values()} <= set(keys(Config))  # and each key is the harness's
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| (.*) \|$", (ROOT / "docs" / "trl.md").read_text(), re.MULTILINE)
+    assert {name: (key, "" if how == "the same" else how) for name, key, how in rows} == TRL_NAMES

@@ -28,7 +28,7 @@ def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
     run_dir = tmp_path / "run"
     config = {**as_dict(Config()), "choices": {"quant": "bf16"}}
     with rundir.claim(run_dir, config):
-        pass
+        (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # it has begun: a step logged
     saved = (run_dir / "config.json").read_bytes()
     other = as_dict(Config(seed=3))
     other["lora"]["r"] = 32
@@ -89,7 +89,7 @@ def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     recorded = run_config(cfg, {})
     with rundir.claim(run_dir, {k: v for k, v in recorded.items() if k != record.DATA_KEY}):  # as runs were made before
-        pass
+        (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # it has begun: a step logged
     with rundir.claim(run_dir, recorded):  # continued: nothing to compare with yet, and from now on recorded
         pass
     assert json.loads((run_dir / "config.json").read_text())[record.DATA_KEY] == recorded[record.DATA_KEY]

@@ -24,7 +24,7 @@ def _float_keys(cls: type = Config, prefix: str = "") -> list[str]:
         hint = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(hint):
             keys += _float_keys(hint, f"{prefix}{f.name}.")
-        elif hint is float:
+        elif hint in (float, float | None):
             keys.append(f"{prefix}{f.name}")
     return keys
 
@@ -51,7 +51,17 @@ def test_every_float_option_must_be_finite(key, value):
     (["model.vocab_size=10"], "model.vocab_size=10 is below the embedded tokenizer's"),
     (["model.cache_dir="], "model.cache_dir must name a folder"),
     (["quant=nvfp4", "quant.targets=[]"], "quant.targets must name at least one linear for quant.format=nvfp4"),
-    (["lora.targets=[foo]"], "lora.targets entry='foo' is not valid"),
+    (["lora.targets=[foo]"], "lora.targets entry 'foo' names no module of this qwen2 model (its linear layers: "),
+    (["train.optimizer=sgd"], "train.optimizer='sgd' is not valid; choose one of: adamw_torch, adamw_8bit"),
+    (["train.lr_scheduler=cosine_min"], "train.lr_scheduler='cosine_min' is not valid; choose one of: warmup_cosine, "),
+    (["train.lr_scheduler=warmup_stable_decay"], "train.lr_scheduler=warmup_stable_decay with train.lr_scheduler_kwargs={}: "
+                                                 "get_wsd_schedule() missing 1 required positional argument: 'num_decay_steps'; "
+                                                 "give the schedule's arguments in train.lr_scheduler_kwargs"),
+    (["learning_rate=1e-5"], "unknown config key 'learning_rate'; did you mean train.lr (TRL's learning_rate)? "
+                             "(docs/trl.md maps TRL's names)"),
+    (["algo.num_generations=4"], "unknown config key 'algo.num_generations'; did you mean algo.group_size (TRL's "
+                                 "num_generations)?"),
+    (["+algo.epsilon_high=0.28"], "did you mean algo.eps_high (TRL's epsilon_high: null follows algo.eps_low)?"),
     (["task=wordprob"], "leaves no room in the model's 256 positions; raise model.max_positions"),
     (["algo.max_new_tokens=300"], "algo.max_new_tokens=300 and the task's longest prompt ("),
     (["eval.max_new_tokens=251"], "lower eval.max_new_tokens to at most 249 or raise model.max_positions"),

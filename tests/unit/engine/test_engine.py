@@ -38,10 +38,10 @@ LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora: bool = True, seed: int = 0,
                layers: int = 2, hidden: int = 64, inter: int = 128, heads: int = 4, kv: int = 2, vocab: int = 256,
-               family: str = "qwen2"):
+               family: str = "qwen2", targets: list[str] | None = None, rank_pattern: dict | None = None):
     """A random model of a declared family (Qwen2 by default) with peaked logits (greedy margins well
-    above rounding), optional 4-bit base and LoRA r=8 on all seven projections with a non-zero B.
-    `family="llama"`: SmolLM2-135M's
+    above rounding), optional 4-bit base and LoRA r=8 on all seven projections (or `targets`, with
+    peft's `rank_pattern`) with a non-zero B. `family="llama"`: SmolLM2-135M's
     architecture instead (no q/k/v bias, tied embeddings, rope base 1e5, 3 query heads per KV
     head of 64), at width 192. `family="qwen3"`: Qwen3's (per-head q/k norms, no q/k/v bias, heads
     of 32 wider than hidden / heads)."""
@@ -76,7 +76,7 @@ def tiny_model(dtype=torch.float32, device="cpu", quant: str | None = None, lora
     if quant is not None:
         _quantize(model, quant, dtype)
     if lora:
-        model = with_lora(model, seed=None, random_b=False)
+        model = with_lora(model, seed=None, random_b=False, targets=targets, rank_pattern=rank_pattern)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_" in name:
@@ -241,6 +241,13 @@ def _check_greedy_equals_hf_generate() -> None:
     model = tiny_model()  # dense products by torch.mm (cuBLAS on CUDA) into the epilogue's "raw" input
     a = FastEngine(model, 4, 32, dense_gemm="cublas").generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
     assert torch.equal(a.completion_ids, hf_greedy(model, ids, mask, 6)), "dense_gemm=cublas"
+    # peft's targets as users give them: parts of the q|k|v and gate|up groups (the others zero-rank),
+    # and ranks that differ inside a group
+    for quant, targets, ranks in ((None, ["q_proj", "v_proj", "up_proj"], None), ("nvfp4", ["k_proj", "down_proj"], None),
+                                  (None, None, {"k_proj": 4, "gate_proj": 2})):
+        model = tiny_model(quant=quant, targets=targets, rank_pattern=ranks)
+        out = FastEngine(model, 4, 32).generate(ids, mask, 6, temperature=0, eos_id=-1, pad_id=0)
+        assert torch.equal(out.completion_ids, hf_greedy(model, ids, mask, 6)), (quant, targets, ranks)
 
 
 def _check_inplace_updates_and_rebuilds() -> None:
@@ -704,8 +711,8 @@ def test_gpu_prefill_linear_matches_its_torch_twin():
         ws = [(torch.randn(n, 256, device="cuda") * 0.05).bfloat16() for n in segs]
         a = [torch.randn(16, 256, device="cuda") * 0.1 for _ in segs]
         b = [torch.randn(n, 16, device="cuda") * 0.1 for n in segs]
-        lin = LinearGroup("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, glu, [None] * len(segs),
-                      [None] * len(segs), None, a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
+        lin = LinearGroup("dense", ws, [None] * len(segs), a, b, [2.0] * len(segs), 16, [16] * len(segs), glu,
+                          [None] * len(segs), [None] * len(segs), None, a_tab=torch.tensor([t.data_ptr() for t in a], device="cuda"))
         res = torch.randn(2, 40, segs[0], device="cuda", dtype=torch.bfloat16) if len(segs) == 1 else None
         ref = oracle.linear(lin, oracle.rms_norm(x, *norm) if norm else x) + (res if res is not None else 0)
         out = _prefill_linear(lin, x, None, residual=res, norm=norm)

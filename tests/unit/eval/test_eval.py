@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +252,15 @@ def test_wandb_that_cannot_start_keeps_the_evaluation(trained_run, tmp_path):
     with pytest.warns(UserWarning, match="W&B failed .*; the results are in the evaluation file only"):
         metrics = evaluate_run(args)
     assert json.loads((run_dir / "eval.json").read_text())["metrics"] == metrics
+
+
+def test_an_evaluation_leaves_latest_run_at_the_training_runs_wandb_file(tmp_path):
+    run_dir = tmp_path / "run"
+    run_in_process(run_dir, *[o for o in RUN if not o.startswith("tracker")], "tracker.mode=offline", "train.steps=1")
+    latest = run_dir / "wandb" / "latest-run"
+    training = os.readlink(latest)
+    evaluate_run(EvalCommand(run_dir=str(run_dir), eval=EvalConfig(k=0, max_new_tokens=4), limit=1, tracker="offline"))
+    assert len(list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))) == 2  # the training run's and the evaluation's
+    assert os.readlink(latest) == training
+    # the README's glob: the training run's file alone
+    assert [p.resolve().parent.name for p in run_dir.glob("wandb/latest-run/run-*.wandb")] == [Path(training).name]

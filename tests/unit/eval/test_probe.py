@@ -3,6 +3,7 @@ top-1 agreement against an independent computation, AQN's draw, the matched temp
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -183,3 +184,9 @@ def test_the_probe_checks_its_arguments_and_out_before_it_builds_a_model(tmp_pat
         P.main(["quant=bf16", "limit=1", *(a.replace("OUT", str(tmp_path)) for a in argv)])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {message.replace('OUT', str(tmp_path))}"]
+def test_presets_of_a_config_dir_reach_the_probe(tmp_path):
+    (tmp_path / "conf" / "task").mkdir(parents=True)
+    (tmp_path / "conf" / "task" / "mine.yaml").write_text("defaults:\n  - arith\n\neval_size: 3\n")
+    out = tmp_path / "probe.json"
+    P.main(["--config-dir", str(tmp_path / "conf"), "task=mine", "quant=bf16", "limit=50", "samples=2", f"out={out}"])
+    assert json.loads(out.read_text())["config"]["prompts"] == 3  # the preset's held-out problems, all of them

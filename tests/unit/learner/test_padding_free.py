@@ -15,7 +15,7 @@ from torch.nn.attention import sdpa_kernel
 from conftest import run_in_process, tiny_decoder, tiny_models, tiny_qwen2, with_lora
 from qerl_exp import blocks, packing, padding_free
 from qerl_exp.architectures import ARCHITECTURES
-from qerl_exp.config import TrainConfig
+from qerl_exp.config import DECODER_LINEARS, TrainConfig
 from qerl_exp.learner import LEARNER_ATTENTION, update_policy
 from qerl_exp.scoring import score_completions, score_packed
 from qerl_exp.batch import Rollout, Sequences
@@ -23,10 +23,10 @@ from qerl_exp.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 
-def _setup(quant: str, family: str = "qwen2"):
+def _setup(quant: str, family: str = "qwen2", *overrides: str):
     cfg, task, models = tiny_models(
         "model.warmup.max_steps=0", "monitor.every=0", f"quant={quant}", f"model.family={family}", "lora.r=8",
-        "algo.group_size=4", "train.prompts_per_step=3", "algo.max_new_tokens=12", "train.device=cpu")
+        "algo.group_size=4", "train.prompts_per_step=3", "algo.max_new_tokens=12", "train.device=cpu", *overrides)
     policy, tok = models.policy, models.tokenizer
     with torch.no_grad():  # LoRA B is zero at init: give the adapter a non-trivial state
         for n, p in policy.named_parameters():
@@ -77,6 +77,27 @@ def test_llama_blocks_and_the_reference_policy_equal_the_padded_ones():
         with_adapter = score_packed(policy, rollout, 1.0, shared_prefix=True)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert (with_adapter[0] - got[0]).abs().max() > 1e-3  # the adapter was on in the other
+
+
+@pytest.mark.parametrize("quant, family, targets", [
+    ("bf16", "qwen3", "[q_proj,v_proj]"),  # peft's common choice: part of q|k|v, no MLP
+    ("nvfp4", "qwen2", "[k_proj,up_proj,down_proj]"),  # part of q|k|v and of gate|up
+    ("bf16", "llama", "[all-linear]"),
+])
+def test_lora_on_part_of_the_projections_scores_and_trains_as_hf_forward_does(quant, family, targets):
+    """A projection without an adapter is a zero-rank one: the packed learner gives HF's forward
+    through peft's log-probs, entropies and gradients (fp32, CPU), for the adapters peft made."""
+    cfg, policy, rollout = _setup(quant, family, f"lora.targets={targets}")
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in policy.named_parameters() if "lora_A" in n}
+    want_adapted = {"q_proj", "v_proj"} if "q_proj" in targets else \
+        {"k_proj", "up_proj", "down_proj"} if "k_proj" in targets else set(DECODER_LINEARS)
+    assert adapted == want_adapted
+    want = score_completions(policy, rollout, 0.7, entropy_grad=True)
+    got = padding_free.score(policy, rollout, 0.7, shared_prefix=True, entropy_grad=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_grads(policy, *got), _grads(policy, *want)):
+        _close(a, b)
 
 
 def test_checkpointed_blocks_give_the_same_gradients(setup):

@@ -152,3 +152,7 @@ def test_eval_metrics_against_direct_counts():
     assert got["eval/solution_logp"] == -2.0 and got["eval/problems"] == 4 and got["eval/mean@4"] == 7 / 16
     want = sum(M.pass_at_k(4, c, 2) for c in (2, 0, 4, 1)) / 4
     assert got["eval/pass@2"] == pytest.approx(want)
+    # a run without `correct` or `format` functions still grades every problem
+    unjudged = M.eval_metrics([], [], [1.0, 0.5, 0.0, 1.0], [True, True, False, True], torch.tensor([-1.0]), counts=[],
+                              n=0, k=0, seconds=1.0)
+    assert unjudged["eval/problems"] == 4 and math.isnan(unjudged["eval/pass@1"])

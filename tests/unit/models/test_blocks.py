@@ -148,12 +148,16 @@ def test_a_family_registered_as_one_line_is_read_and_its_sliding_window_refused(
     assert MistralConfig().sliding_window == 4096  # what "one line" would otherwise have accepted
 
 
-def test_adapters_on_part_of_a_group_are_refused():
+def test_a_projection_without_an_adapter_in_an_adapted_group_reads_as_rank_zero():
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny_qwen2(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with pytest.raises(blocks.UnsupportedModel, match="lora.targets"):
-        blocks.read(model)
+    blk = blocks.read(model).blocks[0]
+    attn = model.get_base_model().model.layers[0].self_attn
+    q, k, v = blk.qkv.adapters
+    assert q.a is attn.q_proj.lora_A["default"].weight and v.b is attn.v_proj.lora_B["default"].weight
+    assert (k.a.shape, k.b.shape, k.scale) == ((0, 128), (64, 0), 0.0)  # k_proj: none, as a zero-rank one
+    assert blk.qkv.bases[1] is attn.k_proj and blk.gate_up.adapters is None  # no adapter in the MLP at all
     assert blocks.read(model, adapters=False).blocks[0].qkv.adapters is None  # the reference reads no adapter
 
 

@@ -127,7 +127,8 @@ def test_the_embedded_models_export_merges_its_adapter_and_a_4bit_base_warns(tmp
     record = export(ExportCommand(run_dir=str(run_dir), out=str(out), merge="bf16", prompts=4, tokens=16, device="cpu"))
     lines = report(record)
     assert lines[0] == ("warning: the run trained its adapter on a nvfp4 base; the merged model adds it to the unquantized "
-                        "base, which is not the model it learned on")
+                        "base, which is not the model it learned on (merge=dequantized merges it into the decoded 4-bit "
+                        "weights it learned on)")
     diff = record["difference"]
     assert lines[1].startswith("merged vs the run's policy on 4 held-out prompts:") and diff["mean_kl"] > 0
     # each merged linear is the unquantized base plus alpha / r * B A of the run's adapter, in bf16
@@ -153,11 +154,63 @@ def test_the_embedded_models_export_merges_its_adapter_and_a_4bit_base_warns(tmp
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size >= len(char)
 
 
+@pytest.mark.parametrize("quant", ["nvfp4", "nf4"])
+def test_the_dequantized_merge_is_the_policy_as_trained(tmp_path, quant, capsys):
+    """merge=dequantized: each 4-bit layer decoded to what it multiplies by, plus its adapter; loaded
+    back by transformers alone it answers as the run's policy does, and the command says how closely."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_exp.quant import dense_weight
+
+    run_dir = tmp_path / "run"
+    run_in_process(run_dir, *SMALL, f"quant={quant}", "monitor.every=0", "checkpoint.every=0")
+    out = tmp_path / "export"
+    main([f"run_dir={run_dir}", f"out={out}", "merge=dequantized", "prompts=8", "tokens=24", "device=cpu"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("merged vs the run's policy on 8 held-out prompts: greedy completions identical on 8/8, "
+                               "argmax agrees on 100.0% of "), lines  # no warning: it is the model the run trained
+    record = json.loads((out / "export.json").read_text())
+    assert record["difference"]["mean_kl"] < 1e-3 and record["merge"] == "dequantized"
+    # every decoder linear is its decoded 4-bit weight plus alpha / r * B A, independently of the export's code
+    _, _, models = load_run(run_dir, device="cpu")
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    scale = cfg["lora"]["alpha"] / cfg["lora"]["r"]
+    theirs = dict(merged.named_modules())
+    checked = 0
+    for name, module in models.policy.get_base_model().named_modules():
+        if hasattr(module, "lora_A"):
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            want = dense_weight(module.get_base_layer()) + scale * (b @ a)
+            torch.testing.assert_close(theirs[name].weight, want.to(theirs[name].weight.dtype), rtol=1e-6, atol=1e-6)
+            checked += 1
+    assert checked == 2 * 7
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and Path(config["base_model_name_or_path"]).is_absolute()
+
+
+def test_an_adapter_exported_from_a_run_on_a_relative_folder_loads_from_anywhere(checkpoint, tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(checkpoint.parent)
+    run_dir = tmp_path / "run"
+    run_in_process(run_dir, f"model.name={checkpoint.name}", *SMALL, "train.steps=1")  # as typed: relative
+    out = tmp_path / "adapter"
+    export(ExportCommand(run_dir=str(run_dir), out=str(out), device="cpu"))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(checkpoint.resolve()) and config["task_type"] == "CAUSAL_LM"
+    monkeypatch.chdir(tmp_path)  # another folder: the adapter finds its base
+    model = AutoPeftModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "PeftModelForCausalLM"
+
+
 @pytest.mark.parametrize("case, message", [
     ("unfinished", "error: run_dir=RUN holds an unfinished run (no summary.json); finish it with python -m qerl_exp "
                    "resume=RUN, then export it"),
     ("exists", "error: out=OUT exists; give a new folder (export never writes into an existing one)"),
-    ("merge", "error: merge='fp16' is not valid; choose one of: none, bf16"),
+    ("merge", "error: merge='fp16' is not valid; choose one of: none, bf16, dequantized"),
+    ("dequantized", "error: merge=dequantized merges the adapter into a 4-bit base's decoded weights, and this run's "
+                    "base is unquantized (quant.format=none); use merge=bf16"),
     ("no run", "error: run_dir=RUN is not a run directory (no config.json)"),
 ])
 def test_export_refuses_in_one_line_and_writes_nothing(pretrained_run, tmp_path, capsys, case, message):
@@ -170,6 +223,8 @@ def test_export_refuses_in_one_line_and_writes_nothing(pretrained_run, tmp_path,
         out.mkdir()
     elif case == "merge":
         argv.append("merge=fp16")
+    elif case == "dequantized":
+        argv.append("merge=dequantized")
     else:
         (run_dir / "config.json").unlink()
     before = _digest(run_dir)

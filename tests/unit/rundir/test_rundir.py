@@ -24,6 +24,11 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     return str(e.value)
 
 
+def _log_a_step(run_dir: Path) -> None:
+    """What a run that has begun holds: a logged step (a claim alone is a run that never started)."""
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+
+
 def _record(**groups) -> dict:
     config = as_dict(Config())
     for group, values in groups.items():
@@ -43,8 +48,30 @@ def test_a_default_name_in_use_is_passed_over_and_a_named_one_is_refused(tmp_pat
     assert json.loads((second.path / "config.json").read_text())["lora"]["r"] == 8
     for owned in (first, second, third):
         owned.release()
+    _log_a_step(name)
     with pytest.raises(rundir.ConfigChangedError):  # a name the user gave is that run's, or refused
         rundir.claim(name, _record(lora={"r": 8}))
+
+
+def test_a_run_that_failed_before_its_first_step_leaves_its_directory_to_the_fixed_command(tmp_path):
+    from qerl_exp import train
+    from qerl_exp.tasks.reward_funcs import RewardError
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def fmt(completions, **kwargs):\n    return [1.0] * (len(completions) + 1)\n")  # one too many
+    overrides = [*TINY_RUN, "train.steps=2", "monitor.every=0", f"task.reward_funcs=[{rewards}:fmt]",
+                 f"run_dir={tmp_path / 'run'}"]
+    cfg, choices = compose(overrides)
+    with pytest.raises(RewardError, match="returned 9 values for 8 completions at step 0"):
+        train.run(cfg, tmp_path / "run", choices=choices)
+    assert not rundir.started(tmp_path / "run")
+    rewards.write_text("def fmt(completions, **kwargs):\n    return [1.0] * len(completions)\n")  # fixed
+    validate(overrides, multirun=False)  # the same command takes the directory over
+    cfg, choices = compose(overrides)
+    assert train.run(cfg, tmp_path / "run", choices=choices)["steps"] == 2
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded[record.REWARDS_KEY]["fmt"]["sha256"] == train.run_config(cfg, choices)[record.REWARDS_KEY]["fmt"]["sha256"]
+    assert rundir.started(tmp_path / "run")
 
 
 def test_checks_of_one_directory_at_once_pass_and_a_running_owner_refuses_them(tmp_path):
@@ -110,6 +137,7 @@ def test_a_run_refuses_to_continue_on_another_base(tmp_path):
     assert len(started[record.BASE_KEY]) == 16
     run_dir = tmp_path / "run"
     rundir.claim(run_dir, started).release()
+    _log_a_step(run_dir)
     rundir.claim(run_dir, run_config(cfg, choices)).release()  # the same files: continued
     tiny_qwen2(1, vocab=128, max_positions=512).save_pretrained(folder)  # the weights replaced under the run
     saved = (run_dir / "config.json").read_bytes()
@@ -195,6 +223,7 @@ def test_a_record_without_a_field_the_schema_gained_reads_as_the_run_used_it(tmp
     config = _record()
     del config["train"]["fused_ops"]  # as a version before the field wrote it
     rundir.claim(run_dir, config).release()
+    _log_a_step(run_dir)
     rundir.claim(run_dir, _record()).release()  # a rerun with today's default: the same run
     assert json.loads((run_dir / "config.json").read_text())["train"]["fused_ops"] is True
     (run_dir / "config.json").write_text(json.dumps(config))

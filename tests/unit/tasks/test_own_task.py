@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, run_in_process, tiny_qwen2
 from qerl_exp.cli import parse_command_line, validate
@@ -70,9 +71,10 @@ def example(tmp_path) -> Path:
     return tmp_path
 
 
-def command(folder: Path, *args: str, module: str = "qerl_exp") -> subprocess.CompletedProcess:
+def command(folder: Path, *args: str, module: str = "qerl_exp", env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` run in `folder`, as a researcher runs it from theirs."""
-    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=folder, capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -291,7 +293,8 @@ BAD_FUNCTIONS = [
     ("def other(prompts, completions, **kwargs):\n    return []\n", "rewards.py has no function 'fmt'"),
     ("def fmt(completions, answer):\n    return []\n", "reward function fmt (rewards.py:fmt) does not take 'prompts'"),
     ("def fmt(prompts, completions, level, **kwargs):\n    return []\n",
-     "reward function fmt (rewards.py:fmt) needs 'level', which is not a column of the task's rows (they give: answer, difficulty;"),
+     "reward function fmt (rewards.py:fmt) needs 'level', which is not a column of the task's rows (they give: answer, "
+     "difficulty) nor one of its task.reward_kwargs"),
     ("def fmt(prompts, completions, answer):\n    return []\n",
      "reward function fmt (rewards.py:fmt) does not take the column 'difficulty', and every column is passed to it; "
      "add **kwargs to its parameters"),
@@ -384,6 +387,36 @@ def test_chat_settings_reach_the_rendered_prompt(checkpoint, tmp_path):
     assert tok.render_prompt("What is 2 + 2?", "Be brief.") == expected == "[system] Be brief.\n[user] What is 2 + 2?\n[assistant] "
     with pytest.raises(ValueError, match="the embedded model has no chat template"):
         CharTokenizer().render_prompt(messages, "")
+
+
+def test_prompts_render_as_trl_renders_them(checkpoint, tmp_path):
+    """A conversation whose last message is the assistant's (a prefill) is continued, not closed; a
+    text prompt under `task.text_prompts=verbatim` is the text, after the special tokens the
+    tokenizer adds to a text (a BOS), so its ids are the ones TRL's tokenizer call gives."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from trl.data_utils import maybe_apply_chat_template
+
+    from qerl_exp.models.tokenizers import HFTokenizer
+
+    tok = HFTokenizer(checkpoint, local_files_only=True)
+    prefill = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "<think>"}]
+    rendered = tok.render_prompt(prefill, "ignored")
+    assert rendered == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n<think>"
+    assert rendered == maybe_apply_chat_template({"prompt": prefill}, tok.tok)["prompt"]
+    tok.use_chat("", {}, text_prompts="verbatim")
+    assert tok.render_prompt("2 + 2 =", "ignored") == "2 + 2 ="  # this tokenizer adds no special token
+
+    # a tokenizer that puts a BOS before every text, as Llama's do
+    vocab = {c: i for i, c in enumerate(["<s>", "</s>", *"0123456789 +=abc"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path / "bos")
+    bos = HFTokenizer(tmp_path / "bos", local_files_only=True)
+    bos.use_chat("", {}, text_prompts="verbatim")
+    assert bos.render_prompt("2 + 2 =", "ignored") == "<s>2 + 2 ="
+    assert bos.encode(bos.render_prompt("2 + 2 =", "")) == bos.tok("2 + 2 =")["input_ids"]  # TRL's ids
 
 
 def test_a_hub_dataset_without_the_hub_fails_in_one_line_within_seconds(monkeypatch):
@@ -630,3 +663,29 @@ def test_the_data_of_a_save_to_disk_folder_is_digested_not_the_caches_datasets_w
     loaded.filter(lambda row: True).save_to_disk(str(example / "other"))
     (example / "saved" / "data-00000-of-00001.arrow").write_bytes((example / "other" / "data-00000-of-00001.arrow").read_bytes()[:-8])
     assert reader.digest(str(example / "saved")) != before  # the data itself changed
+@pytest.mark.slow
+def test_a_config_dir_presets_values_are_what_the_run_records_and_cfg_job_prints(example, checkpoint):
+    """A preset of a folder of your own that tunes the learning rate and the completion length, run on
+    a checkpoint named by `model.name`: the run records (and uses) the preset's values, `--cfg job`
+    prints what `config.json` records, and W&B's tags name the checkpoint."""
+    (example / "myconf" / "task" / "short.yaml").write_text(
+        "# @package _global_\n# a task preset that also tunes the run\ntrain:\n  lr: 2e-3\nalgo:\n  max_new_tokens: 32\n")
+    args = ["--config-dir", "myconf", "task=short", f"model.name={checkpoint}", "train.steps=1",
+            "train.prompts_per_step=2", "algo.group_size=2", "run_dir=run"]
+    shown = command(example, *args, "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    out = command(example, *args, env_extra={"WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((example / "run" / "config.json").read_text())
+    assert (config["train"]["lr"], config["algo"]["max_new_tokens"]) == (2e-3, 32)
+    assert config["choices"]["model"] == "checkpoint"
+    from qerl_exp.record import flatten
+
+    printed, recorded = flatten(yaml.safe_load(shown.stdout)), flatten(config)
+    # null is "follow another setting" (algo.eps_high: algo.eps_low), which config.json records resolved
+    assert {k: v for k, v in printed.items() if v is not None and recorded[k] != v} == {}
+    assert printed["algo.eps_high"] is None and recorded["algo.eps_high"] == recorded["algo.eps_low"]
+    leet = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json",
+                           str(next((example / "run").glob("wandb/latest-run/run-*.wandb")))],
+                          capture_output=True, text=True, timeout=120)
+    assert f"model:{checkpoint.name}" in json.loads(leet.stdout)["tags"], leet.stdout[-2000:]

@@ -240,6 +240,58 @@ def test_build_task_gsm8k_from_a_file():
     assert scores == {"format": [0.2], "correct": [2.0]}
 
 
+def _rows(tmp_path, questions: list[str]):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "answer": str(i)}) + "\n" for i, q in enumerate(questions)))
+    return str(path)
+
+
+def test_the_users_data_trains_as_given(tmp_path):
+    """Duplicates are kept (and counted) unless asked; eval_size=0 trains on every row; a held-out
+    prompt never trains, whichever rows repeat it."""
+    questions = [f"q{i}" for i in range(12)] + ["q0", "q0", "q5"]
+    path = _rows(tmp_path, questions)
+    kept = build_task(TaskConfig(name="dataset", path=path, eval_size=0))
+    assert [p.question for p in kept.train] == questions and kept.held_out == []
+    assert kept.facts == {"data/train_prompts": 15, "data/held_out_prompts": 0, "data/duplicate_prompts": 3}
+    dropped = build_task(TaskConfig(name="dataset", path=path, eval_size=0, drop_duplicates=True))
+    assert [p.question for p in dropped.train] == questions[:12] and dropped.facts["data/duplicate_prompts"] == 3
+    held = build_task(TaskConfig(name="dataset", path=path, eval_size=3))
+    out = {p.question for p in held.held_out}
+    assert len(out) == 3 and not out & {p.question for p in held.train}
+    assert len(held.train) == 15 - sum(questions.count(q) for q in out)  # every copy of a held-out prompt is out
+    # the held-out slice is the one a file without duplicates gives (the same prompts as when they were dropped)
+    assert out == {p.question for p in build_task(TaskConfig(name="dataset", path=path, eval_size=3,
+                                                             drop_duplicates=True)).held_out}
+
+
+def test_the_epoch_sampler_draws_every_prompt_once_an_epoch(tmp_path):
+    task = build_task(TaskConfig(name="dataset", path=_rows(tmp_path, [f"q{i}" for i in range(10)]), eval_size=0), seed=3)
+    rng = np.random.default_rng(0)
+    draws = [p.question for step in range(7) for p in task.sample(3, rng, start=3 * step)]  # 21 draws: 2.1 epochs
+    epochs = [draws[:10], draws[10:20]]
+    assert all(sorted(e) == sorted(f"q{i}" for i in range(10)) for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[0] != [f"q{i}" for i in range(10)]  # shuffled, anew each epoch
+    # a function of (seed, position) alone: a resumed run draws what the uninterrupted one did
+    assert [p.question for p in task.sample(4, np.random.default_rng(9), start=8)] == draws[8:12]
+    other = build_task(TaskConfig(name="dataset", path=task.cfg.path, eval_size=0), seed=4)
+    assert [p.question for p in other.sample(10, rng, start=0)] != epochs[0]  # the seed orders it
+    assert task.epoch(21) == pytest.approx(2.1)
+
+
+def test_no_held_out_problems_means_no_evaluation(tmp_path):
+    from qerl_exp.console import UsageError
+    from qerl_exp.cli import validate
+
+    path = _rows(tmp_path, [f"q{i}" for i in range(8)])
+    with pytest.raises(UsageError, match="^eval.every needs held-out problems, and task.eval_size=0 holds none out"):
+        validate(["task=dataset", f"task.path={path}", "task.eval_size=0", "eval.every=2",
+                  "task.reward_funcs=[format]"], multirun=False, check_machine=False)
+    cfg = compose(["task=dataset", f"task.path={path}", "task.eval_size=0", f"task.eval_path={path}", "eval.every=2",
+                   "task.reward_funcs=[format]"])[0]
+    assert cfg.task.holds_out
+
+
 def test_build_task_math_scores_symbolic_answers():
     task = build_task(TaskConfig(name="math", path=str(MATH), eval_size=5))
     problems = {p.answer: p for p in task.train + task.held_out}
