@@ -394,13 +394,24 @@ def contrasts_markdown(rows: dict[str, list[Run]], outcomes, reference: str = RE
     return lines
 
 
+# The doses a response is drawn against (`dose_response`): name -> (what the table calls it, the
+# per-run value of `dose_values`, whether the dose is the log ratio of the row's mean to the reference's
+# (else their difference)).
+RESPONSE_DOSES = {
+    "pi_b": ("ln pi(B) ratio", "log_pi_b_0", True),
+    "kl": ("KL to full precision (nats)", "kl_0", False),
+    "on_policy": ("on-policy entropy gain (nats)", "on_policy_gain_0", False),
+}
+
+
 @dataclass
 class DoseResponse:
-    """An outcome against the dose over the rows, replicated over bases (`dose_response`).
+    """An outcome against a dose over the rows, replicated over bases (`dose_response`).
 
     Args:
         outcome: the outcome's name (`found` or `discovery`).
-        slopes: each base's least-squares slope of ln(restricted mean ratio) on ln(pi(B) ratio), by base.
+        dose: the dose's name (`RESPONSE_DOSES`).
+        slopes: each base's least-squares slope of the response on the dose, by base.
         points: each base's (row, dose, response) points.
         slope: the mean of the base slopes with its 95 % t-interval over bases.
         p: its two-sided p-value.
@@ -408,6 +419,7 @@ class DoseResponse:
     """
 
     outcome: str
+    dose: str
     slopes: dict
     points: dict
     slope: Interval
@@ -415,23 +427,27 @@ class DoseResponse:
     mde: float
 
 
-def dose_response(rows: dict[str, list[Run]], outcome: str, reference: str = REFERENCE) -> DoseResponse | None:
-    """`task=fork`: how an event time follows the shift of pi(B) at step 0, over the rows.
+def dose_response(rows: dict[str, list[Run]], outcome: str, reference: str = REFERENCE,
+                  dose: str = "pi_b") -> DoseResponse | None:
+    """`task=fork`: how an event time follows the rows' treatment at step 0.
 
-    On each base, for every row but the reference: the dose x = ln(mean pi(B) of the row's runs /
-    mean pi(B) of the reference's runs) and the response y = ln(restricted mean of `outcome` of the
-    row's runs / the reference's), over the base's seeds that both rows ran; the base's slope is
-    the least-squares slope of y on x (an elasticity: -1 when the time scales as 1 / pi(B), 0 when the
-    dose does not matter). The estimate is the mean of the base slopes with its t-interval over bases.
-    None with fewer than two bases of three rows or more (a row whose restricted mean is 0 is left out).
+    On each base, for every row but the reference, over the base's seeds that both rows ran: the
+    response y = ln(restricted mean of `outcome` of the row's runs / the reference's), and the dose x,
+    for `pi_b` ln(mean pi(B) of the row's runs / the reference's), for `kl` and `on_policy` the row's
+    mean minus the reference's (`RESPONSE_DOSES`). The base's slope is the least-squares slope of y on
+    x (for `pi_b` an elasticity: -1 when the time scales as 1 / pi(B), 0 when the dose does not
+    matter); the estimate is the mean of the base slopes with its t-interval over bases. None with
+    fewer than two bases of three rows or more (a row whose restricted mean is 0 is left out).
     """
     if reference not in rows:
         return None
+    _, key, ratio = RESPONSE_DOSES[dose]
     by_base: dict = {}
     for label, runs in rows.items():
         for r in runs:
-            pi = dose_values(r)["log_pi_b_0"]
-            by_base.setdefault(unit(r)[0], {}).setdefault(label, {})[unit(r)[1]] = (math.exp(pi), outcome_values(r)[outcome])
+            value = dose_values(r)[key]
+            by_base.setdefault(unit(r)[0], {}).setdefault(label, {})[unit(r)[1]] = (
+                math.exp(value) if ratio else value, outcome_values(r)[outcome])
     slopes, points = {}, {}
     for base, labels in sorted(by_base.items(), key=lambda kv: repr(kv[0])):
         ref = labels.get(reference, {})
@@ -440,35 +456,40 @@ def dose_response(rows: dict[str, list[Run]], outcome: str, reference: str = REF
             common = [s for s in seeds if s in ref]
             if label == reference or not common:
                 continue
-            mine, theirs = [seeds[s] for s in common], [ref[s] for s in common]
-            xs = (mean([p for p, _ in mine]), mean([p for p, _ in theirs]))
-            ys = (mean([t for _, t in mine]), mean([t for _, t in theirs]))
-            if min(*xs, *ys) > 0 and not any(math.isnan(v) for v in (*xs, *ys)):
-                pts.append((label, math.log(xs[0] / xs[1]), math.log(ys[0] / ys[1])))
+            xs = (mean([seeds[s][0] for s in common]), mean([ref[s][0] for s in common]))
+            ys = (mean([seeds[s][1] for s in common]), mean([ref[s][1] for s in common]))
+            if any(math.isnan(v) for v in (*xs, *ys)) or min(ys) <= 0 or (ratio and min(xs) <= 0):
+                continue
+            pts.append((label, math.log(xs[0] / xs[1]) if ratio else xs[0] - xs[1], math.log(ys[0] / ys[1])))
         if len(pts) >= 3 and not math.isnan(b := slope([x for _, x, _ in pts], [y for _, _, y in pts])):
             slopes[base], points[base] = b, pts
     if len(slopes) < 2:
         return None
     values = list(slopes.values())
-    return DoseResponse(outcome, slopes, points, t_interval(values), t_test(values), mde(values))
+    return DoseResponse(outcome, dose, slopes, points, t_interval(values), t_test(values), mde(values))
 
 
 def dose_response_markdown(rows: dict[str, list[Run]], reference: str = REFERENCE,
                            outcomes=("found", "discovery")) -> list[str]:
-    """The dose-response of route B's discovery (`dose_response`), one line an outcome; empty when
-    the rows do not allow one."""
-    found = [d for name in outcomes if (d := dose_response(rows, name, reference)) is not None]
+    """The dose-response of route B's discovery (`dose_response`): each outcome against pi(B)'s shift,
+    then against the other doses; empty when the rows do not allow one."""
+    found = [d for name in outcomes for dose in RESPONSE_DOSES
+             if (d := dose_response(rows, name, reference, dose)) is not None]
     if not found:
         return []
     lines = [f"**Discovery against the dose** (`task=fork`; rows against `{reference}`, per base: the least-squares "
-             "slope of ln(the row's restricted mean step / the reference's) on ln(the row's mean pi(B) at step 0 / "
-             "the reference's), over the rows; the mean of the base slopes, 95 % t-interval over bases; -1: the "
-             "time scales as 1 / pi(B), 0: the dose does not matter; `analysis/compare.py`, `dose_response`):", "",
-             "| outcome | bases | rows a base | slope [95 % CI] | p | MDE | each base's slope |", "|---|---|---|---|---|---|---|"]
+             "slope of ln(the row's restricted mean step / the reference's) on the row's dose at step 0, over the "
+             "rows: ln(the row's mean pi(B) / the reference's), or the row's mean KL to full precision or on-policy "
+             "entropy gain minus the reference's; the mean of the base slopes, 95 % t-interval over bases; against "
+             "pi(B), -1: the time scales as 1 / pi(B), 0: the dose does not matter; `analysis/compare.py`, "
+             "`dose_response`):", "",
+             "| outcome | dose | bases | rows a base | slope [95 % CI] | p | MDE | each base's slope |",
+             "|---|---|---|---|---|---|---|---|"]
     for d in found:
         per = ", ".join(f"{b}: {v:.2f}" for b, v in d.slopes.items())
         sizes = sorted({len(p) for p in d.points.values()})
-        lines.append(f"| {OUTCOMES[d.outcome][0]} | {len(d.slopes)} | {'-'.join(map(str, (sizes[0], sizes[-1]))) if len(sizes) > 1 else sizes[0]} "
+        count = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+        lines.append(f"| {OUTCOMES[d.outcome][0]} | {RESPONSE_DOSES[d.dose][0]} | {len(d.slopes)} | {count} "
                      f"| {d.slope.text(2)} | {p_text(d.p)} | {'n/a' if math.isnan(d.mde) else f'{d.mde:.2f}'} | {per} |")
     return lines
 

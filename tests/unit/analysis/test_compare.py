@@ -280,4 +280,7 @@ def test_discovery_follows_the_dose_with_the_slope_it_was_made_with(tmp_path):
         y = [math.log(m[k][1] / m["full_precision"][1]) for k in rows_pi if k != "full_precision"]
         assert d.slopes[base] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9) and d.slopes[base] == pytest.approx(-1, abs=0.1)
     assert d.slope.mean == pytest.approx(np.mean(list(d.slopes.values())))
-    assert f"| B found above the prior (step) | 2 | 3 | {d.slope.text(2)} |" in "\n".join(compare.dose_response_markdown(rows))
+    text = "\n".join(compare.dose_response_markdown(rows))
+    assert f"| B found above the prior (step) | ln pi(B) ratio | 2 | 3 | {d.slope.text(2)} |" in text
+    kl = compare.dose_response(rows, "found", dose="kl")  # every row's KL is 0: no slope to draw
+    assert kl is None and "| KL to full precision (nats) |" not in text
