@@ -41,7 +41,7 @@ from pathlib import Path
 
 from analysis import compare
 from analysis.runs import STRATEGY_KEYS, Run, differences, settings
-from analysis.stats import Interval, mean, one_sided, t_interval, tost
+from analysis.stats import Interval, mean, mde, one_sided, t_interval, tost
 from qerl_exp.metrics import final_window
 
 BASELINE = "full_precision"
@@ -103,7 +103,8 @@ CLAIMS_SOURCE = (
     "below it, judged only on fixed-length workloads (rollout.ignore_eos=true) and, for memory, on CUDA runs "
     "(else 'not testable here'); 'slight' holds when a one-sided t-test puts the same-token entropy gain above 0 (p < 0.05), "
     "'significant' when its 95% t-interval across seeds lies above 0, 'similar to X' when an equivalence test "
-    "(TOST, p < 0.05) puts the paired differences from X's entropy gains within +-25% of X's mean gain."
+    "(TOST, p < 0.05) puts the paired differences from X's entropy gains within +-25% of X's mean gain (the margin "
+    "beside the verdict, with the minimum detectable effect of those differences at power 0.8, alpha 0.05)."
 )
 
 
@@ -147,16 +148,25 @@ class Row:
             return None
         return self.tok_s_ratio >= self.claim.speedup * (1 - SPEED_TOLERANCE)
 
+    def _similar(self) -> tuple[list[float], float]:
+        """The paired differences from the peer's entropy gains and the "similar" margin ([] without pairs)."""
+        common = [u for u in self.gains if u in self.peer_gains] if self.peer_gains else []
+        if len(common) < 2:
+            return [], math.nan
+        return ([self.gains[u] - self.peer_gains[u] for u in common],
+                SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values()))))
+
     @property
     def similar_p(self) -> float:
         """TOST p-value of the paired differences from the peer's entropy gains (nan: no pairs)."""
-        if not self.peer_gains:
-            return math.nan
-        common = [u for u in self.gains if u in self.peer_gains]
-        if len(common) < 2:
-            return math.nan
-        margin = SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values())))
-        return tost([self.gains[u] - self.peer_gains[u] for u in common], margin)
+        diffs, margin = self._similar()
+        return tost(diffs, margin) if diffs else math.nan
+
+    @property
+    def similar_text(self) -> str:
+        """The "similar" claim's margin beside the minimum detectable effect of its paired differences."""
+        diffs, margin = self._similar()
+        return f" (+-{margin:.4f}; MDE {mde(diffs):.4f})" if diffs else ""
 
     @property
     def exploration_holds(self) -> bool | None:
@@ -381,7 +391,8 @@ def _cells(r: Row) -> list[str]:
     memory = "" if c.memory_reduction is None else \
         f"{_MINUS}{c.memory_reduction:.0%}{_verdict(r.memory_holds, r.memory_testable)}"
     speed = "" if c.speedup is None else f"{c.speedup:g}{_TIMES}{_verdict(r.speed_holds, r.speed_testable)}"
-    explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}"
+    explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}" + (
+        r.similar_text if c.exploration == "similar" else "")
     paper = "; ".join(x for x in (
         "" if c.paper_weights_ratio is None else f"weights {c.paper_weights_ratio:.2f}{_TIMES}",
         "" if c.paper_speedup is None else f"tok/s {c.paper_speedup:.2f}{_TIMES}") if x)

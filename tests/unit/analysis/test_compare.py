@@ -284,3 +284,23 @@ def test_discovery_follows_the_dose_with_the_slope_it_was_made_with(tmp_path):
     assert f"| B found above the prior (step) | ln pi(B) ratio | 2 | 3 | {d.slope.text(2)} |" in text
     kl = compare.dose_response(rows, "found", dose="kl")  # every row's KL is 0: no slope to draw
     assert kl is None and "| KL to full precision (nats) |" not in text
+
+
+def test_the_command_prints_each_rows_dose_beside_its_discovery_contrasts(tmp_path, capsys):
+    """`python -m analysis` prints, for task=fork, every row's pi(B) shift and KL at step 0 and its
+    discovery contrasts with their minimum detectable effects."""
+    from analysis import __main__ as cli
+
+    units = [(b, s) for b in (1, 2) for s in range(3)]
+    ref = {u: 0.01 for u in units}
+    _fork_row(tmp_path / "runs", "full_precision", "full_precision", ref, {u: 20 + u[1] for u in units})
+    _fork_row(tmp_path / "runs", "q", "nvfp4_lora_noaqn", {u: 0.012 for u in units},
+              {u: 18 - u[0] + u[1] for u in units}, kl=0.003)  # 3 steps sooner on base 1, 4 on base 2
+    assert cli.main([str(tmp_path / "runs"), "--out", str(tmp_path / "report"), "--no-figures"]) == 0
+    out = capsys.readouterr().out
+    dose = next(x for x in out.splitlines() if x.startswith("| q | 0.0030 [0.0030, 0.0030] |"))
+    assert "+20.0 %" in dose
+    found = next(x for x in out.splitlines() if x.startswith("| B found above the prior (step) | q |"))
+    cells = [c.strip() for c in found.strip("|").split("|")]
+    assert cells[3].startswith("-3.5 [") and cells[7] == f"{stats.mde([-3.0, -4.0]):.1f}"
+    assert cells[9] == "KL 0.0030; H +0.0000; pi(B) +20.0 %"
