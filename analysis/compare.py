@@ -61,6 +61,8 @@ from qerl_exp.metrics import final_window
 REFERENCE = "full_precision"
 DISCOVERY_SHARE = 0.5  # route B is discovered once half of a step's completions take it
 FOUND_LEVEL = 1e-3  # B is found once a step holds more B completions than the prior gives with this probability
+# The sampler's treatment at step 0 each row is reported beside (the module docstring's dose table).
+DOSES = ("kl_0", "on_policy_gain_0", "log_pi_b_0")
 
 
 def unit(run: Run) -> tuple[int, object]:
@@ -143,9 +145,11 @@ def outcome_values(run: Run) -> dict[str, float]:
 
 
 def dose_values(run: Run) -> dict[str, float]:
-    """The run's sampler at step 0 (`DOSES`; nan where the run did not log it)."""
+    """The run's sampler at step 0 (`DOSES`; nan where the run did not log it). `on_policy_gain_0` is
+    the run's own `sampler/entropy`: a gain once the reference row's is subtracted (`doses`)."""
+    pi_b = route_b_probability(_at_step_0(run, "fork/route_entropy"))
     return {"kl_0": _at_step_0(run, "quant/kl"), "on_policy_gain_0": _at_step_0(run, "sampler/entropy"),
-            "log_pi_b_0": math.log(p) if (p := route_b_probability(_at_step_0(run, "fork/route_entropy"))) > 0 else math.nan}
+            "log_pi_b_0": math.log(pi_b) if pi_b > 0 else math.nan}
 
 
 @dataclass

@@ -248,6 +248,7 @@ def test_every_row_is_reported_beside_its_dose_at_step_0(tmp_path):
               kl=0.002, entropy=0.25)
     rows = {r.label: r.runs for r in section.build(R.load([str(tmp_path)])).rows}
     dose = compare.doses(rows)["q"]
+    assert tuple(compare.dose_values(rows["q"][0])) == compare.DOSES
     want_log = np.mean([math.log(factor[b]) for b in (1, 2)])  # each base's mean log ratio, then their mean
     assert dose.log_pi_b.difference.mean == pytest.approx(want_log, rel=1e-6)
     assert dose.pi_b_shift().mean == pytest.approx(math.expm1(want_log), rel=1e-6)
