@@ -9,12 +9,17 @@ alone. Writes into DIR:
   strategy_runs.md                 every run used, skipped (with the reason: failed runs with
                                    their error.txt line) or left out
   results_section.md               pass@1 on both evaluation splits (start, end, change), the
-                                   diagnostics, every row's paired contrasts against --reference
-                                   (analysis/compare.py), route B's discovery (task=fork), the best
+                                   diagnostics, each row's treatment at step 0 against --reference
+                                   (KL to full precision, on-policy entropy gain, task=fork: pi(B)'s
+                                   shift), every row's paired contrasts against it beside that dose
+                                   and their minimum detectable effects (analysis/compare.py),
+                                   route B's discovery and its dose-response (task=fork), the best
                                    AQN setting, the spread between identical runs, the commit and
                                    this command (analysis/section.py), for
-                                   docs/results.md to include verbatim (--into docs/results.md
-                                   puts it there, between its begin and end lines)
+                                   results/results.md to include verbatim (--into
+                                   results/results.md puts it there, between its begin and end lines)
+Prints the strategy table and, beside each row's dose at step 0, its contrasts on route B's
+discovery (task=fork) or on the final training reward.
 
 Example:
     python -m analysis runs/strategies                 # writes runs/strategies/report/
@@ -23,7 +28,7 @@ Example:
     python -m analysis --wandb-project me/qerl-exp --out /tmp/report
     python -m analysis runs --optuna-storage sqlite:///sweeps.db --optuna-study aqn --out /tmp/report
     python -m analysis wandb-report --project me/qerl-exp --group arith --save   (a W&B report)
-    python -m analysis results/smollm2_study --out results/smollm2_study --into docs/results.md
+    python -m analysis results/smollm2_study --out results/smollm2_study --into results/results.md
     python -m analysis determinism RUN_A RUN_B   (two runs of one config and seed, step by step)
     python -m analysis keep runs/smollm2_study results/smollm2_study   (a sweep's finished runs, to keep)
 """
@@ -205,6 +210,8 @@ def _main(argv: list[str]) -> int:
             return 1
         written.append(args.into)
     print(table.to_markdown(rows).split("\n\n")[0])
+    if summary := section.dose_summary(built):
+        print("\n" + "\n".join(summary).rstrip())
     print(f"\n{len(loaded.runs)} runs used, {len(loaded.skipped)} skipped (see {args.out / 'strategy_runs.md'})")
     for p in written:
         print(f"wrote {p}")

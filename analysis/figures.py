@@ -259,9 +259,10 @@ def _single_note(groups: dict) -> str:
 
 def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = SMOOTH, formats: tuple[str, ...] = PNG) -> list[Path]:
     """Figs. 4 and 5 over the table's runs: reward per strategy (and held-out pass@1 for runs that
-    evaluated); sampler entropy and entropy gain; each over its difference from full precision.
+    evaluated); sampler entropy (on-policy) and the same-token entropy gain; each over its difference
+    from full precision.
 
-    The entropy gain (sampler minus full-precision reference on the same tokens) removes the
+    The same-token entropy gain (sampler minus full-precision reference on the sampler's tokens) removes the
     prompt-to-prompt swings that every strategy shares, leaving what quantization and AQN add.
     """
     groups, _ = select(runs)
@@ -276,9 +277,9 @@ def strategy_figures(runs: list[Run], out_dir: Path, smooth: int = SMOOTH, forma
     paths = _save(fig, out_dir, "fig4_reward", "Reward vs step by strategy (paper Fig. 4)", formats=formats)
     fig, axes = _panels(2, 7.0)
     _draw_pair(axes[0, 0], axes[1, 0], groups, "sampler/entropy", _metric_label("sampler entropy (nats)", smooth),
-               "sampler token entropy", REFERENCE, smooth)
-    _draw_pair(axes[0, 1], axes[1, 1], groups, "entropy_gain", _metric_label("entropy gain (nats)", smooth),
-               "entropy gain over the full-precision reference", REFERENCE, smooth, zero=True)
+               "sampler token entropy, on its own rollouts", REFERENCE, smooth)
+    _draw_pair(axes[0, 1], axes[1, 1], groups, "entropy_gain", _metric_label("same-token entropy gain (nats)", smooth),
+               "same-token entropy gain over the full-precision reference", REFERENCE, smooth, zero=True)
     paths += _save(fig, out_dir, "fig5_entropy", "Entropy vs step by strategy (paper Fig. 5)", formats=formats)
     return paths
 

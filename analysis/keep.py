@@ -3,7 +3,7 @@ as run records to keep.
 
 Copies each finished trial's record (`config.json`, `metrics.jsonl`, `summary.json` and any
 `eval*.json`) from `SWEEP_DIR/trials/` into `DEST/<config>_s<seed>/` (`<config>_b<base>_s<seed>/` on
-an embedded base other than the default), the names docs/results.md
+an embedded base other than the default), the names results/results.md
 and `python -m analysis` read; of a folder of run directories (no `trials/`, e.g. what
 `sweeps/strategies.sh` writes) each run's record goes to the same path under DEST. Checkpoints and
 adapters stay behind. A trial without

@@ -1,6 +1,6 @@
 """The results section: held-out pass@1 on both splits, why a strategy does or does not learn, the
 best AQN setting, and the spread between identical runs, as one Markdown file that
-docs/results.md includes verbatim (`results_section.md`, written by `python -m analysis`).
+results/results.md includes verbatim (`results_section.md`, written by `python -m analysis`).
 
 Rows are the runs grouped by their settings (all but the seed and where and how a run was stored
 and logged, `runs.IGNORED_KEYS`), named by the sweep config that made them (`choices.config`),
@@ -25,9 +25,11 @@ finished runs; `cut_short` compares their training reward over the last quarter 
 of them logged, beside their pass@1 before the first update.
 
 Per row: the mean over its runs (seeds, or bases x seeds) with its 95 % Student t-interval (`stats.t_interval`). Then every row
-against the reference row (`--reference`, default full_precision): paired differences per (base,
-seed) with intervals, p-values and Holm's adjustment (`analysis.compare`), and for `task=fork` the
-discovery of route B. The best AQN setting is, among the nvfp4_lora rows (settings equal to the
+against the reference row (`--reference`, default full_precision): its treatment at step 0 (KL to
+full precision, the on-policy entropy gain, for `task=fork` the shift of pi(B): `compare.DOSES`),
+paired differences per (base, seed) with intervals, p-values, Holm's adjustment and the minimum
+detectable effect, each beside that dose (`analysis.compare`), and for `task=fork` the discovery of
+route B and its slope against pi(B)'s shift. The best AQN setting is, among the nvfp4_lora rows (settings equal to the
 `nvfp4_lora` preset's outside `noise.*`; AQN off is one of them) that differ from each other in
 `noise.*` alone, the one with the highest mean final training reward: chosen on training reward,
 never on held-out pass@1; rows that also differ in another setting (a learning rate, a task) are
@@ -62,8 +64,8 @@ DIAGNOSTICS = {  # column: (header, digits)
     "zero_std": ("no reward spread", 2), "logp_gap": ("sampler-learner gap", 3),
 }
 # The outcomes whose paired contrasts against the reference row the section shows (those the runs logged).
-CONTRAST_OUTCOMES = ("final_reward", "heldout_pass1", "ood_pass1", "entropy_gain_0", "entropy_gain", "discovery",
-                     "first_b", "b_share_end")
+CONTRAST_OUTCOMES = ("final_reward", "heldout_pass1", "ood_pass1", "entropy_gain_0", "entropy_gain", "found",
+                     "discovery", "first_b", "b_share_end")
 # Metrics a determinism pair reports besides its largest difference.
 PAIR_METRICS = ("reward", "entropy", "kl", "loss", "grad_norm", "eval/pass@1", "eval/ood/pass@1")
 # Settings the section names when every run shares them.
@@ -275,11 +277,29 @@ def _pairs(section: Section) -> list[str]:
 
 
 def _compared(section: Section) -> list[str]:
-    """The paired contrasts against the reference row and, for `task=fork`, the discovery table."""
+    """Each row's dose at step 0, the paired contrasts against the reference row beside it and, for
+    `task=fork`, the discovery table and discovery against the dose."""
     rows = {r.label: r.runs for r in section.rows}
-    lines = compare.contrasts_markdown(rows, CONTRAST_OUTCOMES, section.reference, section.margins)
-    discovered = compare.discovery_markdown(rows)
-    return [*lines, *([""] if lines else []), *discovered, *([""] if discovered else [])]
+    out = []
+    for part in (compare.doses_markdown(rows, section.reference),
+                 compare.contrasts_markdown(rows, CONTRAST_OUTCOMES, section.reference, section.margins),
+                 compare.discovery_markdown(rows), compare.dose_response_markdown(rows, section.reference)):
+        out += [*part, ""] if part else []
+    return out
+
+
+def dose_summary(section: Section) -> list[str]:
+    """What `python -m analysis` prints of the section: each row's dose at step 0 and, beside it, the
+    contrasts of route B's discovery (`task=fork`) or of the final training reward."""
+    rows = {r.label: r.runs for r in section.rows}
+    fork = any(runs and runs[0].series("fork/b_share")[0] for runs in rows.values())
+    out = []
+    for part in (compare.doses_markdown(rows, section.reference),
+                 compare.contrasts_markdown(rows, ("found", "discovery") if fork else ("final_reward",),
+                                            section.reference, section.margins),
+                 compare.dose_response_markdown(rows, section.reference) if fork else []):
+        out += [*part, ""] if part else []
+    return out
 
 
 def cut_short(loaded: Loaded) -> list[str]:

@@ -8,20 +8,20 @@ One row per strategy preset (`conf/strategy/`), averaged over seeds. Per run (de
 | peak memory | max over steps of `mem/peak_bytes` |
 | rollout tokens/s | mean of `perf/rollout_tok_s` over steps 1.. (step 0 is warm-up; all steps if only one) |
 | step time | mean of `perf/step_s` over steps 1.. (same rule) |
-| sampler entropy | mean of `sampler/entropy` over all steps |
-| entropy gain | mean of `entropy_gain` over the steps that logged it (monitor steps) |
-| entropy gain at step 0 | `entropy_gain` at step 0: the quantization error (and stage 0's noise, none for decaying schedules) before any update |
+| sampler entropy | mean of `sampler/entropy` over all steps (the on-policy entropy: each sampler on its own rollouts) |
+| same-token entropy gain | mean of `entropy_gain` over the steps that logged it (monitor steps): the sampler's entropy minus full precision's on the sampler's tokens |
+| same-token entropy gain at step 0 | `entropy_gain` at step 0: the quantization error (and stage 0's noise, none for decaying schedules) before any update |
 | final reward | mean of `reward` over the last quarter of the steps (`metrics.final_window`: `reward/final` of `summary.json`) |
 | held-out pass@1 | the last `eval/pass@1` logged (`eval.every`; n/a for runs without one) |
 
 Per strategy: the mean over seeds; memory, tokens/s and step time also as the ratio of that mean
-to the full_precision mean; sampler entropy, entropy gain, final reward and held-out pass@1 with a
+to the full_precision mean; sampler entropy, same-token entropy gain, final reward and held-out pass@1 with a
 95% Student t-interval across seeds. Only runs whose settings, apart from the strategy's own keys
 (`runs.STRATEGY_KEYS`), equal those of the full_precision runs enter the table, one run per
 (base, seed) and strategy: the first in the order of the command's PATHs.
 
 Claims are judged by tests, not by where a mean falls: "slight" needs a one-sided t-test of the
-runs' entropy gains above 0 (p < 0.05), "significant" a 95 % interval above 0, "similar to X" an
+runs' same-token entropy gains above 0 (p < 0.05), "significant" a 95 % interval above 0, "similar to X" an
 equivalence test (TOST, p < 0.05) of the paired differences from X's runs within +-`SIMILAR_MARGIN`
 of X's mean gain. Speed claims are judged only on fixed-length workloads (`rollout.ignore_eos=true`:
 tokens/s over replies of different lengths compares lengths), memory claims only on runs that ran on
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from analysis import compare
 from analysis.runs import STRATEGY_KEYS, Run, differences, settings
-from analysis.stats import Interval, mean, one_sided, t_interval, tost
+from analysis.stats import Interval, mean, mde, one_sided, t_interval, tost
 from qerl_exp.metrics import final_window
 
 BASELINE = "full_precision"
@@ -101,9 +101,10 @@ CLAIMS_SOURCE = (
     "BF16 LoRA, 2092 QeRL, 1362 QLoRA. A memory claim holds when the measured weight-memory reduction is "
     "at most 5 points below it, a speed claim when rollout tokens/s over full precision is at most 5% "
     "below it, judged only on fixed-length workloads (rollout.ignore_eos=true) and, for memory, on CUDA runs "
-    "(else 'not testable here'); 'slight' holds when a one-sided t-test puts the entropy gain above 0 (p < 0.05), "
+    "(else 'not testable here'); 'slight' holds when a one-sided t-test puts the same-token entropy gain above 0 (p < 0.05), "
     "'significant' when its 95% t-interval across seeds lies above 0, 'similar to X' when an equivalence test "
-    "(TOST, p < 0.05) puts the paired differences from X's entropy gains within +-25% of X's mean gain."
+    "(TOST, p < 0.05) puts the paired differences from X's entropy gains within +-25% of X's mean gain (the margin "
+    "beside the verdict, with the minimum detectable effect of those differences at power 0.8, alpha 0.05)."
 )
 
 
@@ -147,16 +148,25 @@ class Row:
             return None
         return self.tok_s_ratio >= self.claim.speedup * (1 - SPEED_TOLERANCE)
 
+    def _similar(self) -> tuple[list[float], float]:
+        """The paired differences from the peer's entropy gains and the "similar" margin ([] without pairs)."""
+        common = [u for u in self.gains if u in self.peer_gains] if self.peer_gains else []
+        if len(common) < 2:
+            return [], math.nan
+        return ([self.gains[u] - self.peer_gains[u] for u in common],
+                SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values()))))
+
     @property
     def similar_p(self) -> float:
         """TOST p-value of the paired differences from the peer's entropy gains (nan: no pairs)."""
-        if not self.peer_gains:
-            return math.nan
-        common = [u for u in self.gains if u in self.peer_gains]
-        if len(common) < 2:
-            return math.nan
-        margin = SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values())))
-        return tost([self.gains[u] - self.peer_gains[u] for u in common], margin)
+        diffs, margin = self._similar()
+        return tost(diffs, margin) if diffs else math.nan
+
+    @property
+    def similar_text(self) -> str:
+        """The "similar" claim's margin beside the minimum detectable effect of its paired differences."""
+        diffs, margin = self._similar()
+        return f" (+-{margin:.4f}; MDE {mde(diffs):.4f})" if diffs else ""
 
     @property
     def exploration_holds(self) -> bool | None:
@@ -381,7 +391,8 @@ def _cells(r: Row) -> list[str]:
     memory = "" if c.memory_reduction is None else \
         f"{_MINUS}{c.memory_reduction:.0%}{_verdict(r.memory_holds, r.memory_testable)}"
     speed = "" if c.speedup is None else f"{c.speedup:g}{_TIMES}{_verdict(r.speed_holds, r.speed_testable)}"
-    explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}"
+    explore = "" if c.exploration is None else f"{_exploration(c)}{_verdict(r.exploration_holds)}" + (
+        r.similar_text if c.exploration == "similar" else "")
     paper = "; ".join(x for x in (
         "" if c.paper_weights_ratio is None else f"weights {c.paper_weights_ratio:.2f}{_TIMES}",
         "" if c.paper_speedup is None else f"tok/s {c.paper_speedup:.2f}{_TIMES}") if x)
@@ -396,7 +407,8 @@ def _cells(r: Row) -> list[str]:
 
 HEADERS = [
     "strategy", "seeds", "weight mem. / FP", "claimed", "peak mem. / FP", "rollout tok/s / FP", "claimed",
-    "step time / FP", "sampler entropy [95% CI]", "entropy gain at step 0 [95% CI]", "entropy gain [95% CI]",
+    "step time / FP", "sampler entropy [95% CI]", "same-token entropy gain at step 0 [95% CI]",
+    "same-token entropy gain [95% CI]",
     "claimed", "final reward [95% CI]",
     "held-out pass@1 [95% CI]", "paper 7B",
 ]

@@ -16,10 +16,10 @@ these functions; it never builds metric names itself. Token means are over compl
 | clip_ratio/low_mean | fraction of tokens with negative advantage whose ratio fell below 1 - eps_low, over every token of every update of the step (0 with one update: the ratio is 1) |
 | clip_ratio/high_mean | fraction of tokens with positive advantage whose ratio rose above 1 + eps_high, likewise |
 | kl | token mean of the k3 estimator exp(r) - r - 1, r = logp_ref - logp, against the reference policy (the base without LoRA); logged every step when `algo.beta > 0`, else every `monitor.kl_every` steps |
-| entropy | token mean of the learner's entropy of softmax(logits / T), before the step's update |
-| sampler/entropy | token mean of the sampler's entropy (quantization and noise included) |
-| entropy_gain | sampler/entropy minus the full-precision reference's entropy on the same tokens |
-| quant/kl | token mean of KL(reference || sampler) over the vocabulary, on the same tokens |
+| entropy | token mean of the learner's entropy of softmax(logits / T) on the sampled tokens, before the step's update (TRL's `entropy`) |
+| sampler/entropy | the on-policy entropy: token mean of the sampler's entropy (quantization and noise included) on its own rollouts |
+| entropy_gain | the same-token entropy gain on the sampler's tokens: sampler/entropy minus the full-precision reference's entropy on those tokens (`monitor.every`) |
+| quant/kl | token mean of the KL divergence from the full-precision reference to the sampler, sum over the vocabulary of p_ref (log p_ref - log p_sampler), on the sampler's tokens |
 | sampling/logp_gap | token mean of abs(sampler logp - learner logp) of the sampled tokens (learner before the update; 0 up to rounding when sampler and learner are one clean policy) |
 | noise/sigma, noise/stage | the AQN sigma of this step's rollout (the schedule's value), and its stage |
 | noise/sigma_eff_min, noise/sigma_eff_median, noise/sigma_eff_max | the standard deviation of the noise each noised norm's scale gets, over those norms: noise/sigma, times each norm's median abs(gamma) with `noise.relative` |
@@ -44,6 +44,15 @@ these functions; it never builds metric names itself. Token means are over compl
 | eval/ood/pass@1, eval/ood/pass@k, eval/ood/mean@n, eval/ood/format, eval/ood/reward, eval/ood/clipped_ratio, eval/ood/solution_logp, eval/ood/problems, eval/ood/seconds | the same on the task's out-of-template split (`wordprob`'s `ood`), logged beside the held-out ones by every evaluation of a task that has one |
 | eval/fork/b_share, eval/start/fork/b_share | `task=fork` only: the share of an evaluation's greedy replies that take route B (before the first update: `start/`) |
 | eval/start/pass@1, eval/start/pass@k, eval/start/mean@n, eval/start/format, eval/start/reward, eval/start/clipped_ratio, eval/start/solution_logp, eval/start/problems, eval/start/seconds, eval/ood/start/pass@1, eval/ood/start/pass@k, eval/ood/start/mean@n, eval/ood/start/format, eval/ood/start/reward, eval/ood/start/clipped_ratio, eval/ood/start/solution_logp, eval/ood/start/problems, eval/ood/start/seconds | `eval.at_start`: the same, of the policy before its first update (the base: LoRA starts as the identity), logged at step 0 |
+
+Entropy is compared in two ways, each with one name here, in `python -m qerl_exp.probe` and on the
+results pages, which always say whose tokens: the **on-policy entropy gain** is one sampler's
+`sampler/entropy` minus another's, each on its own rollouts (two runs at one step, e.g. a 4-bit row
+against full precision at step 0: `analysis.compare`'s dose; the entropy QeRL credits with
+exploration, its Fig. 5); the **same-token entropy gain** is two models' entropies on one sampler's
+tokens (`entropy_gain`: the sampler's tokens; the probe: full precision's). The two differ: a
+sampler that wanders onto tokens where every model is unsure has a higher on-policy entropy even
+when both models score those tokens alike.
 
 Every `tracker.completions_every` steps, `completions.jsonl` (beside `metrics.jsonl`) gets one JSON
 object per completion of the step (`completion_records`): `step`, `prompt` (as the model saw it,

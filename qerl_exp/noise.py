@@ -78,7 +78,7 @@ def sigma_at(cfg: NoiseConfig, step: int, total_steps: int) -> tuple[float, int]
 
 
 # AQN's effect is relative to the norm scale (z / gamma). On SmolLM2-135M the paper's absolute
-# sigma_start, 45 % of its smallest median |gamma|, did not learn (docs/results.md). Where the
+# sigma_start, 45 % of its smallest median |gamma|, did not learn (results/results.md). Where the
 # noise's standard deviation exceeds this fraction of a noised norm's median |gamma|, a run starts
 # with a warning.
 SCALE_WARNING = 0.1
@@ -200,14 +200,14 @@ class AQN:
             if sigma <= SCALE_WARNING:
                 return None
             return (f"warning: AQN's relative sigma ({sigma:g}, noise.relative=true) is {sigma:.0%} of every noised "
-                    f"norm's median |gamma|: noise that large did not learn on SmolLM2-135M (docs/results.md); "
+                    f"norm's median |gamma|: noise that large did not learn on SmolLM2-135M (results/results.md); "
                     f"lower {option} (and the schedule's other sigmas)")
         gamma, name = min(zip(self.medians, (n for n, _ in self.norms)))
         ratio = sigma / max(gamma, 1e-12)
         if ratio <= SCALE_WARNING:
             return None
         return (f"warning: AQN's sigma ({sigma:g}) is {ratio:.0%} of the median |gamma| of {name} ({gamma:.3g}): "
-                f"noise that large did not learn on SmolLM2-135M (docs/results.md); lower {option} "
+                f"noise that large did not learn on SmolLM2-135M (results/results.md); lower {option} "
                 "(and the schedule's other sigmas), or set noise.relative=true")
 
     def draw(self, sigma: float) -> None:

@@ -12,8 +12,8 @@ format: `noise.AQN`, absolute or `noise.relative=true` as the run config says). 
 
 | column | definition |
 | --- | --- |
-| entropy | entropy of softmax(logits / T) (`metrics.entropy_from_logits`) |
-| entropy gain | the format's entropy minus full precision's, on the same tokens |
+| entropy | the format's entropy of softmax(logits / T) on full precision's tokens (`metrics.entropy_from_logits`) |
+| same-token entropy gain | the format's entropy minus full precision's, both on full precision's tokens (`qerl_exp.metrics` names the measures; a run's `entropy_gain` is the same on its sampler's tokens, and the on-policy entropy gain compares each sampler on its own rollouts, which the probe does not sample) |
 | first-token entropy | the entropy at each completion's first token (`task=fork`: the route token) |
 | KL to full precision | KL(full precision \\|\\| format) over the vocabulary (`metrics.kl_full`) |
 | top-1 agreement | whether the format's most likely next token is full precision's |
@@ -73,8 +73,9 @@ from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT, check_split
 
 REFERENCE = "bf16"  # the quant preset that keeps the base in model.dtype
-COLUMNS = {"entropy": "entropy", "gain": "entropy gain", "first": "first-token entropy", "kl": "KL to full precision",
-           "top1": "top-1 agreement", "pass1": "greedy pass@1", "ended": "greedy replies ended"}
+COLUMNS = {"entropy": "entropy", "gain": "same-token entropy gain", "first": "first-token entropy",
+           "kl": "KL to full precision", "top1": "top-1 agreement", "pass1": "greedy pass@1",
+           "ended": "greedy replies ended"}
 
 
 def quant_presets() -> list[str]:

@@ -22,7 +22,7 @@
 #   OMP_NUM_THREADS  torch CPU threads per run (default 1: on a shared CPU, more threads than
 #               free cores make OpenMP spin and steps 10-50x slower, which swamps the timings)
 #
-# Example (the CPU results page, docs/results.md):
+# Example (the CPU results page, results/results.md):
 #   SEEDS="0 1 2" sweeps/strategies.sh runs/strategies train.steps=40 train.prompts_per_step=4 algo.group_size=4
 set -uo pipefail
 

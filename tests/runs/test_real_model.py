@@ -95,7 +95,7 @@ def test_the_base_model_answers_some_word_problems(smollm2):
     cfg, task, models = smollm2
     metrics = evaluate(models.policy, models.tokenizer, task, k=0, max_new_tokens=cfg.algo.max_new_tokens,
                        batch_size=32, system_prompt=cfg.task.system_prompt, problems=task.eval_problems()[:32])
-    # 5 of these 32 here (28 of all 200: docs/results.md): reward to learn from, and headroom
+    # 5 of these 32 here (28 of all 200: results/results.md): reward to learn from, and headroom
     assert 2 / 32 <= metrics["eval/pass@1"] <= 30 / 32
     assert metrics["eval/clipped_ratio"] < 1  # replies end with the tokenizer's EOS
 

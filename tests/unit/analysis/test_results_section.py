@@ -196,13 +196,19 @@ def test_the_section_goes_into_a_page_between_its_markers(made, tmp_path):
     assert bare.read_text() == "no markers\n"
 
 
+def _pages() -> list[Path]:
+    """The pages a reader opens: the design docs, the results page and the study protocols."""
+    return [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "results").glob("*.md")),
+            *sorted((ROOT / "results" / "protocols").glob("*.md"))]
+
+
 def _included() -> list[tuple[Path, Path, str]]:
-    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+    return [(page, path, text) for page in _pages() for path, text in section.blocks(page).items()
             if path.name == section.FILE]
 
 
 def _blocks() -> list[tuple[Path, Path, str]]:
-    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()]
+    return [(page, path, text) for page in _pages() for path, text in section.blocks(page).items()]
 
 
 @pytest.mark.parametrize("page, path, text", _blocks(), ids=[f"{p.name}:{f.parent.name}/{f.name}" for p, f, _ in _blocks()])
@@ -215,7 +221,7 @@ def test_an_included_strategy_table_is_what_its_sections_command_makes():
     from analysis import table
 
     tables = [(page, path) for page, path, _ in _blocks() if path.name == "strategy_table.md"]
-    assert tables, "docs/results.md includes the CPU strategy table"
+    assert tables, "results/results.md includes the CPU strategy table"
     for page, path in tables:
         command = next(x for x in (path.parent / section.FILE).read_text().splitlines()
                        if x.startswith("**Made by** `")).split("`")[1]
@@ -225,7 +231,7 @@ def test_an_included_strategy_table_is_what_its_sections_command_makes():
 
 
 def _probe_tables() -> list[tuple[Path, Path, str]]:
-    return [(page, path, text) for page in sorted((ROOT / "docs").glob("*.md")) for path, text in section.blocks(page).items()
+    return [(page, path, text) for page in _pages() for path, text in section.blocks(page).items()
             if path.with_suffix(".json").is_file()]
 
 
@@ -261,7 +267,7 @@ def test_a_summary_number_that_no_table_holds_is_found(tmp_path):
     assert [q for q in quoted if q not in held] == ["0.13", "1.50"]
 
 
-@pytest.mark.parametrize("page", [p for p in sorted((ROOT / "docs").glob("*.md")) if _quoted(p)[0]])
+@pytest.mark.parametrize("page", [p for p in _pages() if _quoted(p)[0]])
 def test_every_number_a_summary_quotes_stands_in_a_table_or_section_of_its_page(page):
     quoted, held = _quoted(page)
     missing = [q for q in quoted if q not in held]

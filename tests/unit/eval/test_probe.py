@@ -102,7 +102,7 @@ def test_the_table_has_a_row_per_format_and_sigma(probed):
     _, _, results = probed
     text = P.table(results)
     lines = text.splitlines()
-    assert lines[0].startswith("| format | sigma | entropy | entropy gain | first-token entropy | KL to full precision")
+    assert lines[0].startswith("| format | sigma | entropy | same-token entropy gain | first-token entropy | KL to full precision")
     assert [line.split("|")[1].strip() for line in lines[2:6]] == ["bf16", "bf16", "nvfp4", "nvfp4"]
     assert "6 prompts x 2 completions sampled from full precision" in text and "matches nvfp4's first-token" in text
 

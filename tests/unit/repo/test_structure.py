@@ -18,8 +18,9 @@ PACKAGES = ("qerl_exp", "analysis")
 MAX_CODE_LINES = 500
 MAX_FUNCTION_LINES = 120
 MAX_ENGINE_DOC_LINES = 500
-# what a user reads: the product, its output, docs, benches, presets, sweeps and tests
-PRODUCT = ("README.md", "docs", "qerl_exp", "analysis", "bench", "conf", "sweeps", "tests")
+# what a user reads: the product, its output, docs, the results pages, benches, presets, sweeps and tests
+PRODUCT = ("README.md", "docs", "results/README.md", "results/results.md", "results/protocols", "qerl_exp", "analysis",
+           "bench", "conf", "sweeps", "tests")
 # development history in the product's own words; upstream references (pytorch/pytorch#196678),
 # pytest's scope="session" and POSIX sessions do not match
 HISTORY = {
