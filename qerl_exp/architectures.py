@@ -148,7 +148,12 @@ def architecture(config) -> Architecture:
         UnsupportedModel: one line naming the model type or the variant's setting, and the fallback
             settings where HF's forward runs it.
     """
-    arch = declared(config)
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModel(f"model type {model_type!r} is not one the harness's decoders read "
+                               f"({', '.join(ARCHITECTURES)}); set {FALLBACK}, which run it through HF's own forward "
+                               "(or declare it in qerl_exp/architectures.py if its block is the Llama block)")
+    arch = ARCHITECTURES[model_type]
     why = arch.refusal(config)
     if why is not None:
         raise UnsupportedModel(f"{why}; set {FALLBACK}, which run it through HF's own forward")

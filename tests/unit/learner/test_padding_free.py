@@ -93,7 +93,7 @@ def test_lora_on_part_of_the_projections_scores_and_trains_as_hf_forward_does(qu
         {"k_proj", "up_proj", "down_proj"} if "k_proj" in targets else set(DECODER_LINEARS)
     assert adapted == want_adapted
     want = score_completions(policy, rollout, 0.7, entropy_grad=True)
-    got = padding_free.score(policy, rollout, 0.7, shared_prefix=True, entropy_grad=True)
+    got = score_packed(policy, rollout, 0.7, shared_prefix=True, entropy_grad=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for a, b in zip(_grads(policy, *got), _grads(policy, *want)):

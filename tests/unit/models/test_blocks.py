@@ -90,7 +90,8 @@ def test_an_undeclared_family_is_refused_in_one_line_by_every_reader():
                  lambda: noisy_norms(model, False), lambda: quantize_model(model, QuantConfig(format="nvfp4"), torch.float32)):
         with pytest.raises(UnsupportedModel) as e:
             read()
-        assert "\n" not in str(e.value) and "'gpt2' is not a declared architecture" in str(e.value)
+        assert "\n" not in str(e.value) and "model type 'gpt2' is not" in str(e.value)
+        assert "declare it in qerl_exp/architectures.py" in str(e.value)
 
 
 def _variants():
@@ -210,6 +211,8 @@ def test_a_qwen3_checkpoint_trains_through_decoders_that_match_it(tmp_path, padd
 def test_a_checkpoint_of_an_undeclared_architecture_is_refused_in_one_line(tmp_path):
     folder = save_checkpoint(tmp_path / "gpt2", "gpt2")
     out = qerl(f"model.name={folder}", "train.steps=1", f"run_dir={tmp_path / 'run'}", *TINY_RUN)
-    assert out.returncode == 1
+    assert out.returncode == 2  # refused as a usage error, before the run directory
     line = out.stderr.strip().splitlines()[-1]
-    assert "'gpt2' is not a declared architecture" in line, out.stderr[-2000:]
+    assert "'gpt2' is not one the harness's decoders read" in line and "train.padding_free=false" in line, \
+        out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -162,6 +162,7 @@ def test_a_checkpoints_chat_template_is_part_of_its_base(tmp_path):
     started = run_config(cfg, choices)
     run_dir = tmp_path / "run"
     rundir.claim(run_dir, started).release()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # it trained: a rerun continues it
     template.write_text(template.read_text().replace("<|im_start|>assistant", "<|im_start|>model"))
     saved = (run_dir / "config.json").read_bytes()
     with pytest.raises(rundir.ConfigChangedError) as e:
