@@ -56,7 +56,7 @@ from scipy.optimize import brentq
 
 from analysis.runs import Run
 from analysis.stats import ALPHA, POWER, Interval, holm, mde, mean, slope, t_interval, t_test, tost, welch
-from qerl_exp.metrics import final_window
+from qerl_exp.rl.metrics import final_window
 
 REFERENCE = "full_precision"
 DISCOVERY_SHARE = 0.5  # route B is discovered once half of a step's completions take it

@@ -5,7 +5,7 @@ Per step, data flows one way:
   advantages -> learner forward (AQN off) -> monitor (reference vs sampler) -> loss, backward,
   optimizer step -> metrics -> trackers.
 
-Under torchrun each rank runs this loop on its share of the step's prompts (`qerl_exp.distributed`
+Under torchrun each rank runs this loop on its share of the step's prompts (`qerl_exp.run.distributed`
 says what is global); the `distributed` calls below are no-ops in a one-process run.
 """
 
@@ -25,25 +25,26 @@ from typing import Callable
 import numpy as np
 import torch
 
-from qerl_exp import metrics as M
-from qerl_exp import blocks, checkpoint, distributed, logs, progress, record, run_files, rundir
-from qerl_exp.batch import Rollout
-from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
+from qerl_exp.decoders import blocks
+from qerl_exp.decoders.batch import Rollout
+from qerl_exp.decoders.scoring import completion_logits
 from qerl_exp.eval import evaluate_in_training
-from qerl_exp.files import write_atomic
-from qerl_exp import learner
-from qerl_exp.loss import group_advantages, tokens_in_loss
-from qerl_exp.scoring import completion_logits
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
-from qerl_exp.noise import AQN, Schedule
-from qerl_exp.optim import make_optimizer, make_scheduler
-from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
-from qerl_exp.signals import Interrupted, StopSignals
+from qerl_exp.rl import metrics as M
+from qerl_exp.rl import learner
+from qerl_exp.rl.loss import group_advantages, tokens_in_loss
+from qerl_exp.rl.noise import AQN, Schedule
+from qerl_exp.rl.optim import make_optimizer, make_scheduler
+from qerl_exp.rl.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
+from qerl_exp.run import checkpoint, distributed, logs, progress, record, run_files, rundir
+from qerl_exp.run.checkpoint import restore_rng, rng_state
+from qerl_exp.run.files import write_atomic
+from qerl_exp.run.signals import Interrupted, StopSignals
+from qerl_exp.run.tracking import NoTracker, Tracker, run_tags
 from qerl_exp.tasks import Task, build_task, duplicates_line
 from qerl_exp.tasks.base import epochs_done
 from qerl_exp.tasks.reward_funcs import trainer_state
-from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
 

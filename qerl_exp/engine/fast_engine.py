@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from qerl_exp import blocks
-from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, Cache, State, build_model,
-                                    decode_n_tokens, decode_one_token, frozen, refresh, same_layout, sample_next,
-                                    setup_caches)
+from qerl_exp.decoders import blocks
+from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, Cache, State, build_model, decode_n_tokens,
+                                    decode_one_token, frozen, refresh, same_layout, sample_next, setup_caches)
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
 from qerl_exp.engine.prefill import prefill, share_prompts
 from qerl_exp.engine.sampling import Filters
@@ -31,7 +30,7 @@ DENSE_CUBLAS_MIN_BATCH = 32
 
 
 class FastEngine:
-    """Rollout engine over an HF causal LM of a declared architecture (`qerl_exp.blocks`: Llama,
+    """Rollout engine over an HF causal LM of a declared architecture (`qerl_exp.decoders.blocks`: Llama,
     Qwen2, Qwen3; dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases, optionally peft LoRA), with the
     decode step in a CUDA graph. Its kernels run on CUDA, and on
     CPU only under the Triton interpreter (the tests).

@@ -49,11 +49,11 @@ from typing import Callable
 
 import torch
 
-from qerl_exp import metrics as M
-from qerl_exp.batch import Sequences
 from qerl_exp.config import Config
-from qerl_exp.scoring import score_completions
-from qerl_exp.rollout import complete, encode_prompts, engine_for
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import score_completions
+from qerl_exp.rl import metrics as M
+from qerl_exp.rl.rollout import complete, encode_prompts, engine_for
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
 from qerl_exp.tasks.base import HELD_OUT
 from qerl_exp.tasks.reward_funcs import FORMAT, JUDGE

@@ -31,10 +31,10 @@ from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
 from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.files import temp_dir
 from qerl_exp.models import routes, shipped
 from qerl_exp.models.synthetic import base_seed, build
 from qerl_exp.models.tokenizers import CharTokenizer
+from qerl_exp.run.files import temp_dir
 from qerl_exp.tasks import Problem, reference_completion
 from qerl_exp.tasks.fork import reply
 from qerl_exp.tasks.rewards import is_correct
@@ -245,10 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     `ship=true` takes the cache or a new warm-up, never the shipped copy, and copies it into the
     package (`models.shipped`) with its record: what made the default base, `ship=true` alone.
     """
-    from qerl_exp import logs
-    from qerl_exp.compose import compose
-    from qerl_exp.console import fail, tolerate_closed_pipes
-    from qerl_exp.record import source_commit
+    from qerl_exp.run import logs
+    from qerl_exp.config.compose import compose
+    from qerl_exp.run.console import fail, tolerate_closed_pipes
+    from qerl_exp.run.record import source_commit
     from qerl_exp.tasks import build_task
 
     tolerate_closed_pipes()

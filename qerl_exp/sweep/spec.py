@@ -26,9 +26,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from qerl_exp.cli import validate
-from qerl_exp.compose import expand_sweep, group_options, search_dirs
-from qerl_exp.console import UsageError
-from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
+from qerl_exp.config.compose import expand_sweep, group_options, search_dirs
+from qerl_exp.rl.metrics import FINAL_FRACTION, check_logged, final_window
+from qerl_exp.run.console import UsageError
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",

@@ -35,11 +35,11 @@ import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from qerl_exp.compose import compose
-from qerl_exp.console import UsageError
-from qerl_exp.signals import StopSignals
+from qerl_exp.config.compose import compose
+from qerl_exp.run.console import UsageError
+from qerl_exp.run.signals import StopSignals
 from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
-                                  trial_overrides, trial_seeds)
+                                 trial_overrides, trial_seeds)
 from qerl_exp.sweep.storage import claim_lock, first_line, open_storage, quiet_optuna, shown
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler

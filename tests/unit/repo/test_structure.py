@@ -133,16 +133,16 @@ def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_learner_side_and_the_formats_import_neither_the_engine_nor_the_tasks():
-    # the learner reads rollout batches (`qerl_exp.batch`), not the sampler that made them; a weight
+    # the learner reads rollout batches (`qerl_exp.decoders.batch`), not the sampler that made them; a weight
     # format owns its layouts, which the engine reads; metrics name eval splits (`tasks.base`) only
     graph = import_graph()
     tasks = {m for m in graph if m.startswith("qerl_exp.tasks.")} - {"qerl_exp.tasks.base"}
-    for mod in ("qerl_exp.loss", "qerl_exp.learner", "qerl_exp.padding_free", "qerl_exp.metrics", "qerl_exp.blocks",
+    for mod in ("qerl_exp.rl.loss", "qerl_exp.rl.learner", "qerl_exp.decoders.padding_free", "qerl_exp.rl.metrics", "qerl_exp.decoders.blocks",
                 "qerl_exp.quant", "qerl_exp.quant.fp4", "qerl_exp.quant.nf4", "qerl_exp.quant.layout"):
         reached = _reaches(graph, mod)
         assert not {m for m in reached if m.startswith("qerl_exp.engine")}, f"{mod} reaches the engine"
         assert not reached & tasks, f"{mod} reaches the task modules: {sorted(reached & tasks)}"
-    out = subprocess.run([sys.executable, "-c", "import sys, qerl_exp.loss, qerl_exp.learner\n"
+    out = subprocess.run([sys.executable, "-c", "import sys, qerl_exp.rl.loss, qerl_exp.rl.learner\n"
                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'hydra') "
                           "or m.startswith('qerl_exp.engine')))"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -169,7 +169,7 @@ def test_one_list_of_formats_and_one_of_families():
     # schema's QUANT_FORMATS or the registry's ARCHITECTURES
     own = re.compile(r"^(FORMATS|QUANT_FORMATS|FAMILIES)\s*=", re.MULTILINE)
     found = [str(p.relative_to(ROOT)) for pkg in (*PACKAGES, "bench", "tests") for p in sorted((ROOT / pkg).rglob("*.py"))
-             if own.search(p.read_text()) and p.name != "config.py"]
+             if own.search(p.read_text()) and p != ROOT / "qerl_exp" / "config" / "__init__.py"]
     assert found == [], "derive these lists from config.QUANT_FORMATS / architectures.ARCHITECTURES"
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_RUN, metrics_rows, save_checkpoint, tiny_checkpoint, tiny_qwen2
-from qerl_exp import record, rundir, schema_history
 from qerl_exp.cli import Refused, validate
-from qerl_exp.compose import compose
+from qerl_exp.config import history as schema_history
 from qerl_exp.config import Config, as_dict, from_dict
+from qerl_exp.config.compose import compose
+from qerl_exp.run import record, rundir
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

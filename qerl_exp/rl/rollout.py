@@ -31,10 +31,10 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, StoppingCriteria, StoppingCriteriaList,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from qerl_exp.batch import Rollout
 from qerl_exp.config import AlgoConfig
+from qerl_exp.decoders.batch import Rollout
 from qerl_exp.engine import FastEngine
-from qerl_exp.metrics import entropy_from_logits
+from qerl_exp.rl.metrics import entropy_from_logits
 
 
 @dataclass(frozen=True)

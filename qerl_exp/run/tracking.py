@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qerl_exp.config import TrackerConfig
-from qerl_exp.files import check_writable, write_atomic
+from qerl_exp.run.files import check_writable, write_atomic
 
 RESOLVE_TIMEOUT_S = 3.0
 

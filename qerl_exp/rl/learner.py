@@ -13,12 +13,12 @@ The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler 
 
 Each update accumulates gradients over micro-batches, each scored by `scoring.score`: with
 `train.padding_free` (the default), rows packed up to `train.micro_batch_tokens` tokens and run
-through `qerl_exp.padding_free`; otherwise `train.micro_batch_size` left-padded rows through the HF
+through `qerl_exp.decoders.padding_free`; otherwise `train.micro_batch_size` left-padded rows through the HF
 forward. The
 loss is normalised by a count over the whole mini-batch (`loss.loss_normalizer`: its tokens, its
 completions, or its completions times `max_new_tokens`, by `algo.loss_type`), and a row is never
 split (GSPO's ratio is a whole completion's), so the gradient equals that of one pass over the
-mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
+mini-batch. In a data-parallel run (`qerl_exp.run.distributed`) each rank
 holds its share of every mini-batch: the normaliser counts all ranks' tokens, the gradients are
 summed over the ranks before clipping, and the loss and clip counters cover every rank's tokens.
 """
@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl_exp import distributed, packing, padding_free
 from qerl_exp.config import AlgoConfig, TrainConfig
-from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
-from qerl_exp.scoring import score
-from qerl_exp.metrics import clip_metrics
-from qerl_exp.batch import Rollout, Sequences
+from qerl_exp.decoders import packing, padding_free
+from qerl_exp.decoders.batch import Rollout, Sequences
+from qerl_exp.decoders.scoring import score
+from qerl_exp.rl.loss import aggregate, loss_normalizer, policy_loss
+from qerl_exp.rl.metrics import clip_metrics
+from qerl_exp.run import distributed
 
 # Attention kernels of the learner's forward and backward. Not cuDNN's: on torch 2.11 with an H100/H200
 # its backward returns NaN dQ when the length is 64 mod 128 and a query row is fully masked, which every

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qerl_exp.files import as_os_error, temp_dir
+from qerl_exp.run.files import as_os_error, temp_dir
 
 
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes

@@ -1,7 +1,7 @@
 """Config schemas: the single source of truth for every field a run accepts.
 
 Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
-(`qerl_exp.schema`; the task group's lives in `qerl_exp.task_config`) and a field of the root
+(`qerl_exp.config.schema`; the task group's lives in `qerl_exp.config.task`) and a field of the root
 `Config`, which Hydra's ConfigStore holds as the schema of `conf/config.yaml`; the YAML files in
 `conf/` are presets that only set values. `__post_init__` validates, so a bad value fails when the
 config is turned into objects (`to_config`), with a one-line message that names the field.
@@ -17,12 +17,12 @@ from dataclasses import field
 
 from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp.architectures import ARCHITECTURES, PROJECTIONS
-from qerl_exp.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
-from qerl_exp.schema import check as _check
-from qerl_exp.schema import choice as _choice
-from qerl_exp.schema_history import RETIRED, unknown_key_line, upgrade
-from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
+from qerl_exp.config.architectures import ARCHITECTURES, PROJECTIONS
+from qerl_exp.config.history import RETIRED, unknown_key_line, upgrade
+from qerl_exp.config.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
+from qerl_exp.config.schema import check as _check
+from qerl_exp.config.schema import choice as _choice
+from qerl_exp.config.task import SYSTEM_PROMPT, TaskConfig
 
 DECODER_LINEARS = list(PROJECTIONS)
 
@@ -90,11 +90,11 @@ class ModelConfig:
 
     Args:
         name: a synthetic model's label (`tiny`, `qwen2.5-7b-shape`); a pretrained one's hub id or
-            local folder of a checkpoint (Llama, Qwen2, Qwen3: `qerl_exp.blocks`), or with `gguf_file` its label.
+            local folder of a checkpoint (Llama, Qwen2, Qwen3: `qerl_exp.decoders.blocks`), or with `gguf_file` its label.
         source: `synthetic` builds the model from the fields below (the embedded tiny model, the
             shape presets); `pretrained` loads the checkpoint `name` or `gguf_file` names; `auto`
             is synthetic for `name=tiny` and pretrained for any other name.
-        family: architecture of a synthetic model: a declared one (`qerl_exp.architectures`: `llama`,
+        family: architecture of a synthetic model: a declared one (`qerl_exp.config.architectures`: `llama`,
             `qwen2`, `qwen3`).
         hidden_size: synthetic model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: synthetic model MLP width; a multiple of 64.
@@ -411,7 +411,7 @@ class AlgoConfig:
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-# `train.optimizer`: TRL's (transformers') `optim` names of the optimizers `qerl_exp.optim` builds.
+# `train.optimizer`: TRL's (transformers') `optim` names of the optimizers `qerl_exp.rl.optim` builds.
 OPTIMIZERS = ("adamw_torch", "adamw_8bit")
 # `train.lr_scheduler`: the harness's default, then transformers' `SchedulerType` names but those that
 # step on a metric (`reduce_lr_on_plateau`, `greedy`).
@@ -432,11 +432,11 @@ class TrainConfig:
             which collapses above it); the embedded model's preset sets 2e-3.
         weight_decay: the optimizer's (decoupled) weight decay.
         optimizer: `adamw_torch` (torch's AdamW, fused on CUDA) or `adamw_8bit` (bitsandbytes'
-            8-bit AdamW); TRL's `optim` names (`qerl_exp.optim`).
+            8-bit AdamW); TRL's `optim` names (`qerl_exp.rl.optim`).
         lr_scheduler: the learning-rate schedule over `steps`: `warmup_cosine` (linear warm-up to the
             peak at the last warm-up step, then cosine decay to 0), or a name of transformers'
             `get_scheduler` (TRL's `lr_scheduler_type`: `linear`, `cosine`, `constant`, ...;
-            `qerl_exp.optim`).
+            `qerl_exp.rl.optim`).
         lr_scheduler_kwargs: the schedule's own arguments, as TRL's `lr_scheduler_kwargs` (e.g.
             `{min_lr_rate: 0.1}` for `cosine_with_min_lr`).
         warmup_ratio: fraction of the steps that warm the learning rate up.
@@ -448,7 +448,7 @@ class TrainConfig:
         micro_batch_size: completions per forward/backward of the padded learner and per pass of
             the monitor; gradients accumulate to exactly the whole batch's. 0: all at once.
         padding_free: the learner packs each micro-batch's rows into one sequence without padding
-            and runs its own decoder pass (`qerl_exp.padding_free`); false: HF's forward through peft
+            and runs its own decoder pass (`qerl_exp.decoders.padding_free`); false: HF's forward through peft
             over left-padded rows. Same loss and gradients up to rounding.
         micro_batch_tokens: padding_free: most packed tokens per forward/backward (rows are never
             split; a longer one goes alone). 0: the whole mini-batch at once.
@@ -457,7 +457,7 @@ class TrainConfig:
             activations (the paper does at 14B and 32B): `true` every block, `false` none, `auto`
             (padding_free on CUDA) the fewest that fit the micro-batch in 80 % of free memory.
         fused_ops: padding_free on CUDA: the decoder's elementwise ops (RMSNorm with the residual
-            add, RoPE, SwiGLU) as hand-fused Triton kernels (`qerl_exp.elementwise`); false: torch's
+            add, RoPE, SwiGLU) as hand-fused Triton kernels (`qerl_exp.decoders.elementwise`); false: torch's
             eager ops.
         dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
             metric gathering) for the others before the run ends with an error: longer than the
@@ -636,7 +636,7 @@ class Config:
         resume: a run directory to continue with its saved config (an override that changes what a
             step computes, `train.steps` included, is refused).
         verbose: show the third-party notices hidden by default (library warnings and load bars
-            that ask nothing of the user; the list is in `qerl_exp.logs`).
+            that ask nothing of the user; the list is in `qerl_exp.run.logs`).
         model: the base model (`ModelConfig`).
         quant: the storage of the frozen base (`QuantConfig`).
         lora: the trainable adapters (`LoraConfig`).
@@ -733,6 +733,18 @@ def to_config(cfg: DictConfig) -> Config:
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config), type(obj)
     return obj
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """Nested dicts to one level with dotted keys; lists stay values."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
 
 
 def as_dict(cfg: Config) -> dict:
