@@ -87,7 +87,7 @@ import torch
 
 from qerl_exp.config.splits import HELD_OUT, OOD
 
-# What a two-route task's warm-up measured (`models.routes.route_facts`), kept in summary.json as `warmup/<fact>`.
+# What a two-route task's warm-up measured (`rl.routes.route_facts`), kept in summary.json as `warmup/<fact>`.
 ROUTE_FACTS = ("pi0_b", "pi0_b_max", "accuracy_a", "accuracy_b")
 
 # A run's final score is the mean of a metric over the last quarter of its steps: in summary.json

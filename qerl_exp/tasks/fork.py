@@ -10,7 +10,7 @@ marked route), then the answer, then EOS:
 plus `task.format_reward` for any reply of that shape. Both routes compute the same answer; they
 differ only in what a right answer earns. The embedded model's warm-up teaches both routes to
 competence and sets the base policy's probability of opening with `B` to `task.route_b_prior`
-(`models.routes`). GRPO's advantages sum to zero within a group, so a group that never samples `B`
+(`rl.routes`). GRPO's advantages sum to zero within a group, so a group that never samples `B`
 gives the route token no push toward it: the policy can move to `B` only after sampling it, which
 is what a higher-entropy sampler (quantization error, AQN, a higher temperature) may do sooner.
 
