@@ -371,51 +371,15 @@ def _skip(loop: _Loop, step: int) -> None:
 def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_step: float) -> dict[str, float]:
     """After the rollout: rewards and advantages, the reference and monitor passes, the update, the
     sampler's sync, an evaluation when due; the step's metrics (added to `metrics`), logged."""
-    cfg, algo, G, device, models = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, loop.device, loop.models
-    policy, rollout = models.policy, batch.rollout
+    cfg, device, models = loop.cfg, loop.device, loop.models
     rollout_bytes = getattr(loop.generator, "nbytes", 0)
     if hasattr(loop.generator, "release"):
         loop.generator.release()
     peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
-
-    # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
-    repeated = [p for p in batch.problems for _ in range(G)]
-    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
-    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
-                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
-    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
-    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
-    rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
-    total = M.total_reward(rewards, loop.task.rewards.weights)
-    advantages = group_advantages(total, G, algo.scale_rewards,
-                                  distributed.gather(total) if algo.scale_rewards == "batch" else None)
-    mask = rollout.completion_mask
-    loss_mask = tokens_in_loss(mask, rollout.terminated, total, algo)
-
-    # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else only
-    # every monitor.kl_every steps, for the `kl` metric.
-    ref_logp, reference_s = None, 0.0
-    if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
-        t0 = learner.clock(device)
-        with _phase(M.Phase.REFERENCE):
-            ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
-        reference_s = learner.clock(device) - t0
-
-    # Monitor before the update: the policy that sampled, against the full-precision reference.
-    t0 = learner.clock(device)
-    if models.reference is not None and step % cfg.monitor.every == 0:
-        with _phase(M.Phase.MONITOR):
-            metrics.update(distributed.weighted_mean(
-                _monitor(policy, models.sampler.module, models.reference, loop.aqn, rollout, algo.temperature,
-                         cfg.train.micro_batch_size), float(mask.sum())))
-    monitor_s = learner.clock(device) - t0
-
-    # Learner: clean norm scales (unless noise.apply_to=both), forward and backward, optimizer step.
-    policy.train()
-    with _phase(M.Phase.LEARNER), loop.aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
-        update = learner.update_policy(policy, loop.opt, loop.params, rollout, advantages, loss_mask, algo, cfg.train,
-                                       ref_logp=ref_logp)
-    peaks[M.Phase.LEARNER] = M.phase_peak_bytes(device)  # the reference and monitor passes included
+    scored = _rewards(loop, step, batch)
+    ref_logp, reference_s = _reference(loop, step, batch.rollout)
+    monitor_s = _monitored(loop, step, batch.rollout, metrics)
+    update, peaks[M.Phase.LEARNER] = _update(loop, batch.rollout, scored, ref_logp)
     lr, finite = loop.lr_sched.get_last_lr()[0], update.skipped == 0
     loop.nonfinite = 0 if finite else loop.nonfinite + 1
     loop.lr_sched.step()
@@ -424,31 +388,112 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         models.sampler.sync()
     sync_s = learner.clock(device) - t0
     if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg,
+        metrics.update(evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg,
                                             state=trainer_state(step + 1, cfg.train.steps, _epoch(loop, step + 1))))
-
-    # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
+    # the slowest rank's times
     phases = distributed.maximum({M.Phase.ROLLOUT: batch.seconds, M.Phase.REFERENCE: reference_s,
                                   M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
                                   M.Phase.OPTIMIZER: update.optimizer_s, M.Phase.SYNC: sync_s,
                                   "step": time.perf_counter() - t_step})
-    gather = distributed.gather
-    metrics.update(M.step_metrics(
-        rewards={name: gather(r) for name, r in rewards.items()}, weights=loop.task.rewards.weights, group_size=G,
-        mask=gather(mask),
+    metrics.update(_batch_metrics(loop, batch, scored, update, ref_logp, lr, phases, rollout_bytes, peaks))
+    _log(loop, step, batch, scored, metrics)
+    return metrics
+
+
+@dataclass
+class _Scored:
+    """One step's rewards: each function's values (`scores`, NaN where it does not apply; `rewards`
+    as tensors), their weighted sum, the group-normalized advantages, the tokens in the loss, and what
+    the functions logged (`log_metric`, `log_extra`)."""
+
+    scores: dict[str, list[float]]
+    rewards: dict[str, torch.Tensor]
+    total: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    logged: dict
+    extra: dict
+
+
+def _rewards(loop: _Loop, step: int, batch: _Batch) -> _Scored:
+    """Rewards (each function's values, NaN where it does not apply) and group-normalized advantages."""
+    cfg, algo, G, rollout = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, batch.rollout
+    repeated = [p for p in batch.problems for _ in range(G)]
+    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
+    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
+                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
+    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
+    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
+    rewards = {name: torch.tensor(values, device=loop.device) for name, values in scores.items()}
+    total = M.total_reward(rewards, loop.task.rewards.weights)
+    advantages = group_advantages(total, G, algo.scale_rewards,
+                                  distributed.gather(total) if algo.scale_rewards == "batch" else None)
+    loss_mask = tokens_in_loss(rollout.completion_mask, rollout.terminated, total, algo)
+    return _Scored(scores, rewards, total, advantages, loss_mask, logged, extra)
+
+
+def _reference(loop: _Loop, step: int, rollout: Rollout) -> tuple[torch.Tensor | None, float]:
+    """The reference (the base without LoRA) on the rollout, and its seconds: for the loss when
+    beta > 0, else only every monitor.kl_every steps, for the `kl` metric."""
+    cfg, device = loop.cfg, loop.device
+    if not (cfg.algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0)):
+        return None, 0.0
+    t0 = learner.clock(device)
+    with _phase(M.Phase.REFERENCE):
+        ref_logp, _ = learner.score_all(loop.models.policy, rollout, cfg.algo.temperature, cfg.train, adapter=False)
+    return ref_logp, learner.clock(device) - t0
+
+
+def _monitored(loop: _Loop, step: int, rollout: Rollout, metrics: dict[str, float]) -> float:
+    """Monitor before the update, every monitor.every steps: the policy that sampled, against the
+    full-precision reference (its metrics added to `metrics`); its seconds."""
+    cfg, models = loop.cfg, loop.models
+    t0 = learner.clock(loop.device)
+    if models.reference is not None and step % cfg.monitor.every == 0:
+        with _phase(M.Phase.MONITOR):
+            metrics.update(distributed.weighted_mean(
+                _monitor(models.policy, models.sampler.module, models.reference, loop.aqn, rollout,
+                         cfg.algo.temperature, cfg.train.micro_batch_size), float(rollout.completion_mask.sum())))
+    return learner.clock(loop.device) - t0
+
+
+def _update(loop: _Loop, rollout: Rollout, scored: _Scored, ref_logp: torch.Tensor | None) -> tuple[learner.Update, int]:
+    """The learner: clean norm scales (unless noise.apply_to=both), forward and backward, optimizer
+    step; the update and the phase's peak memory (the reference and monitor passes included)."""
+    cfg, policy = loop.cfg, loop.models.policy
+    policy.train()
+    with _phase(M.Phase.LEARNER), loop.aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+        update = learner.update_policy(policy, loop.opt, loop.params, rollout, scored.advantages, scored.loss_mask,
+                                       cfg.algo, cfg.train, ref_logp=ref_logp)
+    return update, M.phase_peak_bytes(loop.device)
+
+
+def _batch_metrics(loop: _Loop, batch: _Batch, scored: _Scored, update: learner.Update, ref_logp: torch.Tensor | None,
+                   lr: float, phases: dict[str, float], rollout_bytes: int, peaks: dict) -> dict[str, float]:
+    """Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks)."""
+    rollout, gather = batch.rollout, distributed.gather
+    return M.step_metrics(
+        rewards={name: gather(r) for name, r in scored.rewards.items()}, weights=loop.task.rewards.weights,
+        group_size=loop.cfg.algo.group_size, mask=gather(rollout.completion_mask),
         terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
         sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
         learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp),
-        clip=update.clip, loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=batch.sigma,
-        stage=batch.stage, noise_scales=loop.aqn.scales,
-        memory=distributed.maximum(M.memory_metrics(loop.weights, device, rollout_bytes, loop.load_peak, peaks)),
+        clip=update.clip, loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=update.skipped != 0,
+        sigma=batch.sigma, stage=batch.stage, noise_scales=loop.aqn.scales,
+        memory=distributed.maximum(M.memory_metrics(loop.weights, loop.device, rollout_bytes, loop.load_peak, peaks)),
         step_s=phases.pop("step"), phases=phases,
-    ))
+    )
+
+
+def _log(loop: _Loop, step: int, batch: _Batch, scored: _Scored, metrics: dict[str, float]) -> None:
+    """The task's and the reward functions' own metrics, the data's progress and the noise schedule's
+    observation added to `metrics`, then logged, with the completions when due."""
+    cfg, G, rollout = loop.cfg, loop.cfg.algo.group_size, batch.rollout
     if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
         metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
-                                              gather(rollout.sampler_entropy[:, 0]).tolist()))
+                                              distributed.gather(rollout.sampler_entropy[:, 0]).tolist()))
     # what the reward functions logged (`log_metric`: every rank's values), and how far through the data
-    metrics.update(M.logged_metrics(distributed.gather_objects([logged])))
+    metrics.update(M.logged_metrics(distributed.gather_objects([scored.logged])))
     if hasattr(loop.task, "epoch"):
         metrics.update(M.epoch_metrics(_epoch(loop, step + 1)))
     metrics.update(loop.schedule.observe(metrics))
@@ -457,9 +502,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
-            step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
-            advantages.tolist(), extra)))
-    return metrics
+            step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scored.scores,
+            scored.total.tolist(), scored.advantages.tolist(), scored.extra)))
 
 
 def _epoch(loop: _Loop, step: int) -> float:
