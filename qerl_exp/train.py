@@ -12,9 +12,7 @@ says what is global); the `distributed` calls below are no-ops in a one-process 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import random
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -39,22 +37,13 @@ from qerl_exp.rl.optim import make_optimizer, make_scheduler
 from qerl_exp.rl.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
 from qerl_exp.run import checkpoint, distributed, logs, progress, record, run_files, rundir
 from qerl_exp.run.checkpoint import restore_rng, rng_state
-from qerl_exp.run.files import write_atomic
 from qerl_exp.run.signals import Interrupted, StopSignals
-from qerl_exp.run.tracking import NoTracker, Tracker, run_tags
+from qerl_exp.run.tracking import NoTracker, Tracker, logged_steps, run_tags, truncate_log
 from qerl_exp.tasks import Task, build_task, duplicates_line
 from qerl_exp.tasks.base import epochs_done
 from qerl_exp.tasks.reward_funcs import trainer_state
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -84,34 +73,6 @@ def check_decoders(cfg: Config, task: Task, models: Models, generator, device: t
     logp, _ = learner.score_all(module, rollout, algo.temperature, cfg.train)
     gap = blocks.logp_gap(rollout.sampler_logp, logp, rollout.completion_mask)
     blocks.check_agreement(module, gap, distributed.any_rank)
-
-
-def _logged(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The rows of `metrics.jsonl` (or another step log: `completions.jsonl`) that parse; a line
-    half-written when the disk filled up (or cut by hand) is left out with its step."""
-    path = run_dir / name
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
-
-
-def _logged_steps(run_dir: Path) -> int:
-    """How many steps `metrics.jsonl` holds from step 0 without a gap: a resume may start at most there."""
-    steps = {r["step"] for r in _logged(run_dir)}
-    return next(i for i in range(len(steps) + 1) if i not in steps)
-
-
-def _truncate_log(run_dir: Path, next_step: int, name: str = "metrics.jsonl") -> list[dict]:
-    """Keep the rows of a step log (`metrics.jsonl`, `completions.jsonl`) before `next_step` (a
-    resumed run logs the rest again); return them."""
-    rows = [r for r in _logged(run_dir, name) if r["step"] < next_step]
-    if (run_dir / name).exists():
-        write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 def run(
@@ -165,7 +126,7 @@ def run(
 def _resume_and_train(cfg: Config, run_dir: Path, config: dict, choices: dict[str, str], group: str,
                       on_step: StepCallback | None, stop: StopSignals | None) -> dict[str, float]:
     # rank 0 reads the log, every rank its checkpoint: all resume at the same step
-    resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
+    resume_from = checkpoint.latest(run_dir, distributed.broadcast(logged_steps(run_dir) if distributed.is_main() else None))
     if resume_from is not None:  # its record's digests, as it made them
         saved = resume_from[1].get("config")
         rundir.check_checkpoint(resume_from[0], saved, run_files.comparable(saved, config))
@@ -279,7 +240,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
            group: str) -> _Loop:
     """Seeds, models, the rollout engine, AQN and its schedule, the optimizer and its schedule, the
     data stream; restored from `resume_from` when given; the tracker and the logged history."""
-    seed_everything(cfg.seed, cfg.train.deterministic)
+    checkpoint.seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
     task = build_task(cfg.task, seed=cfg.seed)
     if distributed.is_main() and (line := duplicates_line(cfg.task, task)):
@@ -316,8 +277,8 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         if distributed.is_main():
             print(f"resuming {run_dir} at step {loop.start} from {path.name}", file=sys.stderr)
     if distributed.is_main():  # rank 0 logs and prints for every rank
-        loop.history = _truncate_log(run_dir, loop.start)
-        _truncate_log(run_dir, loop.start, "completions.jsonl")
+        loop.history = truncate_log(run_dir, loop.start)
+        truncate_log(run_dir, loop.start, "completions.jsonl")
         loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                                group=group or cfg.task.name, job_type="train",
                                tags=[*run_tags(choices, cfg.model.name), f"seed:{cfg.seed}"], run_id=wandb_id)
