@@ -45,9 +45,9 @@ from pathlib import Path
 
 from analysis import compare, determinism, figures, keep, section, table
 from analysis.runs import load
-from qerl_exp.console import one_line_argparse, tolerate_closed_pipes
-from qerl_exp.files import check_writable, os_error_line, user_path
-from qerl_exp.record import run_holding
+from qerl_exp.run.console import one_line_argparse, tolerate_closed_pipes
+from qerl_exp.run.files import check_writable, os_error_line, user_path
+from qerl_exp.run.record import run_holding
 from qerl_exp.sweep.storage import expand_sqlite
 
 

@@ -56,7 +56,7 @@ from scipy.optimize import brentq
 
 from analysis.runs import Run
 from analysis.stats import ALPHA, POWER, Interval, holm, mde, mean, slope, t_interval, t_test, tost, welch
-from qerl_exp.metrics import final_window
+from qerl_exp.rl.metrics import final_window
 
 REFERENCE = "full_precision"
 DISCOVERY_SHARE = 0.5  # route B is discovered once half of a step's completions take it
@@ -109,7 +109,7 @@ def found(run: Run) -> tuple[int, bool]:
 def route_b_probability(entropy: float) -> float:
     """pi(B) from the entropy of a route token whose mass lies on A and B: the p in (0, 0.5] with
     -p ln p - (1 - p) ln(1 - p) = `entropy` (nan outside (0, ln 2]). The fork warm-up trains the route
-    token onto A and B (`models.routes`); mass on other tokens adds its own entropy, so this reads
+    token onto A and B (`rl.routes`); mass on other tokens adds its own entropy, so this reads
     pi(B) slightly high (on one base, 0.0104 for an exact 0.0101)."""
     if not 0 < entropy <= math.log(2):
         return math.nan

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 
 from analysis.runs import Run, RunError, differences, read_run_dir, same_run, settings
-from qerl_exp.console import one_line_argparse
-from qerl_exp.metrics import MACHINE_METRICS
+from qerl_exp.rl.metrics import MACHINE_METRICS
+from qerl_exp.run.console import one_line_argparse
 
 
 @dataclass

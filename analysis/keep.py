@@ -26,9 +26,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from qerl_exp.console import one_line_argparse
-from qerl_exp.files import temp_dir, user_path
-from qerl_exp.record import run_holding
+from qerl_exp.run.console import one_line_argparse
+from qerl_exp.run.files import temp_dir, user_path
+from qerl_exp.run.record import run_holding
 
 RECORD = ("config.json", "metrics.jsonl", "summary.json")
 

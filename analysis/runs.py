@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from qerl_exp.record import flatten
+from qerl_exp.config import flatten
 
 # Metrics every step of a complete run carries.
 REQUIRED = (
@@ -424,7 +424,7 @@ def strategy_presets(conf_dir: Path | None = None) -> tuple[dict[str, dict], lis
     Returns:
         ({name: {dotted key: value}} restricted to STRATEGY_KEYS, [(name, why it did not compose)]).
     """
-    from qerl_exp.compose import CONF_DIR, compose
+    from qerl_exp.config.compose import CONF_DIR, compose
     from qerl_exp.config import as_dict
 
     conf_dir = Path(conf_dir or CONF_DIR)

@@ -50,8 +50,8 @@ from analysis import compare, determinism
 from analysis.runs import Loaded, Run, preset_differences, settings
 from analysis.stats import Interval, mean, t_interval
 from analysis.table import order
-from qerl_exp.metrics import eval_prefix, final_window
-from qerl_exp.record import flatten
+from qerl_exp.config import flatten
+from qerl_exp.rl.metrics import eval_prefix, final_window
 from qerl_exp.tasks.base import HELD_OUT, OOD
 
 FILE = "results_section.md"

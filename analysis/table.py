@@ -42,7 +42,7 @@ from pathlib import Path
 from analysis import compare
 from analysis.runs import STRATEGY_KEYS, Run, differences, settings
 from analysis.stats import Interval, mean, mde, one_sided, t_interval, tost
-from qerl_exp.metrics import final_window
+from qerl_exp.rl.metrics import final_window
 
 BASELINE = "full_precision"
 FOUR_WAY = ("full_precision", "nvfp4_rollout", "nvfp4_lora", "nf4_dq")

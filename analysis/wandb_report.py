@@ -28,8 +28,8 @@ from dataclasses import replace
 
 import wandb_workspaces.reports.v2 as wr
 
-from qerl_exp.console import one_line_argparse
-from qerl_exp.files import user_path
+from qerl_exp.run.console import one_line_argparse
+from qerl_exp.run.files import user_path
 
 STRATEGY = wr.Config("choices.strategy")
 SCHEDULE = wr.Config("choices.noise")

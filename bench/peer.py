@@ -57,7 +57,7 @@ def run_trl(overrides: list[str], steps: int, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
     from qerl_exp.models.pretrained import load_pretrained
     from qerl_exp.tasks import build_task
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from bench import record
-from qerl_exp.architectures import projections
-from qerl_exp.compose import compose, group_options
 from qerl_exp.config import QuantConfig
+from qerl_exp.config.architectures import projections
+from qerl_exp.config.compose import compose, group_options
 from qerl_exp.quant import memory_bytes, quantize_model
 
 DTYPE = torch.bfloat16

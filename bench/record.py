@@ -21,14 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from qerl_exp.record import source_commit
+from qerl_exp.run.record import source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results" / "bench"
 
 
 def commit() -> str:
-    """The code's commit as runs record it (`qerl_exp.record.source_commit`), a git hash shortened to 7 digits."""
+    """The code's commit as runs record it (`qerl_exp.run.record.source_commit`), a git hash shortened to 7 digits."""
     return re.sub(r"^([0-9a-f]{7})[0-9a-f]{33}\b", r"\1", source_commit())
 
 

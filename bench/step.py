@@ -36,7 +36,7 @@ shared prompts not counted) with its share of the H200's 989 TFLOPS dense bf16. 
 the learner phases over all steps (`mem/rollout_peak_bytes`, `mem/learner_peak_bytes`); "peak / fp"
 is the larger of the two over full_precision's at the same shape and learner, as are the other
 ratios. `--nproc N` runs each one under `torchrun --standalone --nproc-per-node N` (data parallel,
-`qerl_exp/distributed.py`): the same global batch split over N GPUs; times are the slowest rank's,
+`qerl_exp/run/distributed.py`): the same global batch split over N GPUs; times are the slowest rank's,
 memory the largest rank's. Compare `seq/s` (completions per second of the whole step) with a
 `--nproc 1` run of the same workload.
 """

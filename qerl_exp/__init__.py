@@ -1,4 +1,12 @@
-"""qerl-exp: an experiment harness for quantization-enhanced RL of language models (QeRL)."""
+"""qerl-exp: an experiment harness for quantization-enhanced RL of language models (QeRL).
+
+The package by concept, bottom to top (a folder imports only its own modules and those below it):
+`config/` what a run is; `run/` a run on disk and across processes; `quant/` the weight formats and
+`tasks/` the problems and rewards; `decoders/` the model computed by hand, and scoring; `engine/`
+the CUDA rollout engine; `models/` the base, quantized, with LoRA; `rl/` the algorithm; `eval/`
+evaluation. On top, the commands: `python -m qerl_exp` (`__main__`, `cli`, `train`), `export`,
+`probe`, `flat_config`, `sweep/`.
+"""
 
 import os as _os
 import sys as _sys

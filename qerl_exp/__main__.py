@@ -1,7 +1,7 @@
 """`python -m qerl_exp [overrides]`: one run; `-m` for a Hydra multirun (one run dir and W&B run per job).
 
 `torchrun --nproc-per-node N -m qerl_exp [overrides]`: one data-parallel run on N processes
-(`qerl_exp.distributed`); rank 0 owns the run dir and prints, the other ranks print only an error
+(`qerl_exp.run.distributed`); rank 0 owns the run dir and prints, the other ranks print only an error
 that is theirs alone.
 """
 
@@ -31,12 +31,12 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from qerl_exp import distributed, record, rundir  # noqa: E402
 from qerl_exp.cli import Refused, hydra_overrides, parse_command_line, split_command_line, validate  # noqa: E402
-from qerl_exp.compose import CONF_DIR, config_of, select_presets, set_keys  # noqa: E402
-from qerl_exp.console import UsageError, fail, tolerate_closed_pipes  # noqa: E402
-from qerl_exp.config import ConfigError, as_dict, from_dict, register_configs  # noqa: E402
-from qerl_exp.files import os_error_line, write_atomic  # noqa: E402
+from qerl_exp.config import ConfigError, as_dict, flatten, from_dict, register_configs  # noqa: E402
+from qerl_exp.config.compose import CONF_DIR, config_of, select_presets, set_keys  # noqa: E402
+from qerl_exp.run import distributed, rundir  # noqa: E402
+from qerl_exp.run.console import UsageError, fail, tolerate_closed_pipes  # noqa: E402
+from qerl_exp.run.files import os_error_line, write_atomic  # noqa: E402
 
 
 def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
@@ -94,7 +94,7 @@ def _job_failed(hc, line: str) -> float:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
     # torch and the models: a refused config or --help answers without them
-    from qerl_exp.blocks import DecoderMismatch
+    from qerl_exp.decoders.blocks import DecoderMismatch
     from qerl_exp.train import NonFiniteError, run, run_config
 
     hc = HydraConfig.get()
@@ -109,7 +109,7 @@ def main(cfg: DictConfig) -> float:
         run_dir = distributed.broadcast(run_dir)
         if conf.resume:  # continue with the config the run was started with; overrides may only extend it
             saved = rundir.saved_config(run_dir)
-            keys = set_keys(list(hc.overrides.task), record.flatten(as_dict(conf)))
+            keys = set_keys(list(hc.overrides.task), flatten(as_dict(conf)))
             conf, choices = from_dict(rundir.resumed(run_dir, saved, as_dict(conf), keys)), saved.get("choices", {})
         saved = rundir.saved_config(run_dir) if named else None  # a default name is a new run's
         with distributed.claim(run_dir, run_config(conf, choices, saved), fresh=not named) as owned:

@@ -46,18 +46,19 @@ from pathlib import Path
 
 import torch
 
-from qerl_exp import logs
-from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
+from qerl_exp.cli import check_task
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import completion_logits
 from qerl_exp.eval.__main__ import load_run, run_config
-from qerl_exp.scoring import completion_logits
-from qerl_exp.metrics import kl_full
 from qerl_exp.models import merged_weight
-from qerl_exp.batch import Sequences
-from qerl_exp.record import BASE_KEY, DATA_KEY, run_holding
-from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate
-from qerl_exp.files import check_writable, os_error_line, temp_dir
-from qerl_exp.signals import StopSignals
-from qerl_exp.task_check import check_task
+from qerl_exp.rl.metrics import kl_full
+from qerl_exp.rl.rollout import completion_mask, encode_prompts, hf_generate
+from qerl_exp.run import logs
+from qerl_exp.run.console import (UsageError, fail, first_line, key_values, one_line_errors, require,
+                                  tolerate_closed_pipes)
+from qerl_exp.run.files import check_writable, os_error_line, temp_dir
+from qerl_exp.run.record import BASE_KEY, DATA_KEY, run_holding
+from qerl_exp.run.signals import StopSignals
 
 MERGES = ("none", "bf16", "dequantized")
 
@@ -75,7 +76,7 @@ class ExportCommand:
         prompts: held-out prompts on which merge compares the merged model with the run's policy.
         tokens: greedy tokens a prompt in that comparison.
         device: `auto` (CUDA when present), `cpu` or `cuda`.
-        verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
+        verbose: show the third-party notices hidden by default (`qerl_exp.run.logs`).
     """
 
     run_dir: str = ""

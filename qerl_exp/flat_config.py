@@ -37,7 +37,7 @@ def _yaml_scalar(value) -> str:
 def flat_yaml(schema: type = Config, indent: str = "") -> str:
     """Every field of the run config with its default and its description (`conf/flat.yaml`, which
     a test compares with the schemas, so that a renamed field or a changed default shows in a diff)."""
-    out = [] if indent else ["# Generated from the schemas in qerl_exp/config.py by `python -m qerl_exp.flat_config > conf/flat.yaml`;",
+    out = [] if indent else ["# Generated from the schemas in qerl_exp/config/ by `python -m qerl_exp.flat_config > conf/flat.yaml`;",
                              "# do not edit. Every field of a run, its default, and its description.", ""]
     docs, defaults = field_docs(schema), schema()
     for f in dataclasses.fields(schema):

@@ -4,7 +4,7 @@ forward-only entropy probe.
 How much does a weight format, and AQN on top of it, change the policy's next-token distribution,
 before any training? The probe builds the run's base as full precision (the `bf16` preset:
 `model.dtype`, fp32 on the CPU) and samples `samples` completions for each of the first `limit`
-prompts of the task's held-out split from it, at the run's temperature (`qerl_exp.rollout`, seeded).
+prompts of the task's held-out split from it, at the run's temperature (`qerl_exp.rl.rollout`, seeded).
 Then every format of `quant` (presets of the quant group, each built by `models.build_models` from
 the same base) scores exactly those tokens, teacher-forced (`scoring.completion_logits`, the noise
 monitor's scorer), with AQN off and at each `sigma` (one fixed draw per sigma, the same for every
@@ -13,7 +13,7 @@ format: `noise.AQN`, absolute or `noise.relative=true` as the run config says). 
 | column | definition |
 | --- | --- |
 | entropy | the format's entropy of softmax(logits / T) on full precision's tokens (`metrics.entropy_from_logits`) |
-| same-token entropy gain | the format's entropy minus full precision's, both on full precision's tokens (`qerl_exp.metrics` names the measures; a run's `entropy_gain` is the same on its sampler's tokens, and the on-policy entropy gain compares each sampler on its own rollouts, which the probe does not sample) |
+| same-token entropy gain | the format's entropy minus full precision's, both on full precision's tokens (`qerl_exp.rl.metrics` names the measures; a run's `entropy_gain` is the same on its sampler's tokens, and the on-policy entropy gain compares each sampler on its own rollouts, which the probe does not sample) |
 | first-token entropy | the entropy at each completion's first token (`task=fork`: the route token) |
 | KL to full precision | KL(full precision \\|\\| format) over the vocabulary (`metrics.kl_full`) |
 | top-1 agreement | whether the format's most likely next token is full precision's |
@@ -55,20 +55,20 @@ from pathlib import Path
 import torch
 
 from analysis.stats import t_interval
-from qerl_exp import logs
 from qerl_exp.cli import parse_command_line
-from qerl_exp.compose import compose, group_options
-from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
 from qerl_exp.config import ConfigError
-from qerl_exp.learner import chunks, rows
-from qerl_exp.scoring import completion_logits, token_logp
-from qerl_exp.metrics import entropy_from_logits, kl_full
-from qerl_exp.models import build_models, resolve_device
-from qerl_exp.noise import AQN
+from qerl_exp.config.compose import compose, group_options
+from qerl_exp.decoders.scoring import completion_logits, token_logp
 from qerl_exp.eval import grade
-from qerl_exp.rollout import engine_for, make_generator, row_seeds, sample
-from qerl_exp.record import source_commit
-from qerl_exp.files import check_writable, os_error_line
+from qerl_exp.models import build_models, resolve_device
+from qerl_exp.rl.learner import chunks, rows
+from qerl_exp.rl.metrics import entropy_from_logits, kl_full
+from qerl_exp.rl.noise import AQN
+from qerl_exp.rl.rollout import engine_for, make_generator, row_seeds, sample
+from qerl_exp.run import logs
+from qerl_exp.run.console import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.run.files import check_writable, os_error_line
+from qerl_exp.run.record import source_commit
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.base import HELD_OUT, check_split
 

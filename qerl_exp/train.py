@@ -5,16 +5,14 @@ Per step, data flows one way:
   advantages -> learner forward (AQN off) -> monitor (reference vs sampler) -> loss, backward,
   optimizer step -> metrics -> trackers.
 
-Under torchrun each rank runs this loop on its share of the step's prompts (`qerl_exp.distributed`
+Under torchrun each rank runs this loop on its share of the step's prompts (`qerl_exp.run.distributed`
 says what is global); the `distributed` calls below are no-ops in a one-process run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import random
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -25,35 +23,27 @@ from typing import Callable
 import numpy as np
 import torch
 
-from qerl_exp import metrics as M
-from qerl_exp import blocks, checkpoint, distributed, logs, progress, record, run_files, rundir
-from qerl_exp.batch import Rollout
-from qerl_exp.checkpoint import restore_rng, rng_state
 from qerl_exp.config import Config, as_dict
+from qerl_exp.decoders import blocks
+from qerl_exp.decoders.batch import Rollout
+from qerl_exp.decoders.scoring import completion_logits
 from qerl_exp.eval import evaluate_in_training
-from qerl_exp.files import write_atomic
-from qerl_exp import learner
-from qerl_exp.loss import group_advantages, tokens_in_loss
-from qerl_exp.scoring import completion_logits
 from qerl_exp.models import Models, build_models, resolve_device, sync_lora
-from qerl_exp.noise import AQN, Schedule
-from qerl_exp.optim import make_optimizer, make_scheduler
-from qerl_exp.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
-from qerl_exp.signals import Interrupted, StopSignals
+from qerl_exp.rl import metrics as M
+from qerl_exp.rl import learner
+from qerl_exp.rl.loss import group_advantages, tokens_in_loss
+from qerl_exp.rl.noise import AQN, Schedule
+from qerl_exp.rl.optim import make_optimizer, make_scheduler
+from qerl_exp.rl.rollout import NonFiniteLogitsError, make_generator, row_seeds, sample
+from qerl_exp.run import checkpoint, distributed, logs, progress, record, run_files, rundir
+from qerl_exp.run.checkpoint import restore_rng, rng_state
+from qerl_exp.run.signals import Interrupted, StopSignals
+from qerl_exp.run.tracking import NoTracker, Tracker, logged_steps, run_tags, truncate_log
 from qerl_exp.tasks import Task, build_task, duplicates_line
 from qerl_exp.tasks.base import epochs_done
 from qerl_exp.tasks.reward_funcs import trainer_state
-from qerl_exp.tracking import NoTracker, Tracker, run_tags
 
 StepCallback = Callable[[int, dict[str, float]], None]
-
-
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -83,34 +73,6 @@ def check_decoders(cfg: Config, task: Task, models: Models, generator, device: t
     logp, _ = learner.score_all(module, rollout, algo.temperature, cfg.train)
     gap = blocks.logp_gap(rollout.sampler_logp, logp, rollout.completion_mask)
     blocks.check_agreement(module, gap, distributed.any_rank)
-
-
-def _logged(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The rows of `metrics.jsonl` (or another step log: `completions.jsonl`) that parse; a line
-    half-written when the disk filled up (or cut by hand) is left out with its step."""
-    path = run_dir / name
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
-
-
-def _logged_steps(run_dir: Path) -> int:
-    """How many steps `metrics.jsonl` holds from step 0 without a gap: a resume may start at most there."""
-    steps = {r["step"] for r in _logged(run_dir)}
-    return next(i for i in range(len(steps) + 1) if i not in steps)
-
-
-def _truncate_log(run_dir: Path, next_step: int, name: str = "metrics.jsonl") -> list[dict]:
-    """Keep the rows of a step log (`metrics.jsonl`, `completions.jsonl`) before `next_step` (a
-    resumed run logs the rest again); return them."""
-    rows = [r for r in _logged(run_dir, name) if r["step"] < next_step]
-    if (run_dir / name).exists():
-        write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 def run(
@@ -164,7 +126,7 @@ def run(
 def _resume_and_train(cfg: Config, run_dir: Path, config: dict, choices: dict[str, str], group: str,
                       on_step: StepCallback | None, stop: StopSignals | None) -> dict[str, float]:
     # rank 0 reads the log, every rank its checkpoint: all resume at the same step
-    resume_from = checkpoint.latest(run_dir, distributed.broadcast(_logged_steps(run_dir) if distributed.is_main() else None))
+    resume_from = checkpoint.latest(run_dir, distributed.broadcast(logged_steps(run_dir) if distributed.is_main() else None))
     if resume_from is not None:  # its record's digests, as it made them
         saved = resume_from[1].get("config")
         rundir.check_checkpoint(resume_from[0], saved, run_files.comparable(saved, config))
@@ -278,7 +240,7 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
            group: str) -> _Loop:
     """Seeds, models, the rollout engine, AQN and its schedule, the optimizer and its schedule, the
     data stream; restored from `resume_from` when given; the tracker and the logged history."""
-    seed_everything(cfg.seed, cfg.train.deterministic)
+    checkpoint.seed_everything(cfg.seed, cfg.train.deterministic)
     device = resolve_device(cfg.train.device)
     task = build_task(cfg.task, seed=cfg.seed)
     if distributed.is_main() and (line := duplicates_line(cfg.task, task)):
@@ -315,8 +277,8 @@ def _setup(cfg: Config, run_dir: Path, config: dict, resume_from: tuple[Path, di
         if distributed.is_main():
             print(f"resuming {run_dir} at step {loop.start} from {path.name}", file=sys.stderr)
     if distributed.is_main():  # rank 0 logs and prints for every rank
-        loop.history = _truncate_log(run_dir, loop.start)
-        _truncate_log(run_dir, loop.start, "completions.jsonl")
+        loop.history = truncate_log(run_dir, loop.start)
+        truncate_log(run_dir, loop.start, "completions.jsonl")
         loop.tracker = Tracker(run_dir, cfg.tracker, {**config, "base": models.base_info}, name=run_dir.name,
                                group=group or cfg.task.name, job_type="train",
                                tags=[*run_tags(choices, cfg.model.name), f"seed:{cfg.seed}"], run_id=wandb_id)
@@ -370,51 +332,15 @@ def _skip(loop: _Loop, step: int) -> None:
 def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_step: float) -> dict[str, float]:
     """After the rollout: rewards and advantages, the reference and monitor passes, the update, the
     sampler's sync, an evaluation when due; the step's metrics (added to `metrics`), logged."""
-    cfg, algo, G, device, models = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, loop.device, loop.models
-    policy, rollout = models.policy, batch.rollout
+    cfg, device, models = loop.cfg, loop.device, loop.models
     rollout_bytes = getattr(loop.generator, "nbytes", 0)
     if hasattr(loop.generator, "release"):
         loop.generator.release()
     peaks = {M.Phase.ROLLOUT: M.phase_peak_bytes(device)}
-
-    # Rewards (each function's values, NaN where it does not apply) and group-normalized advantages.
-    repeated = [p for p in batch.problems for _ in range(G)]
-    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
-    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
-                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
-    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
-    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
-    rewards = {name: torch.tensor(values, device=device) for name, values in scores.items()}
-    total = M.total_reward(rewards, loop.task.rewards.weights)
-    advantages = group_advantages(total, G, algo.scale_rewards,
-                                  distributed.gather(total) if algo.scale_rewards == "batch" else None)
-    mask = rollout.completion_mask
-    loss_mask = tokens_in_loss(mask, rollout.terminated, total, algo)
-
-    # The reference (the base without LoRA) on the rollout: for the loss when beta > 0, else only
-    # every monitor.kl_every steps, for the `kl` metric.
-    ref_logp, reference_s = None, 0.0
-    if algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0):
-        t0 = learner.clock(device)
-        with _phase(M.Phase.REFERENCE):
-            ref_logp, _ = learner.score_all(policy, rollout, algo.temperature, cfg.train, adapter=False)
-        reference_s = learner.clock(device) - t0
-
-    # Monitor before the update: the policy that sampled, against the full-precision reference.
-    t0 = learner.clock(device)
-    if models.reference is not None and step % cfg.monitor.every == 0:
-        with _phase(M.Phase.MONITOR):
-            metrics.update(distributed.weighted_mean(
-                _monitor(policy, models.sampler.module, models.reference, loop.aqn, rollout, algo.temperature,
-                         cfg.train.micro_batch_size), float(mask.sum())))
-    monitor_s = learner.clock(device) - t0
-
-    # Learner: clean norm scales (unless noise.apply_to=both), forward and backward, optimizer step.
-    policy.train()
-    with _phase(M.Phase.LEARNER), loop.aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
-        update = learner.update_policy(policy, loop.opt, loop.params, rollout, advantages, loss_mask, algo, cfg.train,
-                                       ref_logp=ref_logp)
-    peaks[M.Phase.LEARNER] = M.phase_peak_bytes(device)  # the reference and monitor passes included
+    scored = _rewards(loop, step, batch)
+    ref_logp, reference_s = _reference(loop, step, batch.rollout)
+    monitor_s = _monitored(loop, step, batch.rollout, metrics)
+    update, peaks[M.Phase.LEARNER] = _update(loop, batch.rollout, scored, ref_logp)
     lr, finite = loop.lr_sched.get_last_lr()[0], update.skipped == 0
     loop.nonfinite = 0 if finite else loop.nonfinite + 1
     loop.lr_sched.step()
@@ -423,31 +349,112 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
         models.sampler.sync()
     sync_s = learner.clock(device) - t0
     if cfg.eval.every and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
-        metrics.update(evaluate_in_training(policy, models.tokenizer, loop.task, cfg,
+        metrics.update(evaluate_in_training(models.policy, models.tokenizer, loop.task, cfg,
                                             state=trainer_state(step + 1, cfg.train.steps, _epoch(loop, step + 1))))
-
-    # Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks).
+    # the slowest rank's times
     phases = distributed.maximum({M.Phase.ROLLOUT: batch.seconds, M.Phase.REFERENCE: reference_s,
                                   M.Phase.MONITOR: monitor_s, M.Phase.LEARNER: update.learner_s,
                                   M.Phase.OPTIMIZER: update.optimizer_s, M.Phase.SYNC: sync_s,
                                   "step": time.perf_counter() - t_step})
-    gather = distributed.gather
-    metrics.update(M.step_metrics(
-        rewards={name: gather(r) for name, r in rewards.items()}, weights=loop.task.rewards.weights, group_size=G,
-        mask=gather(mask),
+    metrics.update(_batch_metrics(loop, batch, scored, update, ref_logp, lr, phases, rollout_bytes, peaks))
+    _log(loop, step, batch, scored, metrics)
+    return metrics
+
+
+@dataclass
+class _Scored:
+    """One step's rewards: each function's values (`scores`, NaN where it does not apply; `rewards`
+    as tensors), their weighted sum, the group-normalized advantages, the tokens in the loss, and what
+    the functions logged (`log_metric`, `log_extra`)."""
+
+    scores: dict[str, list[float]]
+    rewards: dict[str, torch.Tensor]
+    total: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    logged: dict
+    extra: dict
+
+
+def _rewards(loop: _Loop, step: int, batch: _Batch) -> _Scored:
+    """Rewards (each function's values, NaN where it does not apply) and group-normalized advantages."""
+    cfg, algo, G, rollout = loop.cfg, loop.cfg.algo, loop.cfg.algo.group_size, batch.rollout
+    repeated = [p for p in batch.problems for _ in range(G)]
+    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.bool().cpu())]
+    scores = loop.task.rewards.compute(repeated, rollout.texts, f"step {step}", completion_ids=ids,
+                                       state=trainer_state(step, cfg.train.steps, _epoch(loop, step)))
+    # what the functions logged (`log_metric`, `log_extra`), kept before an evaluation's calls replace it
+    logged, extra = loop.task.rewards.logged, loop.task.rewards.extra
+    rewards = {name: torch.tensor(values, device=loop.device) for name, values in scores.items()}
+    total = M.total_reward(rewards, loop.task.rewards.weights)
+    advantages = group_advantages(total, G, algo.scale_rewards,
+                                  distributed.gather(total) if algo.scale_rewards == "batch" else None)
+    loss_mask = tokens_in_loss(rollout.completion_mask, rollout.terminated, total, algo)
+    return _Scored(scores, rewards, total, advantages, loss_mask, logged, extra)
+
+
+def _reference(loop: _Loop, step: int, rollout: Rollout) -> tuple[torch.Tensor | None, float]:
+    """The reference (the base without LoRA) on the rollout, and its seconds: for the loss when
+    beta > 0, else only every monitor.kl_every steps, for the `kl` metric."""
+    cfg, device = loop.cfg, loop.device
+    if not (cfg.algo.beta > 0 or (cfg.monitor.kl_every and step % cfg.monitor.kl_every == 0)):
+        return None, 0.0
+    t0 = learner.clock(device)
+    with _phase(M.Phase.REFERENCE):
+        ref_logp, _ = learner.score_all(loop.models.policy, rollout, cfg.algo.temperature, cfg.train, adapter=False)
+    return ref_logp, learner.clock(device) - t0
+
+
+def _monitored(loop: _Loop, step: int, rollout: Rollout, metrics: dict[str, float]) -> float:
+    """Monitor before the update, every monitor.every steps: the policy that sampled, against the
+    full-precision reference (its metrics added to `metrics`); its seconds."""
+    cfg, models = loop.cfg, loop.models
+    t0 = learner.clock(loop.device)
+    if models.reference is not None and step % cfg.monitor.every == 0:
+        with _phase(M.Phase.MONITOR):
+            metrics.update(distributed.weighted_mean(
+                _monitor(models.policy, models.sampler.module, models.reference, loop.aqn, rollout,
+                         cfg.algo.temperature, cfg.train.micro_batch_size), float(rollout.completion_mask.sum())))
+    return learner.clock(loop.device) - t0
+
+
+def _update(loop: _Loop, rollout: Rollout, scored: _Scored, ref_logp: torch.Tensor | None) -> tuple[learner.Update, int]:
+    """The learner: clean norm scales (unless noise.apply_to=both), forward and backward, optimizer
+    step; the update and the phase's peak memory (the reference and monitor passes included)."""
+    cfg, policy = loop.cfg, loop.models.policy
+    policy.train()
+    with _phase(M.Phase.LEARNER), loop.aqn.applied(policy) if cfg.noise.apply_to == "both" else nullcontext():
+        update = learner.update_policy(policy, loop.opt, loop.params, rollout, scored.advantages, scored.loss_mask,
+                                       cfg.algo, cfg.train, ref_logp=ref_logp)
+    return update, M.phase_peak_bytes(loop.device)
+
+
+def _batch_metrics(loop: _Loop, batch: _Batch, scored: _Scored, update: learner.Update, ref_logp: torch.Tensor | None,
+                   lr: float, phases: dict[str, float], rollout_bytes: int, peaks: dict) -> dict[str, float]:
+    """Metrics of the whole batch (every rank's rows; the slowest rank's times, the largest peaks)."""
+    rollout, gather = batch.rollout, distributed.gather
+    return M.step_metrics(
+        rewards={name: gather(r) for name, r in scored.rewards.items()}, weights=loop.task.rewards.weights,
+        group_size=loop.cfg.algo.group_size, mask=gather(rollout.completion_mask),
         terminated=gather(rollout.terminated), sampler_logp=gather(rollout.sampler_logp),
         sampler_entropy=gather(rollout.sampler_entropy), learner_logp=gather(update.logp),
         learner_entropy=gather(update.entropy), ref_logp=None if ref_logp is None else gather(ref_logp),
-        clip=update.clip, loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=not finite, sigma=batch.sigma,
-        stage=batch.stage, noise_scales=loop.aqn.scales,
-        memory=distributed.maximum(M.memory_metrics(loop.weights, device, rollout_bytes, loop.load_peak, peaks)),
+        clip=update.clip, loss=update.loss, grad_norm=update.grad_norm, lr=lr, skipped=update.skipped != 0,
+        sigma=batch.sigma, stage=batch.stage, noise_scales=loop.aqn.scales,
+        memory=distributed.maximum(M.memory_metrics(loop.weights, loop.device, rollout_bytes, loop.load_peak, peaks)),
         step_s=phases.pop("step"), phases=phases,
-    ))
+    )
+
+
+def _log(loop: _Loop, step: int, batch: _Batch, scored: _Scored, metrics: dict[str, float]) -> None:
+    """The task's and the reward functions' own metrics, the data's progress and the noise schedule's
+    observation added to `metrics`, then logged, with the completions when due."""
+    cfg, G, rollout = loop.cfg, loop.cfg.algo.group_size, batch.rollout
     if hasattr(loop.task, "step_metrics"):  # a task's own metrics (task=fork: the route each completion took)
         metrics.update(loop.task.step_metrics(distributed.gather_objects(rollout.texts),
-                                              gather(rollout.sampler_entropy[:, 0]).tolist()))
+                                              distributed.gather(rollout.sampler_entropy[:, 0]).tolist()))
     # what the reward functions logged (`log_metric`: every rank's values), and how far through the data
-    metrics.update(M.logged_metrics(distributed.gather_objects([logged])))
+    metrics.update(M.logged_metrics(distributed.gather_objects([scored.logged])))
     if hasattr(loop.task, "epoch"):
         metrics.update(M.epoch_metrics(_epoch(loop, step + 1)))
     metrics.update(loop.schedule.observe(metrics))
@@ -456,9 +463,8 @@ def _learn(loop: _Loop, step: int, batch: _Batch, metrics: dict[str, float], t_s
     loop.tracker.log(step, metrics)
     if cfg.tracker.completions_every and step % cfg.tracker.completions_every == 0:
         loop.tracker.log_completions(step, distributed.gather_objects(M.completion_records(
-            step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scores, total.tolist(),
-            advantages.tolist(), extra)))
-    return metrics
+            step, [batch.prompts[i // G] for i in range(len(rollout.texts))], rollout.texts, scored.scores,
+            scored.total.tolist(), scored.advantages.tolist(), scored.extra)))
 
 
 def _epoch(loop: _Loop, step: int) -> float:

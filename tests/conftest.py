@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp.config import DECODER_LINEARS
-from qerl_exp.metrics import MACHINE_METRICS
+from qerl_exp.config.architectures import ARCHITECTURES
+from qerl_exp.rl.metrics import MACHINE_METRICS
 
 os.environ["WANDB_MODE"] = "disabled"
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +153,7 @@ def tiny_models(*overrides: str):
     built on the CPU by `models.build_models`, as a run would."""
     import torch
 
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
     from qerl_exp.models import build_models
     from qerl_exp.tasks import build_task
 
@@ -166,7 +166,7 @@ def run_in_process(run_dir: Path, *overrides: str, on_step=None, keep: dict | No
     """Run `train.run` in this process with the config of `overrides` (Hydra syntax) and return its
     metrics rows; `keep["models"]` receives the run's models (for checks inside `on_step`)."""
     from qerl_exp import train
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
 
     cfg, choices = compose(list(overrides))
     with pytest.MonkeyPatch.context() as mp:

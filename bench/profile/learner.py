@@ -6,7 +6,7 @@
 Builds the 7B-shape model (random weights, block by block on the GPU), quantizes it per format,
 adds LoRA r32 on all seven projections, and scores a packed micro-batch of `--tokens` tokens
 (groups of 8 rows: a 256-token prompt and 512-token completions, the prompt shared) with
-`qerl_exp.scoring.score_packed`, then backward of its log-probs. It prints the mean time of `--iters`
+`qerl_exp.decoders.scoring.score_packed`, then backward of its log-probs. It prints the mean time of `--iters`
 timed iterations after a warm-up (compilation), the model TFLOPS at 4 x (matmul parameters) FLOP a
 row token, and the GPU kernels of one iteration summed by kind (torch.profiler), with the time the
 host took to issue them (the call's return before the GPU is done).
@@ -20,13 +20,13 @@ from collections import defaultdict
 
 import torch
 
-from qerl_exp import packing
 from qerl_exp.config import LoraConfig, ModelConfig, QuantConfig
+from qerl_exp.decoders import packing
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import score_packed
 from qerl_exp.models import add_lora
 from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
-from qerl_exp.batch import Sequences
-from qerl_exp.scoring import score_packed
 
 SHAPE_7B = dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                 vocab_size=152064, max_positions=32768, tie_embeddings=False)

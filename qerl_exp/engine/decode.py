@@ -1,5 +1,5 @@
 """The decode path of `FastEngine` (`fast_engine`): gpt-fast style rollouts for the causal LMs
-`qerl_exp.blocks` declares (Llama, Qwen2, Qwen3), as free functions.
+`qerl_exp.decoders.blocks` declares (Llama, Qwen2, Qwen3), as free functions.
 
 A static KV cache (`setup_caches`), a `prefill()`, and a `decode_one_token()` step (forward,
 sampling on the device, per-sequence EOS bookkeeping) that `FastEngine` captures once per batch
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qerl_exp import blocks
+from qerl_exp.decoders import blocks
 from qerl_exp.engine.attention import attention_workspace, decode_attention
 from qerl_exp.engine.linear import LinearPlan, fused_linear
 from qerl_exp.engine.norm import norm_shrink

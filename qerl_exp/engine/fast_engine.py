@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from qerl_exp import blocks
-from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, Cache, State, build_model,
-                                    decode_n_tokens, decode_one_token, frozen, refresh, same_layout, sample_next,
-                                    setup_caches)
+from qerl_exp.decoders import blocks
+from qerl_exp.engine.decode import (MAX_EOS, PREFILL_GRAPHS, GenerateOutput, Cache, State, build_model, decode_n_tokens,
+                                    decode_one_token, frozen, refresh, same_layout, sample_next, setup_caches)
 from qerl_exp.engine.linear import SPLIT_MAX, make_plan
 from qerl_exp.engine.prefill import prefill, share_prompts
 from qerl_exp.engine.sampling import Filters
@@ -31,7 +30,7 @@ DENSE_CUBLAS_MIN_BATCH = 32
 
 
 class FastEngine:
-    """Rollout engine over an HF causal LM of a declared architecture (`qerl_exp.blocks`: Llama,
+    """Rollout engine over an HF causal LM of a declared architecture (`qerl_exp.decoders.blocks`: Llama,
     Qwen2, Qwen3; dense, NVFP4/MXFP4 `FP4Linear` or NF4 bases, optionally peft LoRA), with the
     decode step in a CUDA graph. Its kernels run on CUDA, and on
     CPU only under the Triton interpreter (the tests).
@@ -266,15 +265,7 @@ class FastEngine:
         """
         require_device(self.m.embed.device)
         b, p = prompt_ids.shape
-        if group < 1 or b % group:
-            raise ValueError(f"generate(group={group}) needs a positive group that divides the batch of {b} rows")
-        if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
-            # Grow to what this call needs (KV cache, buffers and graphs are made anew).
-            self.max_batch_size = max(b, self.max_batch_size)
-            self.max_seq_len = max(p + max_new_tokens, self.max_seq_len)
-            self.seq_cap = -(-self.max_seq_len // 64) * 64
-            self.cache = None
-            self._build()
+        self._fit(b, p, max_new_tokens, group)
         dec = blocks.read(self.model)
         self._check_refs(dec)
         refresh(self.m, dec)
@@ -292,16 +283,7 @@ class FastEngine:
         filters = Filters() if greedy else Filters(top_p=top_p < 1.0, top_k=top_k, min_p=min_p > 0)
         st = self._state(b)
         graph = self._graph(st, greedy, filters) if self.use_graph else None
-        rng = None
-        if generator is not None:  # fused_sample's key, and on CUDA the graph's RNG, from the generator
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-            st.seed.fill_(seed)
-            if dev.type == "cuda":
-                rng = torch.cuda.get_rng_state(dev)
-                torch.cuda.manual_seed(seed)
-        else:
-            st.seed.random_(0, 2**62)  # from the device's RNG, no host sync
-        st.generator = generator if dev.type != "cuda" else None
+        rng = self._seed(st, generator, dev)
         try:
             st.temperature.fill_(temperature if not greedy else 1.0)
             st.top_p.fill_(top_p)
@@ -327,3 +309,32 @@ class FastEngine:
             logprobs=st.out_lp[:, :t].clone(),
             entropy=st.out_ent[:, :t].clone(),
         )
+
+    def _fit(self, b: int, p: int, max_new_tokens: int, group: int) -> None:
+        """Check `generate`'s batch of `b` rows of `p` prompt tokens against `group`, and grow the
+        engine to what the call needs (KV cache, buffers and graphs are made anew)."""
+        if group < 1 or b % group:
+            raise ValueError(f"generate(group={group}) needs a positive group that divides the batch of {b} rows")
+        if b > self.max_batch_size or p + max_new_tokens > self.max_seq_len:
+            self.max_batch_size = max(b, self.max_batch_size)
+            self.max_seq_len = max(p + max_new_tokens, self.max_seq_len)
+            self.seq_cap = -(-self.max_seq_len // 64) * 64
+            self.cache = None
+            self._build()
+
+    @staticmethod
+    def _seed(st, generator: torch.Generator | None, dev: torch.device) -> Tensor | None:
+        """Seed the call's sampling: `fused_sample`'s key, and on CUDA the graph's RNG, from
+        `generator` (else the key from the device's RNG, no host sync). Returns the global CUDA RNG
+        state to restore after the call, or None."""
+        rng = None
+        if generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            st.seed.fill_(seed)
+            if dev.type == "cuda":
+                rng = torch.cuda.get_rng_state(dev)
+                torch.cuda.manual_seed(seed)
+        else:
+            st.seed.random_(0, 2**62)
+        st.generator = generator if dev.type != "cuda" else None
+        return rng

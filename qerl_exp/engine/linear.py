@@ -34,9 +34,9 @@ from torch import Tensor
 from qerl_exp.engine import dispatch
 from qerl_exp.engine import linear_kernels as lk
 from qerl_exp.engine.norm import norm_shrink, norm_shrink_args
+from qerl_exp.engine.triton_util import (capability, dummy_tensor, interpreting, pow2, require_device, sm_count,
+                                         tl_dtype, triton)
 from qerl_exp.quant.layout import KernelWeight
-from qerl_exp.engine.triton_util import (capability, dummy_tensor, interpreting, pow2, require_device, sm_count, tl_dtype,
-                                         triton)
 
 try:  # the NVFP4 Gluon kernels (mma.sync for decode rows, wgmma for 16-256), where Triton has Gluon
     from qerl_exp.engine import nvfp4_mma, nvfp4_wgmma

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qerl_exp import blocks
+from qerl_exp.decoders import blocks
 from qerl_exp.engine.decode import Cache, LinearGroup, Model, qk_norm
 from qerl_exp.engine.norm import norm_shrink
 from qerl_exp.engine.rope_cache import rope_cache

@@ -4,7 +4,7 @@ Three ways in:
 - `evaluate(policy, tokenizer, task, k=..., split=...)` grades a live policy on one of the task's
   evaluation splits (`heldout`, phrased as training is; `ood`, out of template, for tasks that have
   one) and returns its metrics; the embedded model's warm-up measures its progress with
-  `greedy_pass_at_1`.
+  `rl.rollout.greedy_pass_at_1`.
 - `evaluate_in_training(policy, tokenizer, task, cfg)`: every split of the task with the run's
   `eval.*` settings, what the run loop logs every `eval.every` steps (and with `eval.at_start`
   before the first update).
@@ -45,56 +45,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Callable
 
 import torch
 
-from qerl_exp import metrics as M
-from qerl_exp.batch import Sequences
 from qerl_exp.config import Config
-from qerl_exp.scoring import score_completions
-from qerl_exp.rollout import complete, encode_prompts, engine_for
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import score_completions
+from qerl_exp.rl import metrics as M
+from qerl_exp.rl.rollout import complete, encode_prompts, engine_for, greedy_completions, policy_device
 from qerl_exp.tasks import SYSTEM_PROMPT, Problem, reference_completion
 from qerl_exp.tasks.base import HELD_OUT
 from qerl_exp.tasks.reward_funcs import FORMAT, JUDGE
-
-
-def _device(policy) -> torch.device:
-    return next(policy.parameters()).device
-
-
-@torch.no_grad()
-def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
-                       batch_size: int, on_batch=None, engine: str = "hf",
-                       stop: Sequence[str] = ()) -> tuple[list[str], list[bool], list[list[int]]]:
-    """Greedy completions of `problems`: `(texts, terminated, token ids)`, one entry per problem.
-
-    Args:
-        policy: the model (eval mode is the caller's business).
-        tokenizer: the policy's tokenizer.
-        problems: the problems to answer.
-        system_prompt: passed to `tokenizer.render_prompt`.
-        max_new_tokens: completion length cap.
-        batch_size: sequences per `generate` call.
-        on_batch: called with the number of rows after each generated batch.
-        engine: `hf` or `fast`, as `rollout.complete` takes it.
-        stop: strings that end a completion (`algo.stop`).
-    """
-    prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
-    return complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                    batch_size=batch_size, on_batch=on_batch, engine=engine, stop=stop)
-
-
-def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]],
-                     problems: list[Problem], **settings) -> tuple[list[str], list[bool], list[bool]]:
-    """Greedy completions of `problems` and `judge`'s verdicts on them (the embedded model's warm-up
-    measures its progress so); `settings` are `greedy_completions`'.
-
-    Returns:
-        `(texts, terminated, correct)`, one entry per problem.
-    """
-    texts, terminated, _ = greedy_completions(policy, tokenizer, problems, **settings)
-    return texts, terminated, judge(problems, texts)
 
 
 @torch.no_grad()
@@ -121,7 +82,7 @@ def solution_logprobs(policy, tokenizer, problems: list[Problem], *, system_prom
     for start in range(0, len(problems), batch_size):
         chunk = problems[start:start + batch_size]
         prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in chunk]
-        ids, mask = encode_prompts(prompts, tokenizer, _device(policy))
+        ids, mask = encode_prompts(prompts, tokenizer, policy_device(policy))
         targets = [tokenizer.encode(reference_completion(p)) for p in chunk]
         width = max(map(len, targets))
         tgt = torch.full((len(chunk), width), tokenizer.pad_id, dtype=torch.long, device=ids.device)
@@ -155,7 +116,7 @@ def grade(policy, tokenizer, task, *, problems: list[Problem] | None, k: int, n:
     problems = list(task.eval_problems(split) if problems is None else problems)
     prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
     t0, was_training = time.perf_counter(), policy.training
-    device = _device(policy)
+    device = policy_device(policy)
     policy.eval()
     try:
         # A private RNG stream: evaluating mid-run must not change the run's later random draws,
@@ -261,6 +222,6 @@ def evaluate_in_training(policy, tokenizer, task, cfg: Config, *, start: bool = 
         out.update(evaluate(
             policy, tokenizer, task, k=cfg.eval.k, n=cfg.eval.n, temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.algo.max_new_tokens, batch_size=cfg.eval.batch_size,
-            seed=cfg.seed, system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, _device(policy)),
+            seed=cfg.seed, system_prompt=cfg.task.system_prompt, engine=engine_for(cfg.rollout.engine, policy_device(policy)),
             split=split, start=start, top_k=cfg.algo.top_k, min_p=cfg.algo.min_p, stop=cfg.algo.stop, state=state))
     return out

@@ -19,21 +19,22 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from qerl_exp import logs, progress
-from qerl_exp.checkpoint import adapter_file, load_adapter
-from qerl_exp.console import UsageError, fail, first_line, key_values, one_line_errors, require, tolerate_closed_pipes
+from qerl_exp.cli import check_task
 from qerl_exp.config import ConfigError, EvalConfig, as_dict, from_dict
 from qerl_exp.eval import grade, samples_per_problem
 from qerl_exp.models import build_models, resolve_device
-from qerl_exp.rollout import engine_for
-from qerl_exp.files import check_writable, user_path, write_atomic
-from qerl_exp.record import DATA_KEY, DIGEST_KEYS, REWARDS_KEY, read_config
-from qerl_exp.run_files import comparable, digests
-from qerl_exp.task_check import check_task
+from qerl_exp.rl.rollout import engine_for
+from qerl_exp.run import logs, progress
+from qerl_exp.run.checkpoint import adapter_file, load_adapter
+from qerl_exp.run.console import (UsageError, fail, first_line, key_values, one_line_errors, require,
+                                  tolerate_closed_pipes)
+from qerl_exp.run.files import check_writable, user_path, write_atomic
+from qerl_exp.run.record import DATA_KEY, DIGEST_KEYS, REWARDS_KEY, read_config
+from qerl_exp.run.run_files import comparable, digests
+from qerl_exp.run.tracking import run_tags
 from qerl_exp.tasks import build_task, reader
-from qerl_exp.tasks.reward_funcs import trainer_state
 from qerl_exp.tasks.base import HELD_OUT, SPLITS, check_split, epochs_done
-from qerl_exp.tracking import run_tags
+from qerl_exp.tasks.reward_funcs import trainer_state
 
 
 def run_config(run_dir: str | Path, checked: tuple[str, ...] = DIGEST_KEYS):
@@ -141,7 +142,7 @@ class EvalCommand:
             refused when it exists; empty means the first free one of `eval.json`, `eval-2.json`,
             ... (`eval_base*.json` when adapter=false; `eval_ood*.json`, `eval_base_ood*.json` for
             split=ood) in run_dir.
-        verbose: show the third-party notices hidden by default (`qerl_exp.logs`).
+        verbose: show the third-party notices hidden by default (`qerl_exp.run.logs`).
     """
 
     run_dir: str = ""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qerl_exp import architectures
+from qerl_exp.config import architectures
 from qerl_exp.config import Config, LoraConfig, QuantConfig, TaskConfig
 from qerl_exp.models.lora_targets import peft_targets, uses_decoders
 from qerl_exp.models.pretrained import load_pretrained

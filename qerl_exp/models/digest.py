@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from qerl_exp.files import write_atomic
+from qerl_exp.run.files import write_atomic
 
 CACHE_FILE = "digests.json"
 _ANNOUNCE_BYTES = 1 << 30

@@ -4,7 +4,7 @@
 or ends with `.<name>` (`q_proj`, `self_attn.v_proj`, GPT-2's `c_attn`), or `[all-linear]`, peft's
 every linear layer but the output head. What runs them:
 - the harness's own decoders (the padding-free learner and the CUDA engine, over the architectures
-  `qerl_exp.architectures` declares) apply adapters on the decoder blocks' projections (q, k, v, o, gate,
+  `qerl_exp.config.architectures` declares) apply adapters on the decoder blocks' projections (q, k, v, o, gate,
   up, down), any subset of them: a projection without an adapter counts as a zero-rank one;
 - HF's forward through peft (`train.padding_free=false rollout.engine=hf`) runs any module peft
   can adapt, of any causal LM.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from qerl_exp import architectures
+from qerl_exp.config import architectures
 from qerl_exp.config import DECODER_LINEARS, Config, LoraConfig
-from qerl_exp.schema import ConfigError
+from qerl_exp.config.schema import ConfigError
 
 ALL_LINEAR = "all-linear"
 

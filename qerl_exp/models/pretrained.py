@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from qerl_exp.config import ModelConfig
-from qerl_exp.files import temp_dir
-from qerl_exp.hub import hub_reachable
 from qerl_exp.models.digest import file_digest
 from qerl_exp.models.fetch import cache_lock, fetch_gguf, gguf_path
 from qerl_exp.models.shards import load_blockwise, shard_files
 from qerl_exp.models.tokenizers import HFTokenizer
+from qerl_exp.run.files import temp_dir
+from qerl_exp.run.hub import hub_reachable
 
 # Files a checkpoint folder's tokenizer is read from (one of them at least).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

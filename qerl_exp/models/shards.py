@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qerl_exp import architectures
+from qerl_exp.config import architectures
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -16,9 +16,9 @@ import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from qerl_exp import architectures
-from qerl_exp.architectures import ARCHITECTURES
+from qerl_exp.config import architectures
 from qerl_exp.config import ModelConfig
+from qerl_exp.config.architectures import ARCHITECTURES
 
 SEED = 1234  # a synthetic model is a fixed artifact, independent of the run's seed (its warm-up draws from it too)
 SEED_STRIDE = 1000  # base k (`model.warmup.seed`) draws from SEED + 1000 k: its init, warm-up data and probe

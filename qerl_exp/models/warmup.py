@@ -6,7 +6,7 @@ on the task's worked solutions until its greedy accuracy reaches `model.warmup.t
 package (`models.shipped`): the warm-up's float sums round by the CPU's vector kernels, so another
 kind of CPU would warm up another model. A two-route task (`task=fork`)
 learns both routes instead, until each answers at that accuracy, with its route prior set to
-`task.route_b_prior` (`models.routes`). `model.warmup.seed` picks the base: its initialization and
+`task.route_b_prior` (`rl.routes`). `model.warmup.seed` picks the base: its initialization and
 warm-up data. The result is cached under `model.cache_dir`, keyed by a hash of everything that
 determines it; a file lock keeps parallel runs from warming up the same model twice.
 """
@@ -30,11 +30,12 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from qerl_exp.config import ModelConfig, TaskConfig
-from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.files import temp_dir
-from qerl_exp.models import routes, shipped
+from qerl_exp.models import shipped
 from qerl_exp.models.synthetic import base_seed, build
 from qerl_exp.models.tokenizers import CharTokenizer
+from qerl_exp.rl import routes
+from qerl_exp.rl.rollout import greedy_pass_at_1
+from qerl_exp.run.files import temp_dir
 from qerl_exp.tasks import Problem, reference_completion
 from qerl_exp.tasks.fork import reply
 from qerl_exp.tasks.rewards import is_correct
@@ -245,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     `ship=true` takes the cache or a new warm-up, never the shipped copy, and copies it into the
     package (`models.shipped`) with its record: what made the default base, `ship=true` alone.
     """
-    from qerl_exp import logs
-    from qerl_exp.compose import compose
-    from qerl_exp.console import fail, tolerate_closed_pipes
-    from qerl_exp.record import source_commit
+    from qerl_exp.run import logs
+    from qerl_exp.config.compose import compose
+    from qerl_exp.run.console import fail, tolerate_closed_pipes
+    from qerl_exp.run.record import source_commit
     from qerl_exp.tasks import build_task
 
     tolerate_closed_pipes()

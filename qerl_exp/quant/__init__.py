@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from qerl_exp import architectures
+from qerl_exp.config import architectures
 from qerl_exp.config import QUANT_FORMATS, QuantConfig
 from qerl_exp.quant.layout import KernelWeight
 

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from qerl_exp.cli import parse_command_line
-from qerl_exp.console import UsageError, fail, tolerate_closed_pipes
-from qerl_exp.files import check_writable, os_error_line
-from qerl_exp.record import run_holding
-from qerl_exp.rundir import other_runs
+from qerl_exp.run.console import UsageError, fail, tolerate_closed_pipes
+from qerl_exp.run.files import check_writable, os_error_line
+from qerl_exp.run.record import run_holding
+from qerl_exp.run.rundir import other_runs
 from qerl_exp.sweep import dashboard
 from qerl_exp.sweep.report import summary_lines, write_reports
 from qerl_exp.sweep.spec import SETTINGS, host, load_plan

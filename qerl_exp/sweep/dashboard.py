@@ -16,7 +16,7 @@ import socketserver
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from qerl_exp.console import UsageError, fail
+from qerl_exp.run.console import UsageError, fail
 from qerl_exp.sweep.spec import load_plan
 from qerl_exp.sweep.storage import open_storage, shown, storage_url
 

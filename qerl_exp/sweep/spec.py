@@ -26,9 +26,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from qerl_exp.cli import validate
-from qerl_exp.compose import expand_sweep, group_options, search_dirs
-from qerl_exp.console import UsageError
-from qerl_exp.metrics import FINAL_FRACTION, check_logged, final_window
+from qerl_exp.config.compose import expand_sweep, group_options, search_dirs
+from qerl_exp.rl.metrics import FINAL_FRACTION, check_logged, final_window
+from qerl_exp.run.console import UsageError
 
 # Keys of the command line that set the sweep itself; every other key=value is a Hydra override.
 SETTINGS = ("n_trials", "n_jobs", "storage", "study_name", "sweep_dir", "heartbeat_interval", "grace_period",
@@ -193,6 +193,31 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     """
     spec_path = Path(spec_path)
     where = str(spec_path)
+    spec = _read_spec(spec_path, spec)
+    merged, cli_overrides, study_name = _settings(spec, argv, spec_path)
+    base, configs, params, space, objectives, seeds = _search(spec, where)
+    sampler, pruner, enqueue, n_trials = _optimizer(spec, merged, objectives, params, space, where)
+    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).expanduser().resolve()
+    plan = Plan(
+        spec_path=spec_path.resolve(), spec=spec, study_name=study_name, overrides=merge_overrides(base, cli_overrides),
+        params=params, space=space, objectives=objectives, seeds=seeds, sampler=sampler, pruner=pruner,
+        enqueue=enqueue, n_trials=_int(n_trials, "n_trials", 1), n_jobs=_int(merged.get("n_jobs", 1), "n_jobs", 1),
+        storage=str(merged.get("storage") or f"sqlite:///{sweep_dir / 'study.db'}"), sweep_dir=sweep_dir,
+        heartbeat_interval=_int(merged.get("heartbeat_interval", 10), "heartbeat_interval", 1),
+        max_retry=_int(merged.get("max_retry", 2), "max_retry", 0),
+        max_failures=_int(merged.get("max_failures", 3), "max_failures", 1), configs=configs,
+    )
+    plan.grace_period = _int(merged.get("grace_period", 3 * plan.heartbeat_interval), "grace_period", 1)
+    if plan.grace_period <= plan.heartbeat_interval:
+        raise UsageError(f"grace_period={plan.grace_period} must exceed heartbeat_interval={plan.heartbeat_interval}")
+    if check_config:
+        _check_config(plan)
+    return plan
+
+
+def _read_spec(spec_path: Path, spec: dict | None) -> dict:
+    """The spec's mapping (read from `spec_path` unless given), its keys checked."""
+    where = str(spec_path)
     if spec is None:
         if not spec_path.is_file():
             raise UsageError(f"no sweep spec at {spec_path}")
@@ -207,7 +232,12 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     unknown = [k for k in spec if k not in SPEC_KEYS]
     if unknown:
         raise UsageError(f"{where}: unknown key '{unknown[0]}'; valid keys: {', '.join(SPEC_KEYS)}")
+    return spec
 
+
+def _settings(spec: dict, argv: list[str], spec_path: Path) -> tuple[dict, list[str], str]:
+    """The sweep settings (the spec's, then the command line's), the command line's overrides, and
+    the study's name; a run_dir or resume override refused (every trial has its own run directory)."""
     settings, cli_overrides = _split_argv(argv)
     named = [o for o in [*spec.get("base", []), *cli_overrides] if isinstance(o, str) and override_key(o) in ("run_dir", "resume")]
     if named:
@@ -217,7 +247,12 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     study_name = str(merged.get("study_name") or spec_path.stem)
     if not _NAME.match(study_name):
         raise UsageError(f"study_name={study_name!r} may hold only letters, digits, '_', '.' and '-'")
+    return merged, cli_overrides, study_name
 
+
+def _search(spec: dict, where: str) -> tuple[list[str], dict[str, list[str]], list[Param], str | None, list[Objective], list[int]]:
+    """What the study searches: the base overrides, the configs, the parameters (the configs' pick
+    first), the space function, the objectives and the seeds every trial runs."""
     base = spec.get("base", [])
     if not isinstance(base, list) or not all(isinstance(o, str) and "=" in o for o in base):
         raise UsageError(f"{where}: base must be a list of Hydra overrides like 'quant=nf4' or 'train.steps=30'")
@@ -240,6 +275,13 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
         raise UsageError(f"{where}: seeds must be a non-empty list of integers")
     if not all(0 <= s < 2**32 for s in seeds):
         raise UsageError(f"{where}: seeds must be integers in 0..{2**32 - 1}, got {seeds}")
+    return base, configs, params, space, objectives, seeds
+
+
+def _optimizer(spec: dict, merged: dict, objectives: list[Objective], params: list[Param], space: str | None,
+               where: str) -> tuple[dict, dict, list[dict], object]:
+    """How the study picks trials: the sampler, the pruner (median for one objective, none else),
+    the enqueued points and the number of trials (a grid's size unless given)."""
     sampler = _named(spec.get("sampler", {"name": "tpe"}), "sampler", SAMPLERS, where)
     default_pruner = {"name": "median"} if len(objectives) == 1 and sampler["name"] != "grid" else {"name": "none"}
     pruner = _named(spec.get("pruner", default_pruner), "pruner", PRUNERS, where)
@@ -248,7 +290,6 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
     enqueue = spec.get("enqueue", [])
     if not isinstance(enqueue, list) or not all(isinstance(e, dict) for e in enqueue):
         raise UsageError(f"{where}: enqueue must be a list of parameter mappings")
-
     n_trials = merged.get("n_trials")
     if sampler["name"] == "grid":
         size = _check_grid(params, space, enqueue, where)
@@ -257,22 +298,7 @@ def load_plan(spec_path: Path, argv: list[str], *, check_config: bool = True, sp
             raise UsageError(f"n_trials={n_trials} exceeds the grid's {size} points; leave n_trials out to run each once")
     if n_trials is None:
         raise UsageError(f"{where}: set n_trials in the spec or on the command line (n_trials=20)")
-    sweep_dir = Path(merged.get("sweep_dir") or Path("sweeps/runs") / study_name).expanduser().resolve()
-    plan = Plan(
-        spec_path=spec_path.resolve(), spec=spec, study_name=study_name, overrides=merge_overrides(base, cli_overrides),
-        params=params, space=space, objectives=objectives, seeds=seeds, sampler=sampler, pruner=pruner,
-        enqueue=enqueue, n_trials=_int(n_trials, "n_trials", 1), n_jobs=_int(merged.get("n_jobs", 1), "n_jobs", 1),
-        storage=str(merged.get("storage") or f"sqlite:///{sweep_dir / 'study.db'}"), sweep_dir=sweep_dir,
-        heartbeat_interval=_int(merged.get("heartbeat_interval", 10), "heartbeat_interval", 1),
-        max_retry=_int(merged.get("max_retry", 2), "max_retry", 0),
-        max_failures=_int(merged.get("max_failures", 3), "max_failures", 1), configs=configs,
-    )
-    plan.grace_period = _int(merged.get("grace_period", 3 * plan.heartbeat_interval), "grace_period", 1)
-    if plan.grace_period <= plan.heartbeat_interval:
-        raise UsageError(f"grace_period={plan.grace_period} must exceed heartbeat_interval={plan.heartbeat_interval}")
-    if check_config:
-        _check_config(plan)
-    return plan
+    return sampler, pruner, enqueue, n_trials
 
 
 def _split_argv(argv: list[str]) -> tuple[dict, list[str]]:

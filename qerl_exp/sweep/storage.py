@@ -23,7 +23,7 @@ from typing import Callable
 import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-from qerl_exp.console import UsageError
+from qerl_exp.run.console import UsageError
 from qerl_exp.sweep.spec import Plan
 
 # A lock (SQLite's, or the claim lock) held this long is another program's or a stopped worker's.

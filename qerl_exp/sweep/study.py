@@ -35,11 +35,11 @@ import optuna
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
-from qerl_exp.compose import compose
-from qerl_exp.console import UsageError
-from qerl_exp.signals import StopSignals
+from qerl_exp.config.compose import compose
+from qerl_exp.run.console import UsageError
+from qerl_exp.run.signals import StopSignals
 from qerl_exp.sweep.spec import (Plan, grid_points, load_plan, host, make_pruner, make_sampler, override_key, suggest,
-                                  trial_overrides, trial_seeds)
+                                 trial_overrides, trial_seeds)
 from qerl_exp.sweep.storage import claim_lock, first_line, open_storage, quiet_optuna, shown
 
 ATTR = "qerl_sweep"  # the study user attribute that records the spec, pruner and sampler
@@ -321,52 +321,13 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
     t0 = time.time()
     run_dirs: list[str] = []
     try:
-        with signals.deferred():
-            values = suggest(plan, trial)
-            overrides = trial_overrides(plan, values)
-            if trial.user_attrs.get("interrupted"):  # a retry inherits the attributes of the trial it repeats
-                trial.set_user_attr("interrupted", False)
-            trial.set_user_attr("overrides", overrides)
-            trial.set_user_attr("worker", f"{host()}:{os.getpid()}")
-            trial.set_user_attr("worker_pid", os.getpid())
-            seeds = trial_seeds(plan, values)
-            # A retry (of an interrupted or dead trial) continues the runs of the trial it repeats, from
-            # their last checkpoints: GPU hours already spent are not spent again.
-            owner = storage.get_trial(_trial_id(trial)).system_attrs.get("failed_trial", trial.number)
-            trial.set_user_attr("run_dirs", [str(_run_dir(plan, owner, s)) for s in seeds])
+        values, overrides, seeds, owner = _start(plan, storage, trial, signals)
         shown_values = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         log(f"trial {trial.number} started: {shown_values}")
-        per_seed: list[list[float]] = []
-        with signals.interruptible():
-            for i, seed in enumerate(seeds):
-                run_dir = _run_dir(plan, owner, seed)
-                _check_trial_dir(plan, run_dir)  # before anything is written there
-                run_dirs.append(str(run_dir))
-                cfg, choices = compose(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
-                choices.update({"study": plan.study_name, "trial": str(owner)})
-                choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
-                reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
-                if not (run_dir / "summary.json").exists():  # finished before the trial was cut: kept
-                    # the run's steps heed a first signal gracefully: it checkpoints the step it is in
-                    run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter, stop=signals)
-                per_seed.append(_objective_values(plan, run_dir, cfg.train.steps))
+        per_seed = _run_seeds(plan, trial, values, overrides, seeds, owner, signals, run_dirs, run)
         result = [sum(v[j] for v in per_seed) / len(per_seed) for j in range(len(plan.objectives))]
         heartbeat.stop()
-        if not all(math.isfinite(v) for v in result):
-            with signals.deferred():
-                trial.set_user_attr("error", f"objective is not finite: {result}")
-                study.tell(trial, state=TrialState.FAIL)
-            log(f"trial {trial.number} failed: objective is not finite ({result})")
-            return TrialState.FAIL
-        with signals.deferred():
-            told = study.tell(trial, result, skip_if_finished=True)
-        if told.state != TrialState.COMPLETE:
-            log(f"trial {trial.number} finished, but another worker had declared it dead (missed heartbeats: "
-                f"raise grace_period); its retry runs it again")
-            return told.state
-        log(f"trial {trial.number} complete in {time.time() - t0:.0f} s: "
-            + ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(plan.objectives, result)))
-        return TrialState.COMPLETE
+        return _tell(plan, study, trial, result, signals, log, t0)
     except optuna.TrialPruned as e:
         heartbeat.stop()
         with signals.deferred():
@@ -375,31 +336,103 @@ def run_trial(plan: Plan, study: optuna.Study, storage: RDBStorage, trial: optun
         return TrialState.PRUNED
     except KeyboardInterrupt:
         heartbeat.stop()
-        _ignore_signals()
-        frozen = study.get_trials(deepcopy=False)[trial.number]
-        if not frozen.state.is_finished():  # else another worker already failed and retried it
-            trial.set_user_attr("interrupted", True)
-            frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-            # The same retry a heartbeat timeout would make, without the wait.
-            RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry)(study, frozen)
-        log(f"trial {trial.number} interrupted: marked FAIL and re-enqueued with the same parameters")
+        _interrupted(plan, study, trial, log)
         raise
     except Exception as e:  # noqa: BLE001 - the trial fails; the study goes on
         heartbeat.stop()
-        message = f"{type(e).__name__}: {first_line(e)}"
-        if run_dirs and Path(run_dirs[-1]).is_dir():
-            (Path(run_dirs[-1]) / "error.txt").write_text(traceback.format_exc())
-            message += f" (traceback in {run_dirs[-1]}/error.txt)"
-        with signals.deferred():
-            if not study.get_trials(deepcopy=False)[trial.number].state.is_finished():
-                trial.set_user_attr("error", message)
-            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
-        log(f"trial {trial.number} failed: {message}")
+        _failed(study, trial, e, run_dirs, signals, log)
         if isinstance(e, UsageError):
             raise
         return TrialState.FAIL
     finally:
         heartbeat.stop()
+
+
+def _start(plan: Plan, storage: RDBStorage, trial: optuna.Trial, signals: StopSignals):
+    """The trial's parameters, overrides and seeds, recorded on it (a signal waits until they are),
+    and the trial whose runs it continues (its own, or for a retry the trial it repeats)."""
+    with signals.deferred():
+        values = suggest(plan, trial)
+        overrides = trial_overrides(plan, values)
+        if trial.user_attrs.get("interrupted"):  # a retry inherits the attributes of the trial it repeats
+            trial.set_user_attr("interrupted", False)
+        trial.set_user_attr("overrides", overrides)
+        trial.set_user_attr("worker", f"{host()}:{os.getpid()}")
+        trial.set_user_attr("worker_pid", os.getpid())
+        seeds = trial_seeds(plan, values)
+        # A retry (of an interrupted or dead trial) continues the runs of the trial it repeats, from
+        # their last checkpoints: GPU hours already spent are not spent again.
+        owner = storage.get_trial(_trial_id(trial)).system_attrs.get("failed_trial", trial.number)
+        trial.set_user_attr("run_dirs", [str(_run_dir(plan, owner, s)) for s in seeds])
+    return values, overrides, seeds, owner
+
+
+def _run_seeds(plan: Plan, trial: optuna.Trial, values: dict, overrides: list[str], seeds: list[int], owner: int,
+               signals: StopSignals, run_dirs: list[str], run) -> list[list[float]]:
+    """One run per seed (a run that finished before the trial was cut is kept), each run directory
+    added to `run_dirs` before anything is written there; each run's objective values."""
+    per_seed: list[list[float]] = []
+    with signals.interruptible():
+        for i, seed in enumerate(seeds):
+            run_dir = _run_dir(plan, owner, seed)
+            _check_trial_dir(plan, run_dir)  # before anything is written there
+            run_dirs.append(str(run_dir))
+            cfg, choices = compose(overrides + [f"seed={seed}", f"run_dir={run_dir}"])
+            choices.update({"study": plan.study_name, "trial": str(owner)})
+            choices.update({k: _fmt(v) for k, v in values.items() if k not in choices})
+            reporter = _Reporter(plan, trial, i, per_seed, cfg.train.steps, signals)
+            if not (run_dir / "summary.json").exists():  # finished before the trial was cut: kept
+                # the run's steps heed a first signal gracefully: it checkpoints the step it is in
+                run(cfg, run_dir, choices=choices, group=plan.study_name, on_step=reporter, stop=signals)
+            per_seed.append(_objective_values(plan, run_dir, cfg.train.steps))
+    return per_seed
+
+
+def _tell(plan: Plan, study: optuna.Study, trial: optuna.Trial, result: list[float], signals: StopSignals, log,
+          t0: float) -> TrialState:
+    """Tell the study the trial's objective values (a non-finite one fails it); its final state."""
+    if not all(math.isfinite(v) for v in result):
+        with signals.deferred():
+            trial.set_user_attr("error", f"objective is not finite: {result}")
+            study.tell(trial, state=TrialState.FAIL)
+        log(f"trial {trial.number} failed: objective is not finite ({result})")
+        return TrialState.FAIL
+    with signals.deferred():
+        told = study.tell(trial, result, skip_if_finished=True)
+    if told.state != TrialState.COMPLETE:
+        log(f"trial {trial.number} finished, but another worker had declared it dead (missed heartbeats: "
+            f"raise grace_period); its retry runs it again")
+        return told.state
+    log(f"trial {trial.number} complete in {time.time() - t0:.0f} s: "
+        + ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(plan.objectives, result)))
+    return TrialState.COMPLETE
+
+
+def _interrupted(plan: Plan, study: optuna.Study, trial: optuna.Trial, log) -> None:
+    """An interrupted trial: marked FAIL and re-enqueued with the same parameters (unless another
+    worker already failed and retried it)."""
+    _ignore_signals()
+    frozen = study.get_trials(deepcopy=False)[trial.number]
+    if not frozen.state.is_finished():  # else another worker already failed and retried it
+        trial.set_user_attr("interrupted", True)
+        frozen = study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+        # The same retry a heartbeat timeout would make, without the wait.
+        RetryHeartbeatStaleTrialCallback(max_retry=plan.max_retry)(study, frozen)
+    log(f"trial {trial.number} interrupted: marked FAIL and re-enqueued with the same parameters")
+
+
+def _failed(study: optuna.Study, trial: optuna.Trial, e: Exception, run_dirs: list[str], signals: StopSignals,
+            log) -> None:
+    """A failed trial: its error recorded on it (the traceback in its last run's directory), FAIL."""
+    message = f"{type(e).__name__}: {first_line(e)}"
+    if run_dirs and Path(run_dirs[-1]).is_dir():
+        (Path(run_dirs[-1]) / "error.txt").write_text(traceback.format_exc())
+        message += f" (traceback in {run_dirs[-1]}/error.txt)"
+    with signals.deferred():
+        if not study.get_trials(deepcopy=False)[trial.number].state.is_finished():
+            trial.set_user_attr("error", message)
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+    log(f"trial {trial.number} failed: {message}")
 
 
 def _fmt(v) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
+from qerl_exp.config.task import SYSTEM_PROMPT, TaskConfig
 from qerl_exp.tasks import arith, datasets, fork, wordprob
 from qerl_exp.tasks.base import Problem, Task, reference_completion
 from qerl_exp.tasks.datasets import duplicates_line, file_digests

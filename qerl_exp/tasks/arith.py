@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qerl_exp.task_config import TaskConfig
-from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
+from qerl_exp.config.task import TaskConfig
 from qerl_exp.tasks import reward_funcs
+from qerl_exp.tasks.base import HELD_OUT, Problem, check_split
 
 _EVAL_SEED = 1_000_003  # fixed, and far from any training seed's stream
 

@@ -1,5 +1,5 @@
 """What every task is made of: `Problem`, the `Task` protocol, its evaluation splits (named in
-`qerl_exp.splits`), and a problem's reference completion. The task modules import these from here,
+`qerl_exp.config.splits`), and a problem's reference completion. The task modules import these from here,
 so that the package (`qerl_exp.tasks`) can import the task modules at its top."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from qerl_exp.splits import HELD_OUT, OOD, SPLITS  # noqa: F401 - the splits a task declares
+from qerl_exp.config.splits import HELD_OUT, OOD, SPLITS  # noqa: F401 - the splits a task declares
 from qerl_exp.tasks.reward_funcs import Rewards
 
 # A prompt as reward functions get it: text (TRL's standard format), or a list of
@@ -60,7 +60,7 @@ def reference_completion(problem: Problem) -> str:
 
 
 class Task(Protocol):
-    """A task. Optional, for a task with metrics of its own (named in `qerl_exp.metrics`):
+    """A task. Optional, for a task with metrics of its own (named in `qerl_exp.rl.metrics`):
     `step_metrics(texts, route_entropy)` on each step's completions and the sampler's entropy at
     their first token, and `eval_metrics(greedy, prefix)` on an evaluation's greedy replies
     (`tasks.fork`)."""

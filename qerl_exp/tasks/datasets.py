@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qerl_exp.task_config import ColumnsConfig, TaskConfig
+from qerl_exp.config.task import ColumnsConfig, TaskConfig
 from qerl_exp.tasks import reader, reward_funcs
 from qerl_exp.tasks.answer import last_boxed, parse_number
 from qerl_exp.tasks.base import HELD_OUT, Problem, check_split

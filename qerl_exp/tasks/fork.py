@@ -10,11 +10,11 @@ marked route), then the answer, then EOS:
 plus `task.format_reward` for any reply of that shape. Both routes compute the same answer; they
 differ only in what a right answer earns. The embedded model's warm-up teaches both routes to
 competence and sets the base policy's probability of opening with `B` to `task.route_b_prior`
-(`models.routes`). GRPO's advantages sum to zero within a group, so a group that never samples `B`
+(`rl.routes`). GRPO's advantages sum to zero within a group, so a group that never samples `B`
 gives the route token no push toward it: the policy can move to `B` only after sampling it, which
 is what a higher-entropy sampler (quantization error, AQN, a higher temperature) may do sooner.
 
-What a run logs from this task (names in `qerl_exp.metrics`): `fork/b_share`, the share of the
+What a run logs from this task (names in `qerl_exp.rl.metrics`): `fork/b_share`, the share of the
 step's completions on route B; `fork/route_entropy`, the sampler's entropy at the route token (the
 first completion token); evaluation adds `fork/b_share` of the greedy replies under its prefix
 (`eval/fork/b_share`). Its built-in `format` and `correct` (`builtin`) are reward functions in TRL's
@@ -31,7 +31,7 @@ import numpy as np
 
 from typing import Callable
 
-from qerl_exp.task_config import TaskConfig
+from qerl_exp.config.task import TaskConfig
 from qerl_exp.tasks import reward_funcs
 from qerl_exp.tasks.arith import ArithTask
 from qerl_exp.tasks.base import Problem

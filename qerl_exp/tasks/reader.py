@@ -8,7 +8,7 @@ dataset) reads through it. What a source is (`kind`):
   `datasets.load_from_disk`; a lone `Dataset` is the split `train`;
 - anything else that reads as `name` or `owner/name` (and is no local path: `name.ext`, or under
   a folder that exists here) is a hub dataset id: the hub is asked once up
-  front (`qerl_exp.hub`); without it only the local cache is read, so that a data set that is not
+  front (`qerl_exp.run.hub`); without it only the local cache is read, so that a data set that is not
   there fails in one line within seconds.
 
 Every row comes with where it is, for messages: `line N` of a JSON-lines file (blank lines
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from qerl_exp.hub import hub_reachable
+from qerl_exp.run.hub import hub_reachable
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 FILE, FOLDER, HUB = "file", "folder", "hub"

@@ -32,7 +32,7 @@ Where a function comes from (the name it is logged by is what follows the colon)
 A completion's reward is the weighted sum of the values that apply (`task.reward_weights`, 1 each).
 One that no function applies to (every value None) has no reward: as in TRL, it is left out of its
 group's mean and std and of the logged `reward`, and its advantage is 0; the run warns once. The
-values are logged unweighted, per function: `rewards/<name>/mean` and `/std` (`qerl_exp.metrics`).
+values are logged unweighted, per function: `rewards/<name>/mean` and `/std` (`qerl_exp.rl.metrics`).
 
 Each function's source file is recorded in `config.json` (`reward_files`: its path and sha256, and
 the neighbour modules its folder's files import, `imports`: their paths in that folder and sha256s),
@@ -67,8 +67,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from qerl_exp.schema import ConfigError
-from qerl_exp.task_config import BUILTIN_REWARDS, TaskConfig
+from qerl_exp.config.schema import ConfigError
+from qerl_exp.config.task import BUILTIN_REWARDS, TaskConfig
 from qerl_exp.tasks import user_code
 from qerl_exp.tasks.rewards import builtin, default_names
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from qerl_exp.task_config import TaskConfig
+from qerl_exp.config.task import TaskConfig
 from qerl_exp.tasks.answer import answers_equal, last_boxed
 
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

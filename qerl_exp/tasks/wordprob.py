@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qerl_exp.task_config import TaskConfig
-from qerl_exp.tasks.base import HELD_OUT, OOD, Problem, check_split
+from qerl_exp.config.task import TaskConfig
 from qerl_exp.tasks import reward_funcs
+from qerl_exp.tasks.base import HELD_OUT, OOD, Problem, check_split
 
 _EVAL_SEED = 2_718_281  # fixed: the held-out problems never move with the run's seed
 _OOD_SEED = 1_414_213  # likewise for the out-of-template problems

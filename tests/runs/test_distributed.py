@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, qerl, stable
-from qerl_exp import distributed
-from qerl_exp.compose import compose
 from qerl_exp.config import ConfigError
-from qerl_exp.rollout import HFGenerator, RowSampling, row_seeds, sample
+from qerl_exp.config.compose import compose
+from qerl_exp.rl.rollout import HFGenerator, RowSampling, row_seeds, sample
+from qerl_exp.run import distributed
 
 # The command: 4 steps of 4 prompts x 4 completions, seed 5.
 RUN = ["train.steps=4", "train.prompts_per_step=4", "algo.group_size=4", "seed=5"]

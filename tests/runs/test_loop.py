@@ -20,19 +20,19 @@ import pytest
 import torch
 
 from conftest import TINY_RUN, kill_after, metrics_rows, qerl, run_in_process, stable, tiny_models
-from qerl_exp import train
-from qerl_exp.compose import compose
 from qerl_exp.config import AlgoConfig
-from qerl_exp.learner import update_policy
-from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
-from qerl_exp.scoring import completion_logits, token_logp
-from qerl_exp.noise import noisy_norms
-from qerl_exp.architectures import projections
-from qerl_exp.optim import warmup_cosine
+from qerl_exp.config.architectures import projections
+from qerl_exp.config.compose import compose
+from qerl_exp.decoders.scoring import completion_logits, token_logp
 from qerl_exp.quant import dense_weight
 from qerl_exp.quant.fp4 import quantize_nvfp4
-from qerl_exp.rollout import HFGenerator, sample
+from qerl_exp.rl.learner import update_policy
+from qerl_exp.rl.loss import aggregate, loss_normalizer, policy_loss
+from qerl_exp.rl.noise import noisy_norms
+from qerl_exp.rl.optim import warmup_cosine
+from qerl_exp.rl.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
+from qerl_exp import train
 
 LOOP = [*TINY_RUN, "monitor.every=0", "checkpoint.every=0", "tracker.completions_every=0",
         f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}"]

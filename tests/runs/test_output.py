@@ -14,7 +14,7 @@ from bitsandbytes.functional import has_avx512bf16
 
 from conftest import ROOT, SUBPROCESS_ENV, TINY_RUN, qerl
 
-# The notices `qerl_exp.logs.quiet` silences, as they read on these machines.
+# The notices `qerl_exp.run.logs.quiet` silences, as they read on these machines.
 NOTICES = ("not sharded", "Loading weights", "Writing model shards", "gemm_4bit_forward", "pip install kernels",
            "FutureWarning", "torchao", "register_constant", "publisher trust check")
 
@@ -66,7 +66,7 @@ def test_a_reader_that_exits_early_does_not_fail_the_run(tmp_path):
 
 
 def test_output_to_a_reader_that_is_gone_goes_to_devnull(monkeypatch):
-    from qerl_exp.console import tolerate_closed_pipes
+    from qerl_exp.run.console import tolerate_closed_pipes
 
     read, write = os.pipe()
     os.close(read)  # the reader (head -1) has exited

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT, qerl
-from qerl_exp.compose import compose
+from qerl_exp.config.compose import compose
 
 SMOLLM2 = ["model=smollm2-135m", "task=wordprob"]
 
@@ -64,7 +64,7 @@ def test_prompts_go_through_the_chat_template(smollm2):
 
 
 def test_prompts_are_left_padded_with_real_token_lengths(smollm2):
-    from qerl_exp.rollout import encode_prompts
+    from qerl_exp.rl.rollout import encode_prompts
 
     cfg, task, models = smollm2
     tok = models.tokenizer
@@ -108,7 +108,7 @@ def test_every_4bit_format_quantizes_the_real_model(smollm2, fmt):
 
     from qerl_exp.config import QuantConfig
     from qerl_exp.models.pretrained import load_pretrained
-    from qerl_exp.architectures import projections
+    from qerl_exp.config.architectures import projections
     from qerl_exp.quant import quantize_model
 
     cfg, task, models = smollm2

@@ -68,7 +68,7 @@ def test_resume_flag_continues_with_the_saved_config(tmp_path, uninterrupted):
 
 
 def _in_process_cfg(tmp_path, *overrides):
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
 
     return compose([*TINY_RUN, "monitor.every=0", f"model.cache_dir={os.path.expanduser('~/.cache/qerl_exp')}", *overrides])[0]
 
@@ -116,7 +116,7 @@ def test_a_checkpoint_under_another_config_than_config_json_is_refused(cut_short
     import shutil
 
     import qerl_exp.train as train
-    from qerl_exp import rundir
+    from qerl_exp.run import rundir
 
     run_dir = tmp_path / "run"
     shutil.copytree(cut_short[0], run_dir)
@@ -130,7 +130,7 @@ def test_a_checkpoint_under_another_config_than_config_json_is_refused(cut_short
 
 
 def test_nonfinite_loss_skips_the_update_then_stops_with_checkpoints_intact(tmp_path, monkeypatch):
-    import qerl_exp.learner as learner
+    import qerl_exp.rl.learner as learner
     import qerl_exp.train as train
 
     real = learner.policy_loss
@@ -296,7 +296,7 @@ def test_rerun_or_resume_with_another_config_or_length_is_refused_then_resumed(f
 
 
 def _commit(env: dict) -> str:
-    code = "from qerl_exp.record import source_commit; print(source_commit())"
+    code = "from qerl_exp.run.record import source_commit; print(source_commit())"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
 
@@ -333,7 +333,7 @@ def test_each_eval_writes_its_own_file(finished, tmp_path):
 
 
 def test_truncated_adapter_is_named(finished, tiny_policy):
-    from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
+    from qerl_exp.run.checkpoint import ADAPTER_FILE, load_adapter
 
     path = finished.parent / "truncated"
     path.mkdir()

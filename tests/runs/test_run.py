@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_RUN, qerl, stable
-from qerl_exp.metrics import check_logged
+from qerl_exp.rl.metrics import check_logged
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import yaml
 from optuna.trial import TrialState
 
 from conftest import ROOT, SUBPROCESS_ENV
-from qerl_exp.console import UsageError
+from qerl_exp.run.console import UsageError
 from qerl_exp.sweep.spec import Objective, load_plan, merge_overrides, override
 
 os.environ["WANDB_MODE"] = "disabled"
@@ -506,7 +506,7 @@ def test_the_gpu_study_specs_compose_and_the_pilot_seeds_stay_out_of_the_study()
     """The SmolLM2 take-off check (both learners, the earlier runs' settings), the learning-rate pilot
     and the confirmatory study: each trial's config composes, and the pilot's seeds are not the
     study's (the pilot chooses each row's rate)."""
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
 
     check, pilot, confirm = (load_plan(ROOT / "sweeps" / f"smollm2_{name}.yaml", []) for name in ("check", "pilot", "confirm"))
     assert (check.n_trials, pilot.n_trials, confirm.n_trials) == (6, 24, 40)

@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
 from qerl_exp.config import ModelConfig
-from qerl_exp.files import file_mode
+from qerl_exp.run.files import file_mode
 
 PART = "{part}"  # stands for a part's number in `model.package`
 _CHUNK = 1 << 24

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from qerl_exp.cli import validate
-from qerl_exp.console import UsageError, fail, one_line_errors, tolerate_closed_pipes
 from qerl_exp.models.fetch import cache_lock, fetch_gguf, place_pieces
+from qerl_exp.run.console import UsageError, fail, one_line_errors, tolerate_closed_pipes
 
 USAGE = """usage: python -m qerl_exp.models.fetch [OVERRIDE ...] [pieces=GLOB]
 

@@ -42,7 +42,7 @@ _COMPOSED: dict[tuple, dict] = {}
 
 def _config(strategy: str, seed: int, overrides: tuple[str, ...] = ()) -> dict:
     """A resolved config as `train.run` writes it, for a strategy preset plus overrides."""
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
     from qerl_exp.config import as_dict
 
     key = (strategy, overrides)

@@ -16,8 +16,8 @@ from scipy import stats as sp
 
 from analysis import compare, keep, runs as R, section, stats, table
 from conftest import ROOT
-from qerl_exp.compose import compose
 from qerl_exp.config import as_dict
+from qerl_exp.config.compose import compose
 
 
 def _run(tmp: Path, name: str, config: str, base: int, seed: int, rewards, shares=None, strategy="full_precision",

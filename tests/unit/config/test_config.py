@@ -13,10 +13,10 @@ import yaml
 
 from conftest import ROOT, qerl
 from qerl_exp.cli import validate
-from qerl_exp.compose import compose, group_options
-from qerl_exp.console import UsageError
 from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, from_dict
+from qerl_exp.config.compose import compose, group_options
 from qerl_exp.flat_config import field_docs, flat_yaml
+from qerl_exp.run.console import UsageError
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -144,7 +144,7 @@ def _as_saved_by_an_earlier_version(saved: dict) -> dict:
 @pytest.mark.parametrize("overrides", [["algo=grpo"], ["algo=dapo", "algo.mask_truncated_completions=false"],
                                        ["algo.scale_rewards=none", "noise=fixed"]])
 def test_a_config_saved_with_the_retired_algo_keys_means_what_it_meant(overrides, tmp_path):
-    from qerl_exp.rundir import check_checkpoint, claim
+    from qerl_exp.run.rundir import check_checkpoint, claim
 
     cfg, choices = compose(overrides)
     old = _as_saved_by_an_earlier_version(as_dict(cfg))
@@ -275,7 +275,7 @@ def test_trls_names_map_onto_keys_of_the_schema_as_docs_trl_md_shows():
     from peft import LoraConfig as PeftLoraConfig
     from trl import GRPOConfig
 
-    from qerl_exp.trl_names import TRL_NAMES
+    from qerl_exp.config.trl_names import TRL_NAMES
 
     theirs = {f.name for f in dc.fields(GRPOConfig)} | {f.name for f in dc.fields(PeftLoraConfig)}
     assert set(TRL_NAMES) <= theirs, set(TRL_NAMES) - theirs  # every name is TRL's (or peft's)

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ROOT
 from qerl_exp.cli import validate
-from qerl_exp.console import UsageError
 from qerl_exp.config import Config, as_dict
+from qerl_exp.run.console import UsageError
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -23,7 +23,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def test_config_differences_outside_the_allow_list_are_refused(tmp_path):
-    from qerl_exp import rundir
+    from qerl_exp.run import rundir
 
     run_dir = tmp_path / "run"
     config = {**as_dict(Config()), "choices": {"quant": "bf16"}}
@@ -59,11 +59,11 @@ def test_a_claim_is_held_until_released_and_refused_to_any_other_claim(tmp_path)
     import os
     import subprocess
 
-    from qerl_exp import rundir
+    from qerl_exp.run import rundir
 
     run_dir = tmp_path / "run"
     config = as_dict(Config())
-    probe = ("import sys; from qerl_exp import rundir\n"
+    probe = ("import sys; from qerl_exp.run import rundir\n"
              "try:\n    rundir.claim(sys.argv[1], rundir.saved_config(sys.argv[1]))\nexcept rundir.RunDirBusy as e:\n    print(e)")
     owned = rundir.claim(run_dir, config)
     with pytest.raises(rundir.RunDirBusy, match=f"in use by process {os.getpid()}"):  # one claim per run, also here
@@ -78,8 +78,8 @@ def test_a_claim_is_held_until_released_and_refused_to_any_other_claim(tmp_path)
 def test_a_task_file_changed_under_a_run_is_refused(tmp_path):
     import shutil
 
-    from qerl_exp import record, rundir
-    from qerl_exp.compose import compose
+    from qerl_exp.run import record, rundir
+    from qerl_exp.config.compose import compose
     from qerl_exp.eval.__main__ import run_config as eval_config
     from qerl_exp.train import run_config
 
@@ -156,7 +156,7 @@ def test_storage_url_and_missing_driver_are_one_line(monkeypatch):
 
 def test_unreachable_wandb_host_falls_back_to_offline_at_once(tmp_path, monkeypatch):
     from qerl_exp.config import TrackerConfig
-    from qerl_exp.tracking import Tracker
+    from qerl_exp.run.tracking import Tracker
 
     monkeypatch.setenv("WANDB_BASE_URL", "https://qerl-exp-test.invalid")  # .invalid never resolves (RFC 2606)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
@@ -172,7 +172,7 @@ def test_unreachable_wandb_host_falls_back_to_offline_at_once(tmp_path, monkeypa
 
 def test_wandb_that_cannot_write_its_folder_leaves_metrics_jsonl(tmp_path):
     from qerl_exp.config import TrackerConfig
-    from qerl_exp.tracking import Tracker
+    from qerl_exp.run.tracking import Tracker
 
     (tmp_path / "wandb").write_text("")  # a file where W&B keeps its runs
     with pytest.warns(UserWarning, match=f"W&B cannot start its offline run in {tmp_path / 'wandb'} .*; logging to metrics.jsonl only"):

@@ -15,8 +15,8 @@ import pytest
 
 from conftest import ROOT, SUBPROCESS_ENV, tiny_checkpoint
 from qerl_exp.cli import split_command_line, validate
-from qerl_exp.console import UsageError
 from qerl_exp.config import Config
+from qerl_exp.run.console import UsageError
 
 def _float_keys(cls: type = Config, prefix: str = "") -> list[str]:
     keys = []
@@ -112,7 +112,7 @@ def test_sweep_spec_numbers_must_be_finite(tmp_path):
 
 @pytest.mark.slow
 def test_a_sweep_dir_in_a_run_or_holding_runs_is_refused(tmp_path, capsys):
-    from qerl_exp import rundir
+    from qerl_exp.run import rundir
     from qerl_exp.config import as_dict
     from qerl_exp.sweep.__main__ import main
 
@@ -235,7 +235,7 @@ def test_each_command_refuses_in_one_line(command, args, code, line):
 def test_a_run_whose_data_file_is_gone_is_named_by_resume_and_eval(tmp_path):
     import shutil
 
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
     from qerl_exp.eval.__main__ import run_config as eval_config
     from qerl_exp.train import run_config
 
@@ -254,7 +254,7 @@ def test_a_run_whose_data_file_is_gone_is_named_by_resume_and_eval(tmp_path):
 
 def test_paths_typed_with_a_tilde_after_an_equals_sign_are_expanded(monkeypatch, tmp_path):
     from qerl_exp.eval.__main__ import parse_args
-    from qerl_exp.files import user_path
+    from qerl_exp.run.files import user_path
     from qerl_exp.sweep.spec import load_plan
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -310,8 +310,8 @@ def test_a_yaml_slip_in_a_preset_names_its_file_and_line(tmp_path):
 def test_a_save_to_disk_folder_whose_caches_datasets_wrote_later_is_still_the_runs_data(tmp_path):
     import datasets
 
-    from qerl_exp import record
-    from qerl_exp.compose import compose
+    from qerl_exp.run import record
+    from qerl_exp.config.compose import compose
     from qerl_exp.eval.__main__ import run_config as eval_config
     from qerl_exp.tasks import reader
     from qerl_exp.train import run_config

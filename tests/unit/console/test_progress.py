@@ -10,7 +10,7 @@ import select
 import struct
 import termios
 
-from qerl_exp.progress import Progress
+from qerl_exp.run.progress import Progress
 
 STEP = {"reward": 0.5, "entropy": 1.25, "noise/sigma": 0.01, "perf/rollout_tok_s": 812.4, "loss": 3.0}
 

@@ -17,13 +17,13 @@ from torch import nn
 
 import engine_oracle as oracle
 from conftest import ROOT, import_or_skip, patch_interpreter, run_interpreted, tiny_decoder, tiny_qwen2, with_lora
-from qerl_exp.architectures import ARCHITECTURES
-from qerl_exp import blocks
+from qerl_exp.config.architectures import ARCHITECTURES
+from qerl_exp.decoders import blocks
 from qerl_exp.engine import attention, dispatch, linear, norm, prefill, rope_cache
-from qerl_exp.quant import layout
 from qerl_exp.engine.fast_engine import DENSE_CUBLAS_MIN_BATCH, FastEngine
+from qerl_exp.quant import layout
 from qerl_exp.quant.fp4 import QUANTIZERS, FP4Linear, FP4Tensor, quantize_nvfp4
-from qerl_exp.rollout import warpers
+from qerl_exp.rl.rollout import warpers
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu

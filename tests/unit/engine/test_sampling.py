@@ -16,7 +16,7 @@ from qerl_exp.config import AlgoConfig
 from qerl_exp.engine import sampling
 from qerl_exp.engine.fast_engine import FastEngine
 from qerl_exp.engine.sampling import fused_sample, keep_threshold, sample
-from qerl_exp.rollout import completion_mask, warpers
+from qerl_exp.rl.rollout import completion_mask, warpers
 from conftest import patch_interpreter, run_interpreted
 from test_engine import gpu, needs_cuda, prompts, tiny_model
 
@@ -277,13 +277,13 @@ SEEDS = list(range(6))
 
 
 def _rollout(model, tok, algo=ALGO):
-    from qerl_exp.rollout import HFGenerator, sample
+    from qerl_exp.rl.rollout import HFGenerator, sample
 
     return sample(HFGenerator(model, tok), tok, ["12+34=", "7-5="], algo, torch.device("cpu"), seeds=SEEDS)
 
 
 def test_hf_rollouts_carry_the_log_probs_of_the_filtered_distribution(char_policy):
-    from qerl_exp.scoring import completion_logits
+    from qerl_exp.decoders.scoring import completion_logits
 
     model, tok = char_policy
     free = _rollout(model, tok)

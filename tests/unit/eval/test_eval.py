@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, SUBPROCESS_ENV, run_in_process
-from qerl_exp.checkpoint import ADAPTER_FILE, load_adapter
 from qerl_exp.config import EvalConfig
 from qerl_exp.eval import evaluate, solution_logprobs
 from qerl_exp.eval.__main__ import EvalCommand, evaluate_run, load_run, run_config
-from qerl_exp.metrics import check_logged, pass_at_k
+from qerl_exp.rl.metrics import check_logged, pass_at_k
+from qerl_exp.run.checkpoint import ADAPTER_FILE, load_adapter
 from qerl_exp.tasks import build_task
 
 # A run small enough to train in seconds: the suite's cached embedded model (conftest's

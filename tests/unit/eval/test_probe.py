@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from qerl_exp import probe as P
-from qerl_exp.compose import compose
-from qerl_exp.console import UsageError
+from qerl_exp.config.compose import compose
 from qerl_exp.models import build_models
+from qerl_exp.run.console import UsageError
 from qerl_exp.tasks import build_task
+from qerl_exp import probe as P
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -63,7 +63,7 @@ def test_each_format_scores_full_precisions_samples_as_an_independent_computatio
     fp = build_models(cfg, task, torch.device("cpu"))
     q = build_models(compose(["quant=nvfp4", "monitor.every=0"])[0], task, torch.device("cpu"))
     tok = fp.tokenizer
-    from qerl_exp.rollout import make_generator, row_seeds, sample
+    from qerl_exp.rl.rollout import make_generator, row_seeds, sample
     from dataclasses import replace
 
     prompts = [p.question for p in task.eval_problems()[:6]]

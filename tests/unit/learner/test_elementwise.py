@@ -1,5 +1,5 @@
-"""The learner's hand-fused elementwise kernels (`qerl_exp.elementwise`) against the torch
-definitions they replace (`qerl_exp.padding_free`), run in float64 as the independent computation:
+"""The learner's hand-fused elementwise kernels (`qerl_exp.decoders.elementwise`) against the torch
+definitions they replace (`qerl_exp.decoders.padding_free`), run in float64 as the independent computation:
 values and input gradients, at odd widths (masked lanes) and on strided views, in the Triton
 interpreter on the CPU and natively on CUDA."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import patch_interpreter, run_interpreted
-from qerl_exp import blocks, padding_free
+from qerl_exp.decoders import blocks, padding_free
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,7 +43,7 @@ def _compare(fused, reference, inputs: list[torch.Tensor], dtype: torch.dtype, n
 
 
 def _check(device: str, dtypes: list[torch.dtype], n: int, hidden: int, inter: int, hq: int, hk: int, d: int) -> None:
-    from qerl_exp import elementwise
+    from qerl_exp.decoders import elementwise
 
     torch.manual_seed(0)
     eps = 1e-6

@@ -16,14 +16,14 @@ from torch import nn
 from conftest import tiny_models, tiny_qwen2, with_lora
 from qerl_exp.config import LOSS_TYPES, AlgoConfig, TrainConfig
 from qerl_exp.config import ModelConfig, QuantConfig
-from qerl_exp.learner import rows, update_policy
-from qerl_exp.scoring import completion_logits, score_completions, token_logp
-from qerl_exp.metrics import entropy_from_logits
+from qerl_exp.decoders.batch import Rollout
+from qerl_exp.decoders.scoring import completion_logits, score_completions, token_logp
 from qerl_exp.models.synthetic import build
 from qerl_exp.quant import quantize_model
 from qerl_exp.quant.fp4 import FP4Linear
-from qerl_exp.batch import Rollout
-from qerl_exp.rollout import HFGenerator, sample
+from qerl_exp.rl.learner import rows, update_policy
+from qerl_exp.rl.metrics import entropy_from_logits
+from qerl_exp.rl.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 from test_loss import trl_loss
 
@@ -216,7 +216,7 @@ def test_blockwise_build_quantizes_each_block_before_the_next_exists():
 
 def test_monitor_in_parts_equals_the_whole_batch(setup):
     """The noise monitor scored `micro` completions at a time gives the whole batch's token means."""
-    from qerl_exp.noise import AQN
+    from qerl_exp.rl.noise import AQN
     from qerl_exp.train import _monitor
 
     cfg, policy, rollout = setup

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from qerl_exp.config import LOSS_TYPES, AlgoConfig
-from qerl_exp.loss import aggregate, group_advantages, loss_normalizer, policy_loss, tokens_in_loss
-from qerl_exp.metrics import clip_metrics
-from qerl_exp.rollout import completion_mask
+from qerl_exp.rl.loss import aggregate, group_advantages, loss_normalizer, policy_loss, tokens_in_loss
+from qerl_exp.rl.metrics import clip_metrics
+from qerl_exp.rl.rollout import completion_mask
 
 
 def _loss(logp, old, adv, mask, algo, **kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl_exp.config import TrainConfig
-from qerl_exp.optim import make_optimizer, make_scheduler
+from qerl_exp.rl.optim import make_optimizer, make_scheduler
 
 
 def _lrs(cfg: TrainConfig, steps: int | None = None) -> list[float]:

@@ -1,4 +1,4 @@
-"""The padding-free learner (`qerl_exp.padding_free`) against the padded one (HF forward through peft,
+"""The padding-free learner (`qerl_exp.decoders.padding_free`) against the padded one (HF forward through peft,
 `scoring.score_completions`), the independent computation: log-probs, entropies and gradients in fp32
 on the CPU for every base format, with and without shared prompts; its micro-batch plan; its fused
 LoRA product against peft's layer; and on CUDA its FlashAttention path against the dense mask."""
@@ -13,13 +13,13 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from conftest import run_in_process, tiny_decoder, tiny_models, tiny_qwen2, with_lora
-from qerl_exp import blocks, packing, padding_free
-from qerl_exp.architectures import ARCHITECTURES
 from qerl_exp.config import DECODER_LINEARS, TrainConfig
-from qerl_exp.learner import LEARNER_ATTENTION, update_policy
-from qerl_exp.scoring import score_completions, score_packed
-from qerl_exp.batch import Rollout, Sequences
-from qerl_exp.rollout import HFGenerator, sample
+from qerl_exp.config.architectures import ARCHITECTURES
+from qerl_exp.decoders import blocks, packing, padding_free
+from qerl_exp.decoders.batch import Rollout, Sequences
+from qerl_exp.decoders.scoring import score_completions, score_packed
+from qerl_exp.rl.learner import LEARNER_ATTENTION, update_policy
+from qerl_exp.rl.rollout import HFGenerator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qerl_exp import metrics as M
+from qerl_exp.rl import metrics as M
 
 
 def _naive_entropy(logits_row):
@@ -73,7 +73,7 @@ def test_weighted_rewards_leave_out_none_and_unscorable_completions_as_trl_does(
     Per-function metrics are unweighted, over the rows the function applies to."""
     import statistics
 
-    from qerl_exp.loss import group_advantages
+    from qerl_exp.rl.loss import group_advantages
 
     nan = float("nan")
     fmt = [1.0, 0.0, 1.0, 1.0, nan, 0.0]

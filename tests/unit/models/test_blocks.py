@@ -1,5 +1,5 @@
-"""The registry of decoder families (`qerl_exp.architectures`) and the one tensor reader of a decoder
-(`qerl_exp.blocks`): what they declare and refuse, every declared architecture through the
+"""The registry of decoder families (`qerl_exp.config.architectures`) and the one tensor reader of a decoder
+(`qerl_exp.decoders.blocks`): what they declare and refuse, every declared architecture through the
 padding-free learner against HF's own forward (the independent computation): log-probs, entropies
 and gradients in fp32 on the CPU, Qwen3's per-head q/k norms included with scales away from 1 (at
 their initial 1 a missing norm would still be caught only by the RMS rescaling), and the step-0
@@ -15,12 +15,13 @@ import torch
 
 from conftest import (TINY_RUN, metrics_rows, qerl, save_checkpoint, tiny_decoder, tiny_models, tiny_qwen2,
                       with_lora)
-from qerl_exp import architectures, blocks
-from qerl_exp.architectures import ARCHITECTURES, FALLBACK, Architecture, UnsupportedModel
-from qerl_exp.rollout import HFGenerator, make_generator, sample
-from qerl_exp.scoring import score_completions, score_packed
-from qerl_exp.batch import Sequences
+from qerl_exp.config import architectures
 from qerl_exp.config import QuantConfig
+from qerl_exp.config.architectures import ARCHITECTURES, FALLBACK, Architecture, UnsupportedModel
+from qerl_exp.decoders import blocks
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import score_completions, score_packed
+from qerl_exp.rl.rollout import HFGenerator, make_generator, sample
 from qerl_exp.tasks import SYSTEM_PROMPT
 
 
@@ -81,7 +82,7 @@ def test_qwen3_reads_its_per_head_norms_and_a_wide_head():
 def test_an_undeclared_family_is_refused_in_one_line_by_every_reader():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from qerl_exp.noise import noisy_norms
+    from qerl_exp.rl.noise import noisy_norms
     from qerl_exp.quant import quantize_model
 
     config = GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=32)
@@ -91,7 +92,7 @@ def test_an_undeclared_family_is_refused_in_one_line_by_every_reader():
         with pytest.raises(UnsupportedModel) as e:
             read()
         assert "\n" not in str(e.value) and "model type 'gpt2' is not" in str(e.value)
-        assert "declare it in qerl_exp/architectures.py" in str(e.value)
+        assert "declare it in qerl_exp/config/architectures.py" in str(e.value)
 
 
 def _variants():

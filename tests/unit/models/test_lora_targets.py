@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_RUN, metrics_rows, run_in_process, save_checkpoint
 from qerl_exp.cli import validate
-from qerl_exp.console import UsageError
+from qerl_exp.run.console import UsageError
 
 SMALL = [*TINY_RUN, "train.steps=2", "algo.max_new_tokens=8"]
 

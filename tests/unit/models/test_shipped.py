@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qerl_exp.compose import compose
+from qerl_exp.config.compose import compose
 from qerl_exp.models import shipped, warmup
 from qerl_exp.models.tokenizers import CharTokenizer
 from qerl_exp.tasks import build_task

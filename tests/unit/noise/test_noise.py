@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_qwen2
-from qerl_exp.architectures import ARCHITECTURES, Architecture
 from qerl_exp.config import NoiseConfig
-from qerl_exp.noise import AQN, SCALE_WARNING, Schedule, noisy_norms, sigma_at, stage_of
+from qerl_exp.config.architectures import ARCHITECTURES, Architecture
+from qerl_exp.rl.noise import AQN, SCALE_WARNING, Schedule, noisy_norms, sigma_at, stage_of
 
 
 def test_exp_schedule_matches_paper_eq8():
@@ -211,8 +211,8 @@ def test_resample_per_forward_draws_anew():
 def test_sampler_sees_noise_and_learner_does_not(tiny_policy):
     """The run loop's own rollout path: generate() logits move under AQN, the learner's forward
     after the block is the clean one."""
-    from qerl_exp.scoring import completion_logits
-    from qerl_exp.rollout import HFGenerator, sample
+    from qerl_exp.decoders.scoring import completion_logits
+    from qerl_exp.rl.rollout import HFGenerator, sample
 
     cfg, task, models = tiny_policy
     policy, tok = models.policy, models.tokenizer
@@ -279,7 +279,7 @@ def test_each_norm_gets_noise_of_the_effective_sigma(relative):
     assert measured == pytest.approx(expected, rel=0.03)
     assert len(set(round(e, 6) for e in expected)) == (len(norms) if relative else 1)
     # the logged spread: min, median and max of those effective sigmas
-    from qerl_exp.metrics import noise_metrics
+    from qerl_exp.rl.metrics import noise_metrics
 
     logged = noise_metrics(sigma, 1, aqn.scales)
     assert logged["noise/sigma"] == sigma

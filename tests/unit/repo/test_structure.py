@@ -1,8 +1,10 @@
 """The code's shape: no import cycle between the modules of qerl_exp/ and analysis/ (function-level
-imports counted), the learner side and the weight formats apart from the engine and the tasks, one
-concept a module (named in its docstring; its code, documentation aside, within 500 lines) and no
-function over 120 lines, a design document of the engine that stays short, and a repository that
-speaks of its software, not of how it was developed."""
+imports counted), qerl_exp/'s folders in floors that import only downwards and at most 10 modules
+beside them, the learner side and the weight formats apart from the engine and the tasks, one
+concept a module (named in its docstring; its code, documentation aside, within 500 lines), no
+function over 80 lines outside GPU kernels, an RL step on one screen, a design document of the
+engine that stays short, and a repository that speaks of its software, not of how it was
+developed."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from conftest import ROOT
 
 PACKAGES = ("qerl_exp", "analysis")
 MAX_CODE_LINES = 500
-MAX_FUNCTION_LINES = 120
+MAX_FUNCTION_LINES = 80
+MAX_STEP_LINES = 40
 MAX_ENGINE_DOC_LINES = 500
 # what a user reads: the product, its output, docs, the results pages, benches, presets, sweeps and tests
 PRODUCT = ("README.md", "docs", "results/README.md", "results/results.md", "results/protocols", "qerl_exp", "analysis",
@@ -133,19 +136,91 @@ def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_learner_side_and_the_formats_import_neither_the_engine_nor_the_tasks():
-    # the learner reads rollout batches (`qerl_exp.batch`), not the sampler that made them; a weight
+    # the learner reads rollout batches (`qerl_exp.decoders.batch`), not the sampler that made them; a weight
     # format owns its layouts, which the engine reads; metrics name eval splits (`tasks.base`) only
     graph = import_graph()
     tasks = {m for m in graph if m.startswith("qerl_exp.tasks.")} - {"qerl_exp.tasks.base"}
-    for mod in ("qerl_exp.loss", "qerl_exp.learner", "qerl_exp.padding_free", "qerl_exp.metrics", "qerl_exp.blocks",
+    for mod in ("qerl_exp.rl.loss", "qerl_exp.rl.learner", "qerl_exp.decoders.padding_free", "qerl_exp.rl.metrics", "qerl_exp.decoders.blocks",
                 "qerl_exp.quant", "qerl_exp.quant.fp4", "qerl_exp.quant.nf4", "qerl_exp.quant.layout"):
         reached = _reaches(graph, mod)
         assert not {m for m in reached if m.startswith("qerl_exp.engine")}, f"{mod} reaches the engine"
         assert not reached & tasks, f"{mod} reaches the task modules: {sorted(reached & tasks)}"
-    out = subprocess.run([sys.executable, "-c", "import sys, qerl_exp.loss, qerl_exp.learner\n"
+    out = subprocess.run([sys.executable, "-c", "import sys, qerl_exp.rl.loss, qerl_exp.rl.learner\n"
                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'hydra') "
                           "or m.startswith('qerl_exp.engine')))"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# the package's folders, bottom to top: a module imports its own folder or a lower floor, never a
+# higher one nor another folder of its own floor. A command (a module with a __main__ guard, a
+# package's __main__.py) and the top-level modules (cli, train, export, probe, ...) are the top floor
+# wherever they sit; the package's own __init__ (its version) is below every floor.
+FLOORS = ("config", "run", ("quant", "tasks"), "decoders", "engine", "models", "rl", "eval")
+MAX_TOP_LEVEL_MODULES = 10
+# the arrows that go up today, (importer, the folder or command it imports) -> why
+UP_ARROWS = {
+    # build_models warms the embedded base up on first use; the warm-up is a command (python -m
+    # qerl_exp.models.warmup) that trains and evaluates it with rl/: calling the warm-up from above
+    # build_models (train, probe, eval, the tests' fixtures) would remove this arrow
+    ("qerl_exp.models", "qerl_exp.models.warmup"): "build_models warms the embedded base up",
+    # the digests of a run's files are computed by the modules that read those files: the base's by
+    # models/, the data's and the reward code's by tasks/; only the commands import run_files
+    ("qerl_exp.run.run_files", "models"): "the base's digest is models.pretrained's",
+    ("qerl_exp.run.run_files", "tasks"): "the data's and the reward files' digests are the task's",
+}
+
+
+def _floor(module: str, path: Path) -> int:
+    """A module's floor: its folder's index in FLOORS; the top floor for a command and the top-level
+    modules; -1 for the package's own __init__."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1
+    if path.name == "__main__.py" or re.search(r'^if __name__ == "__main__":', path.read_text(), re.MULTILINE):
+        return len(FLOORS)
+    return next((i for i, f in enumerate(FLOORS) if parts[1] in ((f,) if isinstance(f, str) else f)), len(FLOORS))
+
+
+def arrows_up(graph: dict[str, set[str]], mods: dict[str, Path]) -> list[tuple[str, str]]:
+    """(importer, what it imports: a folder, or a command by its module name) for every import of a
+    qerl_exp module that reaches a higher floor or another folder of its own floor."""
+    top, found = len(FLOORS), set()
+    for name, deps in graph.items():
+        if not name.startswith("qerl_exp."):
+            continue
+        floor = _floor(name, mods[name])
+        for dep in deps:
+            if not dep.startswith("qerl_exp.") or floor == top:
+                continue
+            up = _floor(dep, mods[dep])
+            same_folder = name.split(".")[1] == dep.split(".")[1]
+            if up == top:
+                found.add((name, dep))
+            elif up > floor or (up == floor and not same_folder):
+                found.add((name, dep.split(".")[1]))
+    return sorted(found)
+
+
+def test_the_floor_check_sees_an_arrow_up_and_a_command_below():
+    # the checker itself, on a made-up graph: a decoder reading the learner goes up; a model reading
+    # a command of its own folder goes up; a command reads anything
+    mods = _modules()
+    graph = {"qerl_exp.decoders.blocks": {"qerl_exp.rl.learner", "qerl_exp.config"},
+             "qerl_exp.models": {"qerl_exp.models.warmup", "qerl_exp.models.synthetic"},
+             "qerl_exp.models.warmup": {"qerl_exp.eval"}, "qerl_exp.train": {"qerl_exp.eval"}}
+    assert arrows_up(graph, mods) == [("qerl_exp.decoders.blocks", "rl"), ("qerl_exp.models", "qerl_exp.models.warmup")]
+
+
+def test_no_folder_imports_a_higher_one():
+    found = arrows_up(import_graph(), _modules())
+    assert [a for a in found if a not in UP_ARROWS] == [], \
+        f"these imports go up a floor ({FLOORS}, then the commands): move the code down, or the caller up"
+    assert [a for a in UP_ARROWS if a not in found] == [], "these arrows are gone: take them off UP_ARROWS"
+
+
+def test_qerl_exp_holds_at_most_10_top_level_modules():
+    top = sorted(p.name for p in (ROOT / "qerl_exp").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"put these in the folder of their concept: {top}"
 
 
 def test_every_weight_format_of_the_schema_has_a_module_whose_layer_every_reader_reads():
@@ -169,7 +244,7 @@ def test_one_list_of_formats_and_one_of_families():
     # schema's QUANT_FORMATS or the registry's ARCHITECTURES
     own = re.compile(r"^(FORMATS|QUANT_FORMATS|FAMILIES)\s*=", re.MULTILINE)
     found = [str(p.relative_to(ROOT)) for pkg in (*PACKAGES, "bench", "tests") for p in sorted((ROOT / pkg).rglob("*.py"))
-             if own.search(p.read_text()) and p.name != "config.py"]
+             if own.search(p.read_text()) and p != ROOT / "qerl_exp" / "config" / "__init__.py"]
     assert found == [], "derive these lists from config.QUANT_FORMATS / architectures.ARCHITECTURES"
 
 
@@ -212,10 +287,25 @@ def _functions(path: Path):
     yield from walk(ast.parse(path.read_text(), str(path)), "")
 
 
-def test_no_function_in_qerl_exp_or_analysis_is_over_120_lines():
+def _kernels(path: Path) -> set[str]:
+    """The names of a module's GPU kernels (`triton.jit`, `gluon.jit`): a kernel is one launch, read
+    as a whole; its helpers are inlined by the compiler, not called."""
+    return {n.name for n in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(n, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in n.decorator_list)}
+
+
+def test_no_function_in_qerl_exp_or_analysis_is_over_80_lines_outside_kernels():
     long = {f"{p.relative_to(ROOT)}:{name}": n for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
-            for name, n in _functions(p) if n > MAX_FUNCTION_LINES}
+            for name, n in _functions(p) if n > MAX_FUNCTION_LINES and name.split(".")[-1] not in _kernels(p)}
     assert long == {}, f"split these functions into phases (at most {MAX_FUNCTION_LINES} lines each)"
+
+
+def test_one_rl_step_reads_on_one_screen():
+    # the step (rollout, then learning or a skip, checkpoints, the hook, a stop request) and the
+    # learning after the rollout (rewards, reference, monitor, update, sync, evaluation, metrics)
+    # call named phases
+    lines = dict(_functions(ROOT / "qerl_exp" / "train.py"))
+    assert {name: lines[name] for name in ("_step", "_learn") if lines[name] > MAX_STEP_LINES} == {}
 
 
 def test_the_engine_design_document_stays_short():

@@ -110,7 +110,7 @@ def test_analysis_writes_no_report_into_a_run_and_refuses_in_one_line(tmp_path, 
 
 
 def test_wandb_that_cannot_stage_a_table_or_write_its_home_folders_never_ends_a_run(tmp_path, monkeypatch):
-    from qerl_exp.tracking import Tracker
+    from qerl_exp.run.tracking import Tracker
 
     home = tmp_path / "home"
     home.mkdir()
@@ -157,9 +157,9 @@ def test_a_multirun_ends_with_one_line_per_failed_job_and_no_traceback(tmp_path)
 
 
 def test_a_held_run_dir_refuses_the_multirun_before_its_first_job(tmp_path):
-    from qerl_exp import rundir
+    from qerl_exp.run import rundir
     from qerl_exp.cli import Refused, validate
-    from qerl_exp.compose import compose
+    from qerl_exp.config.compose import compose
     from qerl_exp.train import run_config
 
     job = [*TINY_RUN, "train.steps=1"]

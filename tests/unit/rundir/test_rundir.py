@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_RUN, metrics_rows, save_checkpoint, tiny_checkpoint, tiny_qwen2
-from qerl_exp import record, rundir, schema_history
 from qerl_exp.cli import Refused, validate
-from qerl_exp.compose import compose
-from qerl_exp.config import Config, as_dict, from_dict
+from qerl_exp.config import Config, as_dict, from_dict, history
+from qerl_exp.config.compose import compose
+from qerl_exp.run import record, rundir
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -230,7 +230,7 @@ def test_a_record_without_a_field_the_schema_gained_reads_as_the_run_used_it(tmp
     (run_dir / "config.json").write_text(json.dumps(config))
     assert from_dict(rundir.resumed(run_dir, config, _record(), set())).train.fused_ops is True
     # a field whose default is not what the code did before it existed: the run keeps the old value
-    monkeypatch.setitem(schema_history.BEFORE, "train.fused_ops", False)
+    monkeypatch.setitem(history.BEFORE, "train.fused_ops", False)
     with pytest.raises(rundir.ConfigChangedError) as e:
         rundir.claim(run_dir, _record())
     assert "(train.fused_ops: False -> True); continue it with the settings it started with: " \
@@ -242,11 +242,11 @@ def test_retired_and_renamed_keys_read_as_what_they_mean_now(monkeypatch):
     saved = as_dict(Config())
     saved["train"]["compile"] = True  # retired: sets nothing now
     assert from_dict(saved) == Config()
-    monkeypatch.setitem(schema_history.READ_AS, "train.old_kernels", lambda value: {"train.fused_ops": not value})
+    monkeypatch.setitem(history.READ_AS, "train.old_kernels", lambda value: {"train.fused_ops": not value})
     del saved["train"]["fused_ops"]
     saved["train"]["old_kernels"] = True
     assert from_dict(saved).train.fused_ops is False
-    assert schema_history.upgrade({"train": {"steps": 3}}, before={"train.new": 1, "algo.x": "y"}) == \
+    assert history.upgrade({"train": {"steps": 3}}, before={"train.new": 1, "algo.x": "y"}) == \
         {"train": {"steps": 3, "new": 1}, "algo": {"x": "y"}}
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from qerl_exp.console import UsageError
-from qerl_exp.signals import StopSignals
+from qerl_exp.run.console import UsageError
+from qerl_exp.run.signals import StopSignals
 from qerl_exp.sweep.spec import load_plan
 from qerl_exp.sweep.study import open_storage, open_study, run_trial
 

@@ -17,7 +17,7 @@ import yaml
 from optuna.trial import TrialState
 
 from conftest import ROOT
-from qerl_exp.console import UsageError
+from qerl_exp.run.console import UsageError
 from qerl_exp.sweep.__main__ import visible_gpus, worker_env
 from qerl_exp.sweep.spec import load_plan, make_sampler, suggest, trial_overrides
 from qerl_exp.sweep.study import _enqueue_grid_point

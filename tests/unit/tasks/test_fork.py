@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import qerl
-from qerl_exp import metrics as M
-from qerl_exp.compose import compose
-from qerl_exp.models import routes, synthetic
+from qerl_exp.config.compose import compose
+from qerl_exp.models import synthetic
 from qerl_exp.models.warmup import tiny_cache_key
+from qerl_exp.rl import routes
+from qerl_exp.rl import metrics as M
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.fork import b_share, route
 from qerl_exp.train import run

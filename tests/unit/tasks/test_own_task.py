@@ -20,8 +20,8 @@ import yaml
 
 from conftest import ROOT, SUBPROCESS_ENV, metrics_rows, run_in_process, tiny_qwen2
 from qerl_exp.cli import parse_command_line, validate
-from qerl_exp.compose import compose
-from qerl_exp.console import UsageError
+from qerl_exp.config.compose import compose
+from qerl_exp.run.console import UsageError
 
 DOC = ROOT / "docs" / "own_task.md"
 SMALL = ["tracker.mode=disabled", "train.prompts_per_step=2", "algo.group_size=4", "monitor.every=0",
@@ -196,7 +196,7 @@ class _Stop(Exception):
 
 @pytest.mark.slow
 def test_completions_follow_the_metrics_and_a_resume_and_an_edited_reward_file_is_refused(example, checkpoint):
-    from qerl_exp.rundir import ConfigChangedError
+    from qerl_exp.run.rundir import ConfigChangedError
 
     (example / "counting.py").write_text(COUNTING)
     overrides = [f"model.name={checkpoint}", "task=dataset", f"task.path={example / 'data.jsonl'}",
@@ -556,9 +556,9 @@ def test_reward_files_in_two_folders_each_import_their_own_neighbours(tmp_path):
 
 
 def test_a_neighbour_edited_under_a_run_is_a_change_of_its_reward_code(tmp_path):
-    from qerl_exp import record
-    from qerl_exp.compose import compose
-    from qerl_exp.run_files import comparable, digests
+    from qerl_exp.run import record
+    from qerl_exp.config.compose import compose
+    from qerl_exp.run.run_files import comparable, digests
 
     a, _ = _helper_folders(tmp_path)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(8)))
@@ -679,7 +679,7 @@ def test_a_config_dir_presets_values_are_what_the_run_records_and_cfg_job_prints
     config = json.loads((example / "run" / "config.json").read_text())
     assert (config["train"]["lr"], config["algo"]["max_new_tokens"]) == (2e-3, 32)
     assert config["choices"]["model"] == "checkpoint"
-    from qerl_exp.record import flatten
+    from qerl_exp.config import flatten
 
     printed, recorded = flatten(yaml.safe_load(shown.stdout)), flatten(config)
     # null is "follow another setting" (algo.eps_high: algo.eps_low), which config.json records resolved

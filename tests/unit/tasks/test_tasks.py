@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_RUN, import_or_skip, qerl
-from qerl_exp.compose import compose
 from qerl_exp.config import TaskConfig
+from qerl_exp.config.compose import compose
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.answer import answers_equal, last_boxed, parse_number
 from qerl_exp.tasks.datasets import gsm8k_problem, load_problems, math_problem, split
@@ -280,7 +280,7 @@ def test_the_epoch_sampler_draws_every_prompt_once_an_epoch(tmp_path):
 
 
 def test_no_held_out_problems_means_no_evaluation(tmp_path):
-    from qerl_exp.console import UsageError
+    from qerl_exp.run.console import UsageError
     from qerl_exp.cli import validate
 
     path = _rows(tmp_path, [f"q{i}" for i in range(8)])

@@ -11,9 +11,9 @@ import textwrap
 import pytest
 
 from conftest import metrics_rows, run_in_process, save_checkpoint
-from qerl_exp.compose import compose
 from qerl_exp.config import TaskConfig
-from qerl_exp.schema import ConfigError
+from qerl_exp.config.compose import compose
+from qerl_exp.config.schema import ConfigError
 from qerl_exp.tasks import Problem, build_task
 from qerl_exp.tasks.reward_funcs import RewardError, load, trainer_state
 

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from qerl_exp.compose import compose
 from qerl_exp.config import ConfigError, TaskConfig
+from qerl_exp.config.compose import compose
 from qerl_exp.tasks import build_task
 from qerl_exp.tasks.rewards import correctness_reward, natural_answer
 from qerl_exp.tasks.wordprob import OOD_TEMPLATES, TRAIN, WIDE, WIDE_EXTRA, Templates, held_out

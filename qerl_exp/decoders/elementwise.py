@@ -1,5 +1,5 @@
 """The padding-free learner's elementwise ops on CUDA as hand-fused Triton kernels, forward and backward:
-the residual add with RMSNorm, RoPE, SwiGLU (`qerl_exp.padding_free` calls them; elsewhere it runs its
+the residual add with RMSNorm, RoPE, SwiGLU (`qerl_exp.decoders.padding_free` calls them; elsewhere it runs its
 torch definitions, which these equal up to the rounding of intermediates).
 
 Each op is one autograd node of one forward and one backward launch. At the learner's small

@@ -6,8 +6,8 @@ Two paths end in the same chunked LM head (`chunk_scores`), and `score` picks on
 - padded (`score_completions`): left-padded rows through HF's forward (peft applies LoRA), any
   causal LM;
 - packed (`score_packed`, `train.padding_free`): the rows packed without padding
-  (`qerl_exp.packing`) and run through the hand-written decoder pass (`qerl_exp.padding_free`), for
-  the architectures `qerl_exp.blocks` reads.
+  (`qerl_exp.decoders.packing`) and run through the hand-written decoder pass (`qerl_exp.decoders.padding_free`), for
+  the architectures `qerl_exp.decoders.blocks` reads.
 
 Neither materialises [B, T, vocabulary] logits: the LM head is applied to `LOGIT_CHUNK` elements'
 worth of scored tokens at a time, each chunk checkpointed (its fp32 logits are recomputed in
@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from qerl_exp import blocks, padding_free
-from qerl_exp.architectures import causal_lm
-from qerl_exp.batch import Sequences
 from qerl_exp.config import TrainConfig
-from qerl_exp.packing import pack
+from qerl_exp.config.architectures import causal_lm
+from qerl_exp.decoders import blocks, padding_free
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.packing import pack
 
 LOGIT_CHUNK = 2**26  # fp32 logits per chunk (256 MB): 441 tokens at Qwen's 152,064-token vocabulary
 
@@ -125,7 +125,7 @@ def score_packed(policy, batch: Sequences, temperature: float, *, shared_prefix:
     `score_completions(policy, batch, ...)` (same zeros where the mask is 0), without padding.
 
     Args:
-        policy: the peft model (or a plain causal LM), of an architecture `qerl_exp.blocks` reads.
+        policy: the peft model (or a plain causal LM), of an architecture `qerl_exp.decoders.blocks` reads.
         batch: the rows to score (their ids and masks; on the CPU, packing them waits for nothing).
         temperature: logits are divided by it.
         shared_prefix: pack one copy of the prompt of adjacent rows that share it.

@@ -1,6 +1,6 @@
 """What a config schema is: a dataclass validated once, then read-only, whose errors are one line.
 
-`@schema` makes a config dataclass (`qerl_exp.config` holds the groups, `qerl_exp.task_config` the
+`@schema` makes a config dataclass (`qerl_exp.config` holds the groups, `qerl_exp.config.task` the
 task group): its `__post_init__` checks
 that every float field is finite (nan and inf are refused for every field alike, before the
 field's own range checks; an optional one may be None), runs the class's own checks, and freezes the instance. `check` and

@@ -60,7 +60,7 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
         return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.steps, cfg.warmup_ratio))
     from transformers import get_scheduler
 
-    from qerl_exp.schema import ConfigError
+    from qerl_exp.config.schema import ConfigError
 
     try:
         return get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=int(cfg.steps * cfg.warmup_ratio),
@@ -78,8 +78,8 @@ def check(cfg: TrainConfig, verbose: bool = False) -> None:
     Raises:
         ConfigError: one line naming the setting.
     """
-    from qerl_exp.logs import quiet
-    from qerl_exp.schema import ConfigError
+    from qerl_exp.run.logs import quiet
+    from qerl_exp.config.schema import ConfigError
 
     with quiet(verbose):  # transformers' and bitsandbytes' imports print notices
         if cfg.optimizer == "adamw_8bit":

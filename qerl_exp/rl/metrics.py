@@ -2,7 +2,7 @@
 
 Names follow TRL's GRPO trainer where one exists (docs/method.md, section 5). The run loop only calls
 these functions; it never builds metric names itself. Token means are over completion tokens
-(`mask == 1`) of the whole batch (in a data-parallel run, every rank's rows: `qerl_exp.distributed`).
+(`mask == 1`) of the whole batch (in a data-parallel run, every rank's rows: `qerl_exp.run.distributed`).
 
 | name | definition |
 | --- | --- |
@@ -85,9 +85,9 @@ import sys
 import numpy as np
 import torch
 
-from qerl_exp.splits import HELD_OUT, OOD
+from qerl_exp.config.splits import HELD_OUT, OOD
 
-# What a two-route task's warm-up measured (`models.routes.route_facts`), kept in summary.json as `warmup/<fact>`.
+# What a two-route task's warm-up measured (`rl.routes.route_facts`), kept in summary.json as `warmup/<fact>`.
 ROUTE_FACTS = ("pi0_b", "pi0_b_max", "accuracy_a", "accuracy_b")
 
 # A run's final score is the mean of a metric over the last quarter of its steps: in summary.json
@@ -141,7 +141,7 @@ def check_logged(name: str) -> None:
     if not any(re.fullmatch(p, name) for p in LOGGED):
         plain = [p.replace("\\", "") for p in LOGGED if "[" not in p and "\\d" not in p]
         close = difflib.get_close_matches(name, plain, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else "; the names are listed in qerl_exp/metrics.py"
+        hint = f"; did you mean {', '.join(close)}?" if close else "; the names are listed in qerl_exp/rl/metrics.py"
         raise ValueError(f"no run logs a metric named {name!r}{hint}")
 
 

@@ -13,12 +13,12 @@ The ratio is learner / old. TIS (`algo.tis_cap`) corrects the remaining sampler 
 
 Each update accumulates gradients over micro-batches, each scored by `scoring.score`: with
 `train.padding_free` (the default), rows packed up to `train.micro_batch_tokens` tokens and run
-through `qerl_exp.padding_free`; otherwise `train.micro_batch_size` left-padded rows through the HF
+through `qerl_exp.decoders.padding_free`; otherwise `train.micro_batch_size` left-padded rows through the HF
 forward. The
 loss is normalised by a count over the whole mini-batch (`loss.loss_normalizer`: its tokens, its
 completions, or its completions times `max_new_tokens`, by `algo.loss_type`), and a row is never
 split (GSPO's ratio is a whole completion's), so the gradient equals that of one pass over the
-mini-batch. In a data-parallel run (`qerl_exp.distributed`) each rank
+mini-batch. In a data-parallel run (`qerl_exp.run.distributed`) each rank
 holds its share of every mini-batch: the normaliser counts all ranks' tokens, the gradients are
 summed over the ranks before clipping, and the loss and clip counters cover every rank's tokens.
 """
@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qerl_exp import distributed, packing, padding_free
 from qerl_exp.config import AlgoConfig, TrainConfig
-from qerl_exp.loss import aggregate, loss_normalizer, policy_loss
-from qerl_exp.scoring import score
-from qerl_exp.metrics import clip_metrics
-from qerl_exp.batch import Rollout, Sequences
+from qerl_exp.decoders import packing, padding_free
+from qerl_exp.decoders.batch import Rollout, Sequences
+from qerl_exp.decoders.scoring import score
+from qerl_exp.rl.loss import aggregate, loss_normalizer, policy_loss
+from qerl_exp.rl.metrics import clip_metrics
+from qerl_exp.run import distributed
 
 # Attention kernels of the learner's forward and backward. Not cuDNN's: on torch 2.11 with an H100/H200
 # its backward returns NaN dQ when the length is 64 mod 128 and a query row is fully masked, which every
@@ -183,37 +184,11 @@ def update_policy(
         for mini in torch.arange(b).chunk(algo.mini_batches):
             normalizer = loss_normalizer(loss_mask[mini], algo, distributed.total, distributed.world_size())
             optimizer.zero_grad(set_to_none=True)
-            loss, dev = torch.zeros((), device=device), torch.zeros((), device=device)
-            with padding_free.same_adapters():  # until optimizer.step
-                for idx in micro_batches(host, mini, train):
-                    cut = span(host, idx)
-                    sub = rows(rollout, idx, cut)
-                    w = sub.completion_ids.shape[1]
-                    logp, entropy = score(policy, sub, algo.temperature, train, entropy_grad=algo.entropy_coef != 0,
-                                          host=rows(host, idx, cut))
-                    if not reuse:  # one update: the learner before it is the old policy
-                        old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
-                    mask = loss_mask[idx, :w]
-                    per_token, ratio = policy_loss(
-                        logp, old_logp[idx, :w], advantages[idx], algo, mask=mask,
-                        ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
-                        sampler_logp=sub.sampler_logp,
-                    )
-                    part = aggregate(per_token, mask, algo.loss_type, normalizer)
-                    part.backward()
-                    ratio, on = ratio.detach(), mask.bool()
-                    loss = loss + part.detach()
-                    dev = torch.maximum(dev, torch.where(on, (ratio - 1).abs(), 0).amax())
-                    ratios.append((ratio, on, advantages[idx]))
-            loss, dev = distributed.total(float(loss)), distributed.maximum({"dev": float(dev)})["dev"]
+            loss, dev = _accumulate(policy, rollout, host, mini, advantages, loss_mask, normalizer, algo, train,
+                                    ref_logp, (old_logp, old_entropy), not reuse, ratios)
             t_opt = clock(device)
-            distributed.all_reduce_grads(params)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf")))
-            if math.isfinite(loss) and math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                skipped += 1
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, stepped = _optimizer_step(optimizer, params, loss, train.grad_clip)
+            skipped += not stepped
             optimizer_s += clock(device) - t_opt
             losses.append(loss)
             norms.append(grad_norm)
@@ -226,3 +201,51 @@ def update_policy(
         steps=len(losses), logp=old_logp, entropy=old_entropy, clip=clip, ratio_dev=ratio_dev,
         learner_s=clock(device) - t0 - optimizer_s, optimizer_s=optimizer_s,
     )
+
+
+def _accumulate(policy, rollout: Rollout, host: Rollout, mini: torch.Tensor, advantages: torch.Tensor,
+                loss_mask: torch.Tensor, normalizer, algo: AlgoConfig, train: TrainConfig,
+                ref_logp: torch.Tensor | None, old: tuple[torch.Tensor, torch.Tensor], fill_old: bool,
+                ratios: list) -> tuple[float, float]:
+    """One mini-batch's gradients, accumulated micro-batch by micro-batch; its loss summed over ranks
+    and the largest |ratio - 1| of its tokens over ranks. With `fill_old` (one update: the learner
+    before it is the old policy) each micro-batch's log-probs and entropies are written into `old`;
+    `ratios` gains each micro-batch's (ratios, tokens in the loss, advantages)."""
+    old_logp, old_entropy = old
+    device = advantages.device
+    loss, dev = torch.zeros((), device=device), torch.zeros((), device=device)
+    with padding_free.same_adapters():  # until optimizer.step
+        for idx in micro_batches(host, mini, train):
+            cut = span(host, idx)
+            sub = rows(rollout, idx, cut)
+            w = sub.completion_ids.shape[1]
+            logp, entropy = score(policy, sub, algo.temperature, train, entropy_grad=algo.entropy_coef != 0,
+                                  host=rows(host, idx, cut))
+            if fill_old:
+                old_logp[idx, :w], old_entropy[idx, :w] = logp.detach(), entropy.detach()
+            mask = loss_mask[idx, :w]
+            per_token, ratio = policy_loss(
+                logp, old_logp[idx, :w], advantages[idx], algo, mask=mask,
+                ref_logp=None if ref_logp is None else ref_logp[idx, :w], entropy=entropy,
+                sampler_logp=sub.sampler_logp,
+            )
+            part = aggregate(per_token, mask, algo.loss_type, normalizer)
+            part.backward()
+            ratio, on = ratio.detach(), mask.bool()
+            loss = loss + part.detach()
+            dev = torch.maximum(dev, torch.where(on, (ratio - 1).abs(), 0).amax())
+            ratios.append((ratio, on, advantages[idx]))
+    return distributed.total(float(loss)), distributed.maximum({"dev": float(dev)})["dev"]
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], loss: float,
+                    grad_clip: float) -> tuple[float, bool]:
+    """The gradients all-reduced over ranks and clipped (`grad_clip` 0: not clipped), then the step,
+    skipped on a non-finite loss or gradient norm: (the gradient norm, whether it stepped)."""
+    distributed.all_reduce_grads(params)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped

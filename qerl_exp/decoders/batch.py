@@ -13,7 +13,7 @@ import torch
 
 @dataclass
 class Sequences:
-    """Prompts with completions: what the teacher-forced scorer (`qerl_exp.scoring`) reads."""
+    """Prompts with completions: what the teacher-forced scorer (`qerl_exp.decoders.scoring`) reads."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens

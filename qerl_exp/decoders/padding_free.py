@@ -1,12 +1,12 @@
-"""The padding-free pass: the decoder run by hand over a packed micro-batch (`qerl_exp.packing`),
+"""The padding-free pass: the decoder run by hand over a packed micro-batch (`qerl_exp.decoders.packing`),
 to the final-norm hidden states at the scored positions (`train.padding_free`).
 
 It replaces the padded path's HF forward through peft (`scoring.score_completions`):
 - **The decoder**: the HF model's own parameters (so optimizer, checkpoints and AQN are untouched),
-  read through `qerl_exp.blocks` (the architectures it declares; any other is refused there) and
+  read through `qerl_exp.decoders.blocks` (the architectures it declares; any other is refused there) and
   run by hand. Attention is FlashAttention over variable-length sequences on CUDA, the packing's
   block mask elsewhere. RMSNorm (with the residual add before it), RoPE and SwiGLU are one
-  hand-fused Triton launch each way on CUDA (`qerl_exp.elementwise`, `train.fused_ops`); each
+  hand-fused Triton launch each way on CUDA (`qerl_exp.decoders.elementwise`, `train.fused_ops`); each
   projection group (q/k/v, o, gate/up, down) is one base product with its LoRA term added in the
   same GEMM's epilogue (`_LoraLinear`), and 4-bit bases are decoded for that product and again in
   backward, never kept. Checkpointed blocks run without autograd in forward and again under it in
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_exp import blocks
-from qerl_exp.packing import Pack, block_mask
+from qerl_exp.decoders import blocks
+from qerl_exp.decoders.packing import Pack, block_mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Pack, scale: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# The elementwise pieces (torch definitions; hand-fused kernels on CUDA in `qerl_exp.elementwise`)
+# The elementwise pieces (torch definitions; hand-fused kernels on CUDA in `qerl_exp.decoders.elementwise`)
 
 
 def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -100,11 +100,11 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _elementwise(fused: bool):
-    """`(rms_norm, add_rms_norm, rope, swiglu)`: the Triton kernels of `qerl_exp.elementwise` when
+    """`(rms_norm, add_rms_norm, rope, swiglu)`: the Triton kernels of `qerl_exp.decoders.elementwise` when
     `fused` (CUDA), else the torch definitions above."""
     if not fused:
         return blocks.rms_norm, _add_rms_norm, _rope, _swiglu
-    from qerl_exp import elementwise  # needs Triton: imported on CUDA only
+    from qerl_exp.decoders import elementwise  # needs Triton: imported on CUDA only
 
     return elementwise.rms_norm, elementwise.add_rms_norm, elementwise.rope, elementwise.swiglu
 

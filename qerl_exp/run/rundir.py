@@ -25,8 +25,9 @@ import json
 import os
 from pathlib import Path
 
-from qerl_exp import record
-from qerl_exp.files import write_atomic
+from qerl_exp.config import flatten
+from qerl_exp.run import record
+from qerl_exp.run.files import write_atomic
 
 LOCK_FILE = ".lock"
 # How deep below a run_dir other runs are looked for (runs/<date>/<time>_..., sweep/trials/<trial>).
@@ -217,8 +218,8 @@ def _check(run_dir: Path, config: dict, fresh: bool) -> None:
     if fresh:
         raise _Taken(str(run_dir))
     if (run_dir / "summary.json").exists():
-        steps = record.flatten(saved).get("train.steps")
-        length = "" if steps in (None, record.flatten(config).get("train.steps")) else (
+        steps = flatten(saved).get("train.steps")
+        length = "" if steps in (None, flatten(config).get("train.steps")) else (
             f" of {steps} steps, and a run keeps its length (train.steps sets its learning-rate and noise schedules)")
         raise RunExistsError(f"{run_dir} holds a finished run{length}; choose another run_dir")
     if not started(run_dir):  # it failed before its first step: nothing in it is another config's

@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qerl_exp.config import TrackerConfig
-from qerl_exp.files import check_writable, write_atomic
+from qerl_exp.run.files import check_writable, write_atomic
 
 RESOLVE_TIMEOUT_S = 3.0
 
@@ -109,6 +109,34 @@ def _write(f, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise OSError(e.errno, e.strerror, f.name) from e
+
+
+def read_log(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The rows of `metrics.jsonl` (or another step log: `completions.jsonl`) that parse; a line
+    half-written when the disk filled up (or cut by hand) is left out with its step."""
+    path = run_dir / name
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+
+
+def logged_steps(run_dir: Path) -> int:
+    """How many steps `metrics.jsonl` holds from step 0 without a gap: a resume may start at most there."""
+    steps = {r["step"] for r in read_log(run_dir)}
+    return next(i for i in range(len(steps) + 1) if i not in steps)
+
+
+def truncate_log(run_dir: Path, next_step: int, name: str = "metrics.jsonl") -> list[dict]:
+    """Keep the rows of a step log (`metrics.jsonl`, `completions.jsonl`) before `next_step` (a
+    resumed run logs the rest again); return them."""
+    rows = [r for r in read_log(run_dir, name) if r["step"] < next_step]
+    if (run_dir / name).exists():
+        write_atomic(run_dir / name, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 class Tracker:

@@ -7,7 +7,7 @@ reads (`DATA_KEY`), of its reward functions' source files (`REWARDS_KEY`) and of
 files (`BASE_KEY`). A rerun or `resume=` may change the
 keys of `RESUMABLE_KEYS` only: they change where and how a run is logged, never what a step
 computes. A record is compared after `current` has read it with today's schema, so fields added
-since it was written take the values the run used (`qerl_exp.schema_history`).
+since it was written take the values the run used (`qerl_exp.config.history`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from qerl_exp.config import as_dict, flatten, from_dict
 from qerl_exp import __version__
-from qerl_exp.config import as_dict, from_dict
 
 # Config keys a rerun or `resume=` may change. Not `train.steps`: it sets the learning-rate and noise
 # schedules of every step, so a run continued at another length would mix two schedules.
@@ -67,18 +67,6 @@ def source_commit() -> str:
         return f"v{__version__}"
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """Nested dicts to one level with dotted keys; lists stay values."""
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
 def read_config(run_dir: str | Path) -> dict | None:
     """The run's saved `config.json`, or None when there is none.
 
@@ -117,7 +105,7 @@ def run_holding(path: str | Path) -> Path | None:
 
 def current(saved: dict, where: str | Path = "config.json") -> dict:
     """`saved` as today's schema reads it: its config through `config.from_dict` (fields it lacks
-    take the values the run used; see `qerl_exp.schema_history`), its other keys as they are.
+    take the values the run used; see `qerl_exp.config.history`), its other keys as they are.
 
     Raises:
         RecordError: it does not fit today's schema (one line naming `where`).

@@ -1,14 +1,14 @@
 """The one tensor reader of a decoder: a (peft-wrapped) HF causal LM of a declared architecture
-(`qerl_exp.architectures`) read into what both hand-written decoder passes compute with, and the
+(`qerl_exp.config.architectures`) read into what both hand-written decoder passes compute with, and the
 guard that they compute the model the sampler samples from.
 
 Two decoders run the policy besides HF's own forward: the rollout engine (`qerl_exp.engine`) and
-the padding-free learner (`qerl_exp.padding_free`). Both read the model through `read`, so they
+the padding-free learner (`qerl_exp.decoders.padding_free`). Both read the model through `read`, so they
 agree on which tensors make a block and how its projections are grouped, and both refuse a model
 whose family is not declared or whose variant they do not compute (HF's forward through peft,
 `train.padding_free=false rollout.engine=hf`, runs those).
 
-Every declared architecture is the Llama block (`qerl_exp.architectures` says what each family adds,
+Every declared architecture is the Llama block (`qerl_exp.config.architectures` says what each family adds,
 where its pre-norms are, which variants it refuses). Adding a family is one `Architecture` entry,
 plus code in both decoders only where it computes something new (as Qwen3's per-head q/k norm did).
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from qerl_exp.architectures import (FALLBACK, PROJECTIONS, Architecture, UnsupportedModel, architecture, body, causal_lm,
-                                    final_norm, layers)
+from qerl_exp.config.architectures import (FALLBACK, PROJECTIONS, Architecture, UnsupportedModel, architecture, body,
+                                           causal_lm, final_norm, layers)
 from qerl_exp.quant import base_weight, stacked_base_weight
 
 

@@ -10,8 +10,8 @@ import os
 import sys
 from contextlib import contextmanager
 
-from qerl_exp.files import os_error_line
-from qerl_exp.schema import ConfigError
+from qerl_exp.config.schema import ConfigError
+from qerl_exp.run.files import os_error_line
 
 
 class UsageError(ValueError):

@@ -24,17 +24,20 @@ learner scores the plain softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, StoppingCriteria, StoppingCriteriaList,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from qerl_exp.batch import Rollout
 from qerl_exp.config import AlgoConfig
+from qerl_exp.decoders.batch import Rollout
 from qerl_exp.engine import FastEngine
-from qerl_exp.metrics import entropy_from_logits
+from qerl_exp.rl.metrics import entropy_from_logits
+
+if TYPE_CHECKING:
+    from qerl_exp.tasks import Problem
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,45 @@ def complete(model, tokenizer, prompts: list[str], *, samples: int, temperature:
     finally:
         generator.release()
     return texts, terminated, token_ids
+
+
+def policy_device(policy) -> torch.device:
+    """The device of the policy's weights."""
+    return next(policy.parameters()).device
+
+
+@torch.no_grad()
+def greedy_completions(policy, tokenizer, problems: list[Problem], *, system_prompt: str, max_new_tokens: int,
+                       batch_size: int, on_batch=None, engine: str = "hf",
+                       stop: Sequence[str] = ()) -> tuple[list[str], list[bool], list[list[int]]]:
+    """Greedy completions of `problems`: `(texts, terminated, token ids)`, one entry per problem.
+
+    Args:
+        policy: the model (eval mode is the caller's business).
+        tokenizer: the policy's tokenizer.
+        problems: the problems to answer.
+        system_prompt: passed to `tokenizer.render_prompt`.
+        max_new_tokens: completion length cap.
+        batch_size: sequences per `generate` call.
+        on_batch: called with the number of rows after each generated batch.
+        engine: `hf` or `fast`, as `rollout.complete` takes it.
+        stop: strings that end a completion (`algo.stop`).
+    """
+    prompts = [tokenizer.render_prompt(p.prompt, system_prompt) for p in problems]
+    return complete(policy, tokenizer, prompts, samples=1, temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, on_batch=on_batch, engine=engine, stop=stop)
+
+
+def greedy_pass_at_1(policy, tokenizer, judge: Callable[[list[Problem], list[str]], list[bool]],
+                     problems: list[Problem], **settings) -> tuple[list[str], list[bool], list[bool]]:
+    """Greedy completions of `problems` and `judge`'s verdicts on them (the embedded model's warm-up
+    measures its progress so); `settings` are `greedy_completions`'.
+
+    Returns:
+        `(texts, terminated, correct)`, one entry per problem.
+    """
+    texts, terminated, _ = greedy_completions(policy, tokenizer, problems, **settings)
+    return texts, terminated, judge(problems, texts)
 
 
 class HFGenerator:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from qerl_exp.trl_names import did_you_mean
+from qerl_exp.config.trl_names import did_you_mean
 
 # What leaves a field to today's default in `BEFORE` (its value never mattered to that run).
 TODAY = object()

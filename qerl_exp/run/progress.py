@@ -10,7 +10,7 @@ A plain line reads::
 
     train step 6/6 | reward 0.544 | entropy 0.412 | sigma 0 | tok/s 1873 | 14 s, 2.3 s/step
 
-The shown values are the metrics the run logs (names from `qerl_exp.metrics`).
+The shown values are the metrics the run logs (names from `qerl_exp.rl.metrics`).
 """
 
 from __future__ import annotations

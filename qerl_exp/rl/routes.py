@@ -17,10 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from qerl_exp.batch import Sequences
-from qerl_exp.eval import greedy_pass_at_1
-from qerl_exp.scoring import score_completions
-from qerl_exp.rollout import complete, encode_prompts
+from qerl_exp.decoders.batch import Sequences
+from qerl_exp.decoders.scoring import score_completions
+from qerl_exp.rl.rollout import complete, encode_prompts, greedy_pass_at_1
 from qerl_exp.tasks import Problem
 from qerl_exp.tasks.fork import is_correct
 

@@ -25,10 +25,9 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
-from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, register_configs, to_config
-from qerl_exp.record import flatten
+from qerl_exp.config import GROUPS, Config, ConfigError, as_dict, flatten, register_configs, to_config
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 SEARCH_PATH = "hydra.searchpath"
 
@@ -200,7 +199,7 @@ def set_keys(overrides: list[str], composed: dict[str, object]) -> set[str]:
 
     Args:
         overrides: the command line's overrides.
-        composed: the flattened config they composed (`record.flatten(as_dict(cfg))`).
+        composed: the flattened config they composed (`flatten(as_dict(cfg))`).
 
     Returns:
         Dotted keys, e.g. `{"lora.r", "train.steps"}` for `lora.r=32 train.steps=9`.

@@ -42,8 +42,8 @@ from typing import NoReturn, TextIO
 import torch
 import torch.distributed as dist
 
-from qerl_exp import rundir
 from qerl_exp.config import Config, ConfigError
+from qerl_exp.run import rundir
 
 # How long ranks wait for each other while they agree to refuse a bad command line (the config's
 # own timeout may be what is bad).

@@ -2,7 +2,7 @@
 its parts sit in the HF module tree, and which of its variants the hand-written decoders refuse.
 
 Every reader of a model's structure goes through here: the decoders' tensor reader
-(`qerl_exp.blocks.read`), AQN's norms (`pre_norms`), the quantized projections (`projections`), the
+(`qerl_exp.decoders.blocks.read`), AQN's norms (`pre_norms`), the quantized projections (`projections`), the
 HF forward's decoder body (`body`), and the choices of `model.family` (a synthetic model is built
 from its family's `config_class`). A model of an undeclared family is refused by each in one line.
 
@@ -137,7 +137,7 @@ def declared(config) -> Architecture:
     arch = ARCHITECTURES.get(model_type)
     if arch is None:
         raise UnsupportedModel(f"model type {model_type!r} is not a declared architecture ({', '.join(ARCHITECTURES)}); "
-                               "declare it in qerl_exp/architectures.py if its block is the Llama block")
+                               "declare it in qerl_exp/config/architectures.py if its block is the Llama block")
     return arch
 
 
@@ -152,7 +152,7 @@ def architecture(config) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise UnsupportedModel(f"model type {model_type!r} is not one the harness's decoders read "
                                f"({', '.join(ARCHITECTURES)}); set {FALLBACK}, which run it through HF's own forward "
-                               "(or declare it in qerl_exp/architectures.py if its block is the Llama block)")
+                               "(or declare it in qerl_exp/config/architectures.py if its block is the Llama block)")
     arch = ARCHITECTURES[model_type]
     why = arch.refusal(config)
     if why is not None:

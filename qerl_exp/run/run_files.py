@@ -16,7 +16,7 @@ import os
 
 from qerl_exp.config import Config, from_dict
 from qerl_exp.models.pretrained import base_digest
-from qerl_exp.record import BASE_KEY, DATA_KEY, DIGEST_KEYS, REWARDS_KEY
+from qerl_exp.run.record import BASE_KEY, DATA_KEY, DIGEST_KEYS, REWARDS_KEY
 from qerl_exp.tasks import file_digests, source_files
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_exp.batch import Sequences
+from qerl_exp.decoders.batch import Sequences
 
 
 class PackingError(ValueError):

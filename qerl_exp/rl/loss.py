@@ -9,7 +9,7 @@ fields, the clip range (DAPO's clip-higher) and the dropping of groups with zero
 of truncated completions. The k3 KL term and the entropy bonus are off by default, as in QeRL; the
 KL is measured either way.
 
-The log-probs it takes come from the one scorer, `qerl_exp.scoring`.
+The log-probs it takes come from the one scorer, `qerl_exp.decoders.scoring`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from qerl_exp.config import AlgoConfig
-from qerl_exp.metrics import kl_k3
+from qerl_exp.rl.metrics import kl_k3
 
 
 def _nan_mean_std(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

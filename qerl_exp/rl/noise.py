@@ -3,7 +3,7 @@
 Placement (paper; docs/method.md, section 2): for each decoder block, one Gaussian vector z ~ N(0, sigma^2 I)
 is added to the scale (gamma) of the RMSNorm before attention (`input_layernorm` in Llama and Qwen),
 which feeds q, k and v, and another to the one before the MLP (`post_attention_layernorm` there),
-which feeds gate and up; each family names its two in `qerl_exp.architectures`. o_proj and down_proj get none; the final
+which feeds gate and up; each family names its two in `qerl_exp.config.architectures`. o_proj and down_proj get none; the final
 norm gets none unless `noise.include_final_norm`. This equals row-wise multiplicative noise on the
 quantized weights: (z / gamma + 1) * RMSNorm(x).
 
@@ -40,9 +40,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qerl_exp import architectures
+from qerl_exp.config import architectures
 from qerl_exp.config import NoiseConfig
-from qerl_exp.metrics import noise_controller_metrics
+from qerl_exp.rl.metrics import noise_controller_metrics
 
 
 def stage_of(step: int, total_steps: int, num_stages: int) -> int:

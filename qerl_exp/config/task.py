@@ -9,9 +9,9 @@ import typing
 from dataclasses import field
 from pathlib import Path
 
-from qerl_exp.schema import check as _check
-from qerl_exp.schema import choice as _choice
-from qerl_exp.schema import schema
+from qerl_exp.config.schema import check as _check
+from qerl_exp.config.schema import choice as _choice
+from qerl_exp.config.schema import schema
 
 # The paper's instruction, the system prompt of chat-template models unless a task preset sets another.
 SYSTEM_PROMPT = (
