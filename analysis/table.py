@@ -150,11 +150,13 @@ class Row:
 
     def _similar(self) -> tuple[list[float], float]:
         """The paired differences from the peer's entropy gains and the "similar" margin ([] without pairs)."""
-        common = [u for u in self.gains if u in self.peer_gains] if self.peer_gains else []
+        # a run without the noise monitor has no entropy gain (nan): it pairs with nothing
+        mine = {u: g for u, g in self.gains.items() if not math.isnan(g)}
+        peer = {u: g for u, g in (self.peer_gains or {}).items() if not math.isnan(g)}
+        common = [u for u in mine if u in peer]
         if len(common) < 2:
             return [], math.nan
-        return ([self.gains[u] - self.peer_gains[u] for u in common],
-                SIMILAR_MARGIN * abs(mean(list(self.peer_gains.values()))))
+        return [mine[u] - peer[u] for u in common], SIMILAR_MARGIN * abs(mean(list(peer.values())))
 
     @property
     def similar_p(self) -> float:
