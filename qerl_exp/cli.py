@@ -30,7 +30,6 @@ from qerl_exp.config import Config, ConfigError, as_dict, from_dict
 from qerl_exp.config.compose import (check_hydra_overrides, compose, expand_sweep, group_options, search_dirs,
                                      with_search_path)
 from qerl_exp.config.history import unknown_key_line
-from qerl_exp.rl import optim
 from qerl_exp.run import rundir
 from qerl_exp.run.console import UsageError
 from qerl_exp.run.files import check_writable, os_error_line
@@ -294,6 +293,8 @@ def preflight(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_task(run_cfg)
+    from qerl_exp.rl import optim  # torch: a config refused before this point is refused without it
+
     optim.check(run_cfg.train, cfg.verbose)
     _check_model(run_cfg, cfg.verbose)
     if "cuda" in (cfg.train.device, cfg.rollout.engine.replace("fast", "cuda")):

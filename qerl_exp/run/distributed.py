@@ -37,13 +37,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn, TextIO
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from qerl_exp.config import Config, ConfigError
 from qerl_exp.run import rundir
+
+if TYPE_CHECKING:
+    import torch
 
 # How long ranks wait for each other while they agree to refuse a bad command line (the config's
 # own timeout may be what is bad).
@@ -86,12 +86,21 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _group():
+    """`torch.distributed` once this process has joined a group, else None. It is imported where a
+    group is joined or used, so a command refused before any run never imports torch."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_initialized() else None
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    dist = _group()
+    return dist.get_world_size() if dist is not None else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    dist = _group()
+    return dist.get_rank() if dist is not None else 0
 
 
 def is_main() -> bool:
@@ -128,8 +137,11 @@ def init(timeout_s: float, device: str) -> None:
         timeout_s: how long a collective waits for the other ranks before it raises.
         device: the run's `train.device`; CUDA runs use NCCL and the GPU `LOCAL_RANK`, others gloo.
     """
-    if launched_world_size() == 1 or dist.is_initialized():
+    if launched_world_size() == 1 or _group() is not None:
         return
+    import torch
+    import torch.distributed as dist
+
     global _timeout_s
     _timeout_s = timeout_s
     cuda = device != "cpu" and torch.cuda.is_available()
@@ -147,8 +159,8 @@ def refuse(message: str, code: int = 2) -> NoReturn:
         init(REFUSAL_TIMEOUT_S, "cpu")
         if is_main():
             print(f"error: {message}", file=sys.stderr, flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        _group().barrier()
+        _group().destroy_process_group()
     else:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -172,7 +184,9 @@ def console() -> TextIO:
 
 def _device() -> torch.device:
     """Where collective buffers live: the rank's GPU for NCCL, the CPU for gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if _group().get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_reduce_grads(params: list[torch.Tensor]) -> None:
@@ -180,36 +194,41 @@ def all_reduce_grads(params: list[torch.Tensor]) -> None:
     by the global normaliser). One flat buffer: one collective per optimizer step."""
     if world_size() == 1:
         return
+    import torch
+
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     with _collective():
-        dist.all_reduce(flat)
+        _group().all_reduce(flat)
     for p, part in zip(params, flat.split([g.numel() for g in grads])):
         p.grad = part.view_as(p)
 
 
-def _reduce(values: list[float], op) -> list[float]:
+def _reduce(values: list[float], op: str) -> list[float]:
+    """`values` reduced over the ranks by `torch.distributed.ReduceOp` `op` (its name)."""
     if world_size() == 1:
         return values
+    import torch
+
     buf = torch.tensor(values, dtype=torch.float64, device=_device())
     with _collective():
-        dist.all_reduce(buf, op=op)
+        _group().all_reduce(buf, op=getattr(_group().ReduceOp, op))
     return buf.tolist()
 
 
 def total(x: float) -> float:
     """`x` summed over the ranks."""
-    return _reduce([x], dist.ReduceOp.SUM)[0]
+    return _reduce([x], "SUM")[0]
 
 
 def maximum(values: dict[str, float]) -> dict[str, float]:
     """Each value's maximum over the ranks (wall times: the step waits for the slowest; peaks)."""
-    return dict(zip(values, _reduce(list(values.values()), dist.ReduceOp.MAX)))
+    return dict(zip(values, _reduce(list(values.values()), "MAX")))
 
 
 def any_rank(flag: float) -> float:
     """The largest `flag` of any rank (e.g. a stop signal's number, a failed rollout)."""
-    return _reduce([flag], dist.ReduceOp.MAX)[0]
+    return _reduce([flag], "MAX")[0]
 
 
 def weighted_mean(values: dict[str, float], weight: float) -> dict[str, float]:
@@ -217,7 +236,7 @@ def weighted_mean(values: dict[str, float], weight: float) -> dict[str, float]:
     means with weight = the rank's completion tokens): what one process over every item gives."""
     if world_size() == 1:
         return values
-    sums = _reduce([v * weight for v in values.values()] + [weight], dist.ReduceOp.SUM)
+    sums = _reduce([v * weight for v in values.values()] + [weight], "SUM")
     return {k: s / sums[-1] if sums[-1] else v for (k, v), s in zip(values.items(), sums)}
 
 
@@ -229,6 +248,9 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     """
     if world_size() == 1:
         return t
+    import torch
+
+    dist = _group()
     shape = torch.tensor(t.shape, dtype=torch.long, device=_device())
     shapes = [torch.zeros_like(shape) for _ in range(world_size())]
     with _collective():
@@ -251,7 +273,7 @@ def gather_objects(items: list) -> list:
         return items
     out: list = [None] * world_size()
     with _collective():
-        dist.all_gather_object(out, items)
+        _group().all_gather_object(out, items)
     return [x for part in out for x in part]
 
 
@@ -261,7 +283,7 @@ def broadcast(obj):
         return obj
     box = [obj]
     with _collective():
-        dist.broadcast_object_list(box, src=0)
+        _group().broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -302,6 +324,6 @@ def claim(run_dir, config: dict, fresh: bool = False) -> Iterator[rundir.RunDir]
 
 def done() -> None:
     """Leave the process group at the end of a run."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if _group() is not None:
+        _group().destroy_process_group()
 
