@@ -100,6 +100,7 @@ def test_the_base_model_answers_some_word_problems(smollm2):
     assert metrics["eval/clipped_ratio"] < 1  # replies end with the tokenizer's EOS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "nf4"])
 def test_every_4bit_format_quantizes_the_real_model(smollm2, fmt):
     """576 and 1536 divide every format's blocks: all 210 decoder linears are quantized, and the

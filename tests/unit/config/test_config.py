@@ -256,6 +256,7 @@ def test_cli_bad_choice_exits_nonzero_with_one_line():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_the_run_records_the_config_that_validation_composed(tmp_path):
     # the command line is composed twice: by `validate` before Hydra starts (so that a refused
     # command writes nothing) and by Hydra for the run; both must give one config

@@ -168,6 +168,7 @@ def _check_split_remainder_epilogue() -> None:
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.slow
 def test_nvfp4_paths_in_the_interpreter():
     run_interpreted(__file__, "MMA INTERPRETER CHECKS OK", 600)
 

@@ -101,6 +101,7 @@ def test_the_merged_export_loads_with_transformers_alone_and_answers_as_the_run(
     assert record["difference"]["greedy_identical"] == 8 and record["quant"] == "none"
 
 
+@pytest.mark.slow
 def test_the_adapter_export_is_peft_on_the_base(pretrained_run, checkpoint, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -213,6 +214,7 @@ def test_an_adapter_exported_from_a_run_on_a_relative_folder_loads_from_anywhere
                     "base is unquantized (quant.format=none); use merge=bf16"),
     ("no run", "error: run_dir=RUN is not a run directory (no config.json)"),
 ])
+@pytest.mark.slow
 def test_export_refuses_in_one_line_and_writes_nothing(pretrained_run, tmp_path, capsys, case, message):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     shutil.copytree(pretrained_run, run_dir)
@@ -236,6 +238,7 @@ def test_export_refuses_in_one_line_and_writes_nothing(pretrained_run, tmp_path,
     assert not list(tmp_path.glob(".out.partial-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", ["export", "final/adapter/merged", "checkpoints/x/y"])
 def test_export_refuses_an_out_inside_the_run(pretrained_run, capsys, inside):
     before = _digest(pretrained_run)
@@ -248,6 +251,7 @@ def test_export_refuses_an_out_inside_the_run(pretrained_run, capsys, inside):
     assert _digest(pretrained_run) == before
 
 
+@pytest.mark.slow
 def test_tokens_beyond_the_models_positions_are_refused_before_decoding(pretrained_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main([f"run_dir={pretrained_run}", f"out={tmp_path / 'out'}", "merge=bf16", "prompts=1", "tokens=3000"])
@@ -258,6 +262,7 @@ def test_tokens_beyond_the_models_positions_are_refused_before_decoding(pretrain
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
+@pytest.mark.slow
 def test_the_exported_and_final_folders_get_the_umasks_mode(pretrained_run, tmp_path):
     import os
 
@@ -270,6 +275,7 @@ def test_the_exported_and_final_folders_get_the_umasks_mode(pretrained_run, tmp_
     assert (pretrained_run / "final").stat().st_mode & 0o777 == 0o777 & ~mask  # the run's, under the suite's umask
 
 
+@pytest.mark.slow
 def test_an_adapter_exports_whatever_reward_code_changed_and_never_onto_a_changed_base(pretrained_run, checkpoint, tmp_path,
                                                                                        capsys):
     from qerl_exp.run import record

@@ -161,6 +161,7 @@ def test_the_qwen_coder_presets_name_their_parts_in_order(preset, wheels, count,
     assert f"{size:,} bytes" in (ROOT / "conf" / "model" / f"{preset}.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_the_command_line_places_pieces_where_the_preset_reads_them(tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(FILE)
