@@ -376,6 +376,7 @@ def _probe_base(args: ProbeArgs, overrides: list[str]) -> tuple[dict, list, torc
 def probe(args: ProbeArgs, overrides: list[str]) -> dict:
     """Every base of `args.bases` (or the run's own): the results by format and sigma, the prompts of
     all bases pooled, and the matched temperature over all of them."""
+    commit = source_commit()  # the code that runs: read before a long probe, not after it
     bases = [[f"model.warmup.seed={b}"] for b in args.bases] or [[]]
     pooled: dict = {}
     raw, facts = [], []
@@ -386,7 +387,7 @@ def probe(args: ProbeArgs, overrides: list[str]) -> dict:
                 pooled.setdefault(key, {}).setdefault(name, []).extend(values)
         raw += parts
         facts.append(fact)
-    results = {"config": {"overrides": overrides, "bases": args.bases, "commit": source_commit(),
+    results = {"config": {"overrides": overrides, "bases": args.bases, "commit": commit,
                           "temperature": facts[0]["temperature"],
                           "prompts": sum(f["prompts"] for f in facts), "samples": args.samples,
                           "tokens": sum(f["tokens"] for f in facts), "dtype": facts[0]["dtype"]},

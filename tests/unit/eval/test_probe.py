@@ -190,3 +190,13 @@ def test_presets_of_a_config_dir_reach_the_probe(tmp_path):
     out = tmp_path / "probe.json"
     P.main(["--config-dir", str(tmp_path / "conf"), "task=mine", "quant=bf16", "limit=50", "samples=2", f"out={out}"])
     assert json.loads(out.read_text())["config"]["prompts"] == 3  # the preset's held-out problems, all of them
+
+
+def test_the_record_names_the_commit_the_probe_started_from(monkeypatch):
+    # a long probe may outlive a commit made meanwhile: its record names the code that ran
+    commits = iter(["started", "committed meanwhile"])
+    monkeypatch.setattr(P, "source_commit", lambda: next(commits))
+    scored = P._probe_base
+    monkeypatch.setattr(P, "_probe_base", lambda *a: (P.source_commit(), scored(*a))[1])
+    args, overrides = P.parse(["quant=bf16", "limit=2", "samples=2", "greedy=false"])
+    assert P.probe(args, overrides)["config"]["commit"] == "started"
